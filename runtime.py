@@ -1,0 +1,333 @@
+"""What a training run needs that both stage scripts share: config flags, processes, precision, checkpoints.
+
+adapt.py (stage 1, IDC adaptation) and caption.py (stage 2, IDC finetuning) are plain nanoGPT-style loops.
+The plumbing they share, and that is longer than a few lines, lives here so that each script stays a loop
+you can read top to bottom:
+
+- `parse_config`: argparse built from the script's `Config` dataclass. Each field is a flag; the comment
+  after the field is its --help text; a dataset preset is applied before the command-line flags.
+- `setup_distributed`: DDP detected from the environment that `torchrun` sets (RANK, LOCAL_RANK, WORLD_SIZE),
+  nccl on CUDA and gloo on CPU; one process and no process group otherwise.
+- `autocast`: the precision context (bf16, or fp16 with a GradScaler, on CUDA; float32 on CPU unless asked).
+- `save_checkpoint` / `load_checkpoint`: one dict per checkpoint, written atomically (temporary file, fsync,
+  rename), read back with `torch.load(weights_only=True)` so a checkpoint can never run code.
+- `rng_state` / `set_rng_state`: Python, NumPy and torch generators as plain tensors and lists, so that a
+  resumed run draws the same numbers it would have drawn.
+- `SkipSampler`: resumes a `DistributedSampler` epoch part-way through.
+- `Progress` and `JsonlLog`: one progress line with an ETA, and a JSON-lines log of every logged step.
+
+Run `python runtime.py` for a demo of the config parser and the progress line.
+"""
+
+import argparse
+import dataclasses
+import inspect
+import itertools
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+# -----------------------------------------------------------------------------
+# Configuration: a dataclass becomes the command line
+
+
+def _field_comments(cls) -> dict:
+    """The `# comment` written after each field of a dataclass, used as that flag's --help text."""
+    comments = {}
+    for line in inspect.getsource(cls).splitlines():
+        match = re.match(r"\s*(\w+)\s*:[^#]*#\s*(.*)$", line)
+        if match:
+            comments[match.group(1)] = match.group(2).strip()
+    return comments
+
+
+def _flag_type(kind):
+    if kind is bool:
+        return None  # handled by BooleanOptionalAction
+    if kind in (int, float, str):
+        return kind
+    return str  # Optional[str] and friends: the script converts
+
+
+def parse_config(config_cls, presets: dict, argv=None, description: str = ""):
+    """Defaults of `config_cls`, then `presets[--data]`, then the flags given; returns a `config_cls`.
+
+    Every dataclass field `name` is a flag `--name` (underscores may be written as dashes). A flag that is
+    not a field fails with argparse's error, so a misspelt option never passes silently.
+    """
+    comments = _field_comments(config_cls)
+    defaults = config_cls()
+    hints = {f.name: f.type for f in dataclasses.fields(config_cls)}
+    preset_lines = "\n".join(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in values.items())
+                             for name, values in presets.items())
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+        epilog=f"presets (chosen by --data, applied before the flags you give):\n{preset_lines}")
+    for f in dataclasses.fields(config_cls):
+        kind = hints[f.name]
+        kind = kind if not isinstance(kind, str) else eval(kind)  # tolerate string annotations
+        flags = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
+        help_text = f"{comments.get(f.name, '')} (default: {getattr(defaults, f.name)!r})"
+        if kind is bool:
+            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(*flags, dest=f.name, type=_flag_type(kind), default=argparse.SUPPRESS,
+                                metavar=f.name.upper(), help=help_text)
+    given = vars(parser.parse_args(argv))
+    data = given.get("data", getattr(defaults, "data", None))
+    if presets and data not in presets:
+        parser.error(f"--data {data!r} is not a known dataset; choose one of: {', '.join(presets)}")
+    values = dataclasses.asdict(defaults)
+    values.update(presets.get(data, {}))
+    values.update(given)
+    return config_cls(**values)
+
+
+def check_config(saved: dict, current: dict, keys, path) -> None:
+    """Refuse to resume from a checkpoint whose model-shaping settings differ from this run's."""
+    different = [f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}"
+                 for k in keys if saved.get(k) != current.get(k)]
+    if different:
+        raise ValueError(f"{path} was written by a run with another configuration ("
+                         + "; ".join(different) + "). Use the same flags, or a new --out_dir.")
+
+
+# -----------------------------------------------------------------------------
+# Processes and precision
+
+
+@dataclasses.dataclass
+class Distributed:
+    ddp: bool            # True under torchrun
+    rank: int            # this process's index among all processes
+    local_rank: int      # this process's index on this machine (selects its GPU)
+    world_size: int      # number of processes
+    device: torch.device
+    master: bool         # rank 0: the only process that prints, logs and writes checkpoints
+
+
+def setup_distributed(device: str = "auto") -> Distributed:
+    """One process, or one of `torchrun`'s processes: nccl on CUDA, gloo on CPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    ddp = int(os.environ.get("RANK", -1)) != -1
+    if not ddp:
+        return Distributed(False, 0, 0, 1, torch.device(device), True)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    if device.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl")
+        torch_device = torch.device("cuda", local_rank)
+    else:
+        dist.init_process_group("gloo")
+        torch_device = torch.device("cpu")
+        # torchrun sets OMP_NUM_THREADS=1; share this machine's cores between its local processes instead
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    return Distributed(True, rank, local_rank, world_size, torch_device, rank == 0)
+
+
+def cleanup_distributed(d: Distributed) -> None:
+    if d.ddp:
+        dist.destroy_process_group()
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> str:
+    """'auto' is bf16 on a GPU that has it, fp16 on older GPUs, float32 on CPU."""
+    if dtype != "auto":
+        if dtype == "float16" and device.type == "cpu":
+            raise ValueError("--dtype float16 needs a CUDA device; on CPU use float32 or bfloat16")
+        return dtype
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "float32"
+
+
+def autocast(device: torch.device, dtype: str):
+    """Mixed precision through torch.autocast; weights stay float32 (we do not copy CLIP's fp16 weights)."""
+    if dtype == "float32":
+        return nullcontext()
+    return torch.autocast(device.type, dtype={"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype])
+
+
+# -----------------------------------------------------------------------------
+# Random state: saved as tensors and lists so that weights_only loading accepts it
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(internal), gauss],
+             "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints: one dict, written atomically, read without running code
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(state: dict, path) -> None:
+    """torch.save to a temporary file in the same folder, fsync, then rename over `path`.
+
+    A reader, or a run killed at any instant, sees either the old complete file or the new complete file.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(path.parent)
+
+
+def load_checkpoint(path, required=("model", "config")) -> dict:
+    """Read a checkpoint with `weights_only=True`: tensors and plain containers only, never code."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}: train first, or pass the right path")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise RuntimeError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:200]}). "
+                           "It may be truncated or corrupt, or not a checkpoint of this project: "
+                           "delete it, or point to another checkpoint.") from None
+    missing = [k for k in required if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise RuntimeError(f"{path} is not a checkpoint of this project: it lacks {missing}")
+    return state
+
+
+def save_json(obj, path) -> None:
+    """Atomic JSON write (the resolved config, predictions, score tables)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+# -----------------------------------------------------------------------------
+# Data order that survives a restart
+
+
+class SkipSampler(torch.utils.data.Sampler):
+    """The indices of `sampler` after the first `skip`: resumes an epoch part-way through.
+
+    With a DistributedSampler (deterministic for a seed and `set_epoch`), the resumed epoch visits exactly
+    the samples the interrupted one had not reached yet, without loading the skipped ones.
+    """
+
+    def __init__(self, sampler, skip: int = 0):
+        self.sampler, self.skip = sampler, skip
+
+    def __iter__(self):
+        return itertools.islice(iter(self.sampler), self.skip, None)
+
+    def __len__(self):
+        return max(0, len(self.sampler) - self.skip)
+
+
+# -----------------------------------------------------------------------------
+# Progress line and log
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class Progress:
+    """'step 120/600 | loss 2.31 | 310 ms/step | eta 2m28s', timed from this process's first step."""
+
+    def __init__(self, total_steps: int, first_step: int = 0):
+        self.total, self.first = total_steps, first_step
+        self.start = time.time()
+
+    def line(self, step: int, **values) -> str:
+        done = step - self.first
+        per_step = (time.time() - self.start) / done if done > 0 else float("nan")
+        parts = [f"step {step}/{self.total}"]
+        for key, value in values.items():
+            parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
+        parts.append(f"{per_step * 1000:.0f} ms/step" if done > 0 else "-- ms/step")
+        parts.append(f"eta {_duration((self.total - step) * per_step)}")
+        return " | ".join(parts)
+
+
+class JsonlLog:
+    """Appends one JSON object per line (the master process only); appending keeps a resumed run's history."""
+
+    def __init__(self, path, enabled: bool = True):
+        self.path, self.enabled = Path(path), enabled
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, **record) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+
+
+if __name__ == "__main__":
+    @dataclasses.dataclass
+    class DemoConfig:
+        data: str = "synth"   # which dataset preset
+        lr: float = 1e-4      # peak learning rate
+        epochs: int = 12      # passes over the training set
+        amp: bool = False     # use mixed precision
+    config = parse_config(DemoConfig, {"synth": {"epochs": 3}, "clevr": {}}, sys.argv[1:])
+    print(config)
+    progress = Progress(total_steps=100)
+    time.sleep(0.05)
+    print(progress.line(10, loss=2.3125, lr=1e-4))
