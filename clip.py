@@ -1,0 +1,838 @@
+"""CLIP, the backbone CLIP4IDC adapts: image and text towers, BPE tokenizer, weight files, preprocessing.
+
+CLIP (Radford et al., 2021, "Learning Transferable Visual Models From Natural Language Supervision",
+section 2.4) embeds an image with a vision transformer and a caption with a causal text transformer into
+one space where matching pairs have a high cosine similarity. CLIP4IDC (Guo et al., 2022)
+starts from OpenAI's ViT-B/32 and re-uses both towers: encoder.py runs this file's vision blocks over an
+image pair, adapt.py compares the result with this file's text embedding.
+
+This file rebuilds OpenAI's CLIP from scratch in plain PyTorch (github.com/openai/CLIP, clip/model.py,
+clip/clip.py, clip/simple_tokenizer.py) with OpenAI's parameter names, so that OpenAI's state dict
+loads with strict=True. It holds, top to bottom:
+  1. the model: pre-LN residual attention blocks, the vision transformer, CLIP, build_model;
+  2. weight files: the download cache, reading OpenAI's TorchScript archives without running them;
+  3. the byte-level BPE tokenizer and tokenize();
+  4. image preprocessing, OpenAI's (resize + centre crop) and CLIP4IDC's (resize to a square);
+  5. load(), which puts 1, 2 and 4 together, as openai/CLIP's clip.load does.
+
+What differs from the reference:
+  - batch-first tensors (B, L, D) everywhere; OpenAI's blocks are sequence-first (L, B, D);
+  - attention through torch.nn.functional.scaled_dot_product_attention (is_causal for the text tower)
+    instead of nn.MultiheadAttention with an explicit -inf mask; the parameters keep its names;
+  - weights stay float32 (OpenAI converts them to fp16 on GPU); mixed precision is autocast's job;
+  - a weights file is read without running it (see "What is trusted"); there is no jit=True mode;
+  - the tokenizer reads any merges file in OpenAI's format, so a small dataset can bring a small
+    vocabulary (the synthetic dataset does); with OpenAI's file it is OpenAI's tokenizer, id for id.
+
+What is trusted. Loading never runs code from a weights file. OpenAI's released `.pt` files are
+TorchScript archives: a zip holding Python-like code and a pickle of the module tree. We never read the
+code, and we read the pickle with an unpickler that accepts only what rebuilding tensors needs (tensor
+rebuilding, storage types, OrderedDict) plus an inert stand-in for TorchScript's module classes; any
+other name is refused. Every other weights file goes through torch.load(weights_only=True). A named model
+(ViT-B/32) is downloaded from OpenAI's URL and kept only if its sha256, which the URL embeds, matches; it
+is checked again on every load. The BPE vocabulary is downloaded with its pinned sha256. Files you name
+yourself (a path, CLIP_BPE_PATH) and a vocabulary already in the cache are used as found: they are read
+as data, never executed, but their contents are trusted.
+
+Environment: CLIP_CACHE (cache folder, default ~/.cache/clip), CLIP_BPE_PATH (vocabulary file).
+
+Run:  python clip.py            tokenize a caption, push a random tiny CLIP through, print the shapes
+      python clip.py --bench    ViT-B/32 image-tower and tokenizer throughput (CPU, 2 threads)
+      (both find the vocabulary through --bpe-path, CLIP_BPE_PATH or the cache)
+
+Shape letters: B batch, R image side in pixels (224), P patch side (32), G = R/P patches per side (7),
+N = G*G patches per image (49), D vision width (768), W text width (512), E joint embedding width (512),
+T tokens per caption (<= 77), L tokens in a block's sequence (N+1 or T), H heads, V vocabulary (49408).
+"""
+import argparse
+import collections
+import gzip
+import hashlib
+import html
+import itertools
+import math
+import os
+import pickle
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+import warnings
+import zipfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import ftfy
+import numpy as np
+import regex
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from PIL import Image
+
+# OpenAI's published weights; the folder name in each URL is the file's sha256 (openai/CLIP clip/clip.py).
+MODEL_URLS = {
+    "ViT-B/32": "https://openaipublic.azureedge.net/clip/models/"
+                "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
+}
+BPE_URL = "https://raw.githubusercontent.com/openai/CLIP/main/clip/bpe_simple_vocab_16e6.txt.gz"
+BPE_SHA256 = "924691ac288e54409236115652ad4aa250f48203de50a9e4722a6ecd48d6804a"
+DEFAULT_CACHE = "~/.cache/clip"
+METADATA_KEYS = ("input_resolution", "context_length", "vocab_size")  # non-weight tensors in OpenAI's archives
+
+HEAD_WIDTH = 64          # OpenAI's rule: heads = width // 64
+MLP_RATIO = 4            # the MLP is 4x the width
+QUICK_GELU_SCALE = 1.702  # QuickGELU: x * sigmoid(1.702 x), the GELU approximation CLIP was trained with
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # per-channel mean of CLIP's training images (RGB)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)  # and their standard deviation
+
+PAD_ID = 0               # tokenize() pads with id 0, which is also the token "!" (CLIP has no pad token)
+SOT, EOT = "<|startoftext|>", "<|endoftext|>"
+MAX_MERGES = 48_894      # CLIP's 49,408 ids = 256 bytes + 256 bytes-with-</w> + 48,894 merges + 2 specials
+
+DOWNLOAD_CHUNK = 1 << 20  # bytes per read while downloading
+DOWNLOAD_TIMEOUT_S = 30   # give up on a silent connection instead of hanging
+
+
+@dataclass
+class CLIPConfig:
+    """CLIP's sizes; the defaults are ViT-B/32's. build_model reads them off a checkpoint instead."""
+    embed_dim: int = 512            # E, the joint image-text embedding width
+    image_resolution: int = 224     # R, input images are R x R
+    vision_layers: int = 12         # residual blocks in the vision transformer
+    vision_width: int = 768         # D; heads = D // 64 = 12
+    vision_patch_size: int = 32     # P, so G = 224 // 32 = 7 and N = 49 patches
+    context_length: int = 77        # longest caption in tokens, SOT and EOT included
+    vocab_size: int = 49408         # V, BPE vocabulary size
+    transformer_width: int = 512    # W, text transformer width
+    transformer_heads: int = 8      # W // 64
+    transformer_layers: int = 12    # residual blocks in the text transformer
+
+    @property
+    def vision_heads(self) -> int:
+        # differs from reference: at least one head, so widths below 64 (tiny test models) work
+        return max(1, self.vision_width // HEAD_WIDTH)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 1. The model
+# ---------------------------------------------------------------------------------------------------
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm computed in float32 and cast back, so it stays accurate under fp16/bf16 autocast."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), self.normalized_shape, self.weight, self.bias, self.eps).to(x.dtype)
+
+
+class QuickGELU(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(QUICK_GELU_SCALE * x)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with nn.MultiheadAttention's parameter names and initialisation.
+
+    q, k and v come from one stacked projection in_proj_weight (3D, D), as in OpenAI's checkpoint.
+    """
+
+    def __init__(self, d_model: int, n_head: int):
+        super().__init__()
+        assert d_model % n_head == 0, f"width {d_model} is not divisible by {n_head} heads"
+        self.n_head = n_head
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * d_model, d_model))
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * d_model))
+        self.out_proj = nn.Linear(d_model, d_model)
+        # nn.MultiheadAttention's init, which OpenAI's vision blocks keep (initialize_parameters skips them)
+        nn.init.xavier_uniform_(self.in_proj_weight)
+        nn.init.zeros_(self.out_proj.bias)
+
+    def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
+        B, L, D = x.shape
+        q, k, v = F.linear(x, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)  # 3 x (B, L, D)
+        q, k, v = (t.view(B, L, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, L, D/H)
+        # differs from reference: fused scaled_dot_product_attention instead of nn.MultiheadAttention; with
+        # causal, position i sees positions <= i only: the -inf mask OpenAI's text tower builds by hand
+        x = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # (B, H, L, D/H)
+        x = x.transpose(1, 2).reshape(B, L, D)                          # (B, L, D)
+        return self.out_proj(x)
+
+
+class ResidualAttentionBlock(nn.Module):
+    """A pre-LN transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, d_model: int, n_head: int):
+        super().__init__()
+        # names fixed by OpenAI's checkpoint: attn, ln_1, mlp.c_fc, mlp.c_proj, ln_2
+        self.attn = SelfAttention(d_model, n_head)
+        self.ln_1 = LayerNorm(d_model)
+        self.mlp = nn.Sequential(collections.OrderedDict([
+            ("c_fc", nn.Linear(d_model, MLP_RATIO * d_model)),
+            ("gelu", QuickGELU()),
+            ("c_proj", nn.Linear(MLP_RATIO * d_model, d_model)),
+        ]))
+        self.ln_2 = LayerNorm(d_model)
+
+    def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), causal=causal)  # (B, L, D)
+        x = x + self.mlp(self.ln_2(x))                  # (B, L, D)
+        return x
+
+
+class Transformer(nn.Module):
+    """A stack of residual attention blocks."""
+    # differs from reference: batch-first (B, L, D); OpenAI's blocks take (L, B, D) and CLIP permutes NLD -> LND
+
+    def __init__(self, width: int, layers: int, heads: int):
+        super().__init__()
+        self.width = width
+        self.layers = layers
+        self.resblocks = nn.ModuleList([ResidualAttentionBlock(width, heads) for _ in range(layers)])
+
+    def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
+        for block in self.resblocks:
+            x = block(x, causal=causal)  # (B, L, D)
+        return x
+
+
+class VisionTransformer(nn.Module):
+    """ViT: cut the image into P x P patches, embed each, prepend a class token, run the blocks.
+
+    embed() is separate so that encoder.py can embed the before and after images with it and then run
+    the blocks itself over both (CLIP4IDC's intra- and inter-image layers).
+    """
+
+    def __init__(self, input_resolution: int, patch_size: int, width: int, layers: int, heads: int,
+                 output_dim: int):
+        super().__init__()
+        assert input_resolution % patch_size == 0, \
+            f"resolution {input_resolution} is not a multiple of patch {patch_size}"
+        self.input_resolution = input_resolution
+        self.output_dim = output_dim
+        n_patches = (input_resolution // patch_size) ** 2  # N
+        scale = width ** -0.5
+        # names fixed by OpenAI's checkpoint: conv1, class_embedding, positional_embedding, ln_pre, ln_post, proj
+        self.conv1 = nn.Conv2d(3, width, kernel_size=patch_size, stride=patch_size, bias=False)  # patch embedding
+        self.class_embedding = nn.Parameter(scale * torch.randn(width))                          # (D,)
+        self.positional_embedding = nn.Parameter(scale * torch.randn(n_patches + 1, width))      # (N+1, D)
+        self.ln_pre = LayerNorm(width)
+        self.transformer = Transformer(width, layers, heads)
+        self.ln_post = LayerNorm(width)
+        self.proj = nn.Parameter(scale * torch.randn(width, output_dim))                         # (D, E)
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """Normalised images (B, 3, R, R) -> token embeddings (B, N+1, D), class token first."""
+        R = self.input_resolution
+        assert images.ndim == 4 and tuple(images.shape[1:]) == (3, R, R), \
+            f"expected images of shape (B, 3, {R}, {R}), got {tuple(images.shape)}"
+        x = self.conv1(images)                                        # (B, D, G, G)
+        x = x.flatten(2).transpose(1, 2)                              # (B, N, D), patches row-major
+        cls = self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)  # (B, 1, D)
+        x = torch.cat([cls, x], dim=1)                                # (B, N+1, D)
+        x = x + self.positional_embedding.to(x.dtype)                 # (B, N+1, D)
+        return self.ln_pre(x)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.transformer(self.embed(images))  # (B, N+1, D)
+        return self.ln_post(x[:, 0]) @ self.proj   # (B, E): the class token is the image embedding
+
+
+class CLIP(nn.Module):
+    """The two towers, their projections into the joint space, and the learned temperature."""
+
+    def __init__(self, config: CLIPConfig):
+        super().__init__()
+        self.config = config
+        self.context_length = config.context_length
+        self.visual = VisionTransformer(config.image_resolution, config.vision_patch_size, config.vision_width,
+                                        config.vision_layers, config.vision_heads, config.embed_dim)
+        # names fixed by OpenAI's checkpoint: transformer, token_embedding, positional_embedding, ln_final, ...
+        self.transformer = Transformer(config.transformer_width, config.transformer_layers, config.transformer_heads)
+        self.token_embedding = nn.Embedding(config.vocab_size, config.transformer_width)                 # (V, W)
+        self.positional_embedding = nn.Parameter(torch.empty(config.context_length, config.transformer_width))  # (T, W)
+        self.ln_final = LayerNorm(config.transformer_width)
+        self.text_projection = nn.Parameter(torch.empty(config.transformer_width, config.embed_dim))      # (W, E)
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))  # log(1/temperature), learned, as in CLIP
+        self.initialize_parameters()
+
+    def initialize_parameters(self):
+        """OpenAI's initialisation of the text side; the vision side keeps its constructors' init."""
+        width, layers = self.transformer.width, self.transformer.layers
+        nn.init.normal_(self.token_embedding.weight, std=0.02)
+        nn.init.normal_(self.positional_embedding, std=0.01)
+        proj_std = width ** -0.5 * (2 * layers) ** -0.5  # residual outputs shrink with depth
+        attn_std = width ** -0.5
+        fc_std = (2 * width) ** -0.5
+        for block in self.transformer.resblocks:
+            nn.init.normal_(block.attn.in_proj_weight, std=attn_std)
+            nn.init.normal_(block.attn.out_proj.weight, std=proj_std)
+            nn.init.normal_(block.mlp.c_fc.weight, std=fc_std)
+            nn.init.normal_(block.mlp.c_proj.weight, std=proj_std)
+        nn.init.normal_(self.text_projection, std=width ** -0.5)
+
+    def encode_image(self, images: torch.Tensor) -> torch.Tensor:
+        return self.visual(images)  # (B, E)
+
+    def encode_text(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> caption embeddings (B, E), read at each caption's EOT token."""
+        assert tokens.ndim == 2 and tokens.shape[1] <= self.context_length, \
+            f"expected token ids of shape (B, T <= {self.context_length}), got {tuple(tokens.shape)}"
+        B, T = tokens.shape
+        # T < 77 uses the first T positions, as CLIP4IDC does with its 32-token captions
+        x = self.token_embedding(tokens) + self.positional_embedding[:T]  # (B, T, W)
+        x = self.transformer(x, causal=True)                              # (B, T, W)
+        x = self.ln_final(x)                                              # (B, T, W)
+        # EOT has the largest id, so argmax finds it (the first one, if a caption holds several)
+        eot = tokens.argmax(dim=-1)                                       # (B,)
+        return x[torch.arange(B, device=x.device), eot] @ self.text_projection  # (B, E)
+
+    def forward(self, images: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        image_features = F.normalize(self.encode_image(images), dim=-1)  # (B, E)
+        text_features = F.normalize(self.encode_text(tokens), dim=-1)    # (B', E)
+        logits_per_image = self.logit_scale.exp() * image_features @ text_features.t()  # (B, B')
+        return logits_per_image, logits_per_image.t()
+
+
+def build_model(state_dict: dict[str, torch.Tensor]) -> CLIP:
+    """A float32 CLIP in eval mode holding state_dict; every size is read off the tensor shapes."""
+    state_dict = {k: v for k, v in state_dict.items() if k not in METADATA_KEYS}
+    try:
+        conv1 = state_dict["visual.conv1.weight"]                     # (D, 3, P, P)
+        grid = round((state_dict["visual.positional_embedding"].shape[0] - 1) ** 0.5)  # G
+        width = state_dict["ln_final.weight"].shape[0]                # W
+        config = CLIPConfig(
+            embed_dim=state_dict["text_projection"].shape[1],
+            image_resolution=conv1.shape[-1] * grid,
+            vision_layers=sum(k.startswith("visual.transformer.resblocks.") and k.endswith(".attn.in_proj_weight")
+                              for k in state_dict),
+            vision_width=conv1.shape[0],
+            vision_patch_size=conv1.shape[-1],
+            context_length=state_dict["positional_embedding"].shape[0],
+            vocab_size=state_dict["token_embedding.weight"].shape[0],
+            transformer_width=width,
+            transformer_heads=max(1, width // HEAD_WIDTH),
+            transformer_layers=len({k.split(".")[2] for k in state_dict if k.startswith("transformer.resblocks.")}),
+        )
+    except KeyError as error:
+        raise KeyError(f"the state dict has no {error}: it is not a CLIP ViT state dict with OpenAI's key names "
+                       f"(ResNet CLIP is not supported)") from error
+    model = CLIP(config)
+    # differs from reference: the weights stay float32; OpenAI converts them to fp16 (convert_weights)
+    try:
+        model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()})
+    except RuntimeError as error:
+        raise RuntimeError(f"the state dict does not fit {config}:\n{error}") from error
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2. Weight files: the download cache and OpenAI's TorchScript archives
+# ---------------------------------------------------------------------------------------------------
+
+def cache_dir(download_root: str | os.PathLike | None = None) -> Path:
+    """The folder for downloaded weights and vocabulary: the argument, else $CLIP_CACHE, else ~/.cache/clip."""
+    return Path(download_root or os.environ.get("CLIP_CACHE") or DEFAULT_CACHE).expanduser()
+
+
+def sha256_of(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(DOWNLOAD_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def download(url: str, root: str | os.PathLike, expected_sha256: str) -> Path:
+    """root/<file name in url>, downloaded unless a file with the right sha256 is already there.
+
+    The bytes go to a temporary file in root and are hashed on the way; only a file whose sha256
+    matches is renamed (atomically, os.replace) to its final name, so a crash or a bad download never
+    leaves a file that looks valid. A bad download is deleted. A failed connection raises OSError.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / Path(urllib.parse.urlparse(url).path).name
+    if target.is_file():
+        if sha256_of(target) == expected_sha256:
+            return target
+        warnings.warn(f"{target} exists but its sha256 is not {expected_sha256}; downloading it again")
+    fd, partial = tempfile.mkstemp(dir=root, prefix=f".{target.name}.", suffix=".part")
+    try:
+        digest = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as source:
+            while chunk := source.read(DOWNLOAD_CHUNK):
+                digest.update(chunk)
+                out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        if digest.hexdigest() != expected_sha256:
+            raise RuntimeError(f"the file downloaded from {url} has sha256 {digest.hexdigest()}, expected "
+                               f"{expected_sha256}; it was deleted. Try again, or download it by hand and check it")
+        os.replace(partial, target)
+    finally:
+        Path(partial).unlink(missing_ok=True)  # a no-op after the rename; deletes a partial or bad download
+    return target
+
+
+# TorchScript archives are read by unpickling their data.pkl with a whitelist (see "What is trusted").
+STORAGE_DTYPES = {
+    "FloatStorage": torch.float32, "HalfStorage": torch.float16, "BFloat16Storage": torch.bfloat16,
+    "DoubleStorage": torch.float64, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+}
+
+
+class _ScriptModule:
+    """An inert stand-in for a TorchScript module class: it only keeps the attributes it is given."""
+    attributes: dict = {}
+
+    def __setstate__(self, attributes):
+        self.attributes = attributes
+
+
+def _rebuild_tensor(storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata=None):
+    return torch.as_strided(storage, size, stride, storage_offset)
+
+
+class _ArchiveUnpickler(pickle.Unpickler):
+    """Unpickles a TorchScript data.pkl, allowing only the names that rebuilding tensors needs."""
+
+    def __init__(self, archive: zipfile.ZipFile, prefix: str, path: Path):
+        super().__init__(archive.open(f"{prefix}/data.pkl"))
+        self.archive, self.prefix, self.path = archive, prefix, path
+        self.storages = {}
+
+    def find_class(self, module, name):
+        if module.startswith("__torch__"):  # a module class of the traced model, e.g. __torch__.clip.model.CLIP
+            return _ScriptModule
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild_tensor
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name in STORAGE_DTYPES:
+            return STORAGE_DTYPES[name]
+        raise RuntimeError(f"{self.path}: refusing to load {module}.{name}; a CLIP TorchScript archive holds "
+                           f"only tensors and modules, so this file is not what it claims to be")
+
+    def persistent_load(self, pid):
+        kind, dtype, key, _location, numel = pid  # ("storage", dtype, "17", "cpu", numel)
+        if kind != "storage" or not isinstance(dtype, torch.dtype):
+            raise RuntimeError(f"{self.path}: unexpected persistent id {pid!r}; the archive is corrupt")
+        if key not in self.storages:
+            raw = self.archive.read(f"{self.prefix}/data/{key}")
+            if len(raw) != numel * dtype.itemsize:
+                raise RuntimeError(f"{self.path}: storage {key} holds {len(raw)} bytes, expected "
+                                   f"{numel * dtype.itemsize}; the file is corrupt")
+            self.storages[key] = torch.frombuffer(bytearray(raw), dtype=dtype) if numel else torch.empty(0, dtype=dtype)
+        return self.storages[key]
+
+
+def _module_tensors(module: _ScriptModule, prefix: str, out: dict):
+    """A module's tensors under state_dict names: its own first, then each submodule's, in order."""
+    for name, value in module.attributes.items():
+        if isinstance(value, torch.Tensor):
+            out[prefix + name] = value.clone()
+    for name, value in module.attributes.items():
+        if isinstance(value, _ScriptModule):
+            _module_tensors(value, f"{prefix}{name}.", out)
+    return out
+
+
+def _read_torchscript_archive(archive: zipfile.ZipFile, prefix: str, path: Path) -> dict[str, torch.Tensor]:
+    byteorder = f"{prefix}/byteorder"
+    if byteorder in archive.namelist() and archive.read(byteorder).strip() != b"little":
+        raise RuntimeError(f"{path} was saved on a big-endian machine, which this reader does not handle")
+    root = _ArchiveUnpickler(archive, prefix, path).load()
+    if not isinstance(root, _ScriptModule):
+        raise RuntimeError(f"{path} is a TorchScript archive whose top object is not a module")
+    # a traced module's attributes that are tensors are exactly its parameters and buffers
+    return _module_tensors(root, "", {})
+
+
+def load_state_dict(path: str | os.PathLike, dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
+    """The tensors of an OpenAI TorchScript archive or of a plain state dict, on the CPU.
+
+    Floating-point tensors become dtype (None keeps the stored dtypes: fp16 and fp32 in OpenAI's files).
+    The archive gives the same tensors as torch.jit.load(path).state_dict(), without running the archive.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"weights file {path} does not exist")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+            prefix = pickles[0].split("/")[0] if pickles else ""
+            is_torchscript = any(n.startswith(f"{prefix}/code/") or n == f"{prefix}/constants.pkl"
+                                 for n in archive.namelist())
+            state_dict = _read_torchscript_archive(archive, prefix, path) if pickles and is_torchscript else None
+    except (zipfile.BadZipFile, EOFError, pickle.UnpicklingError, ValueError, KeyError) as error:
+        # a truncated zip fails here with BadZipFile; one that is not a zip at all goes on to torch.load
+        if zipfile.is_zipfile(path):
+            raise RuntimeError(f"{path} is a corrupt weights archive ({error}): delete it and get it again") from error
+        state_dict = None
+    if state_dict is None:
+        try:
+            state_dict = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:
+            reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+            raise RuntimeError(f"{path} is truncated, corrupt or not a weights file: delete it and download or "
+                               f"save it again (torch.load said: {reason})") from error
+    if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        raise RuntimeError(f"{path} holds a {type(state_dict).__name__}, not a state dict of tensors")
+    return {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in state_dict.items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. The byte-level BPE tokenizer (openai/CLIP clip/simple_tokenizer.py)
+# ---------------------------------------------------------------------------------------------------
+
+@lru_cache
+def bytes_to_unicode() -> dict[int, str]:
+    """A printable character for each of the 256 byte values, so BPE can work on strings.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 (controls, space, ...) get the
+    characters from U+0100 on, in byte order. The vocabulary starts with these 256, in this order.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+# The pre-tokenizer cuts cleaned text into words before BPE; merges never cross these boundaries.
+PRE_TOKENIZER = regex.compile("|".join([
+    r"<\|startoftext\|>|<\|endoftext\|>",  # the special tokens, kept whole
+    r"'s|'t|'re|'ve|'m|'ll|'d",            # English contractions split off their word
+    r"[\p{L}]+",                           # a run of letters, in any script
+    r"[\p{N}]",                            # one digit: numbers are spelt digit by digit
+    r"[^\s\p{L}\p{N}]+",                   # a run of anything else that is not white space
+]), regex.IGNORECASE)
+
+
+def basic_clean(text: str) -> str:
+    # ftfy repairs mojibake and normalises quotes and widths; two more HTML unescapes as OpenAI does
+    return html.unescape(html.unescape(ftfy.fix_text(text))).strip()
+
+
+def whitespace_clean(text: str) -> str:
+    return regex.sub(r"\s+", " ", text).strip()
+
+
+def read_merges(path: str | os.PathLike) -> list[tuple[str, str]]:
+    """The BPE merges of a gzip file in OpenAI's format: a #version header line, then one "a b" per line."""
+    try:
+        with gzip.open(path, "rb") as f:
+            lines = f.read().decode("utf-8").split("\n")
+    except (OSError, EOFError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not a gzip-compressed BPE merges file ({error})") from error
+    if "#version" not in lines[0]:
+        raise ValueError(f"{path} does not start with a #version line, so it is not a BPE merges file in "
+                         f"OpenAI's format; its first line is {lines[0][:80]!r}")
+    # differs from reference: any merges file, up to CLIP's 48,894 merges (OpenAI slices lines 1..48,894 of
+    # its own file); a smaller file gives a smaller vocabulary, as the synthetic dataset's does
+    merges = []
+    for number, line in enumerate(lines[1:], start=2):
+        if not line:
+            continue
+        pair = tuple(line.split())
+        if len(pair) != 2:
+            raise ValueError(f"{path}, line {number}: expected a merge 'a b', got {line!r}")
+        merges.append(pair)
+        if len(merges) == MAX_MERGES:  # OpenAI's file holds more; CLIP uses the first 48,894
+            break
+    return merges
+
+
+def find_bpe_vocabulary(bpe_path: str | os.PathLike | None = None) -> Path:
+    """The vocabulary file: bpe_path, else $CLIP_BPE_PATH, else the cache (downloaded there when missing)."""
+    for given, where in ((bpe_path, "the bpe_path argument"), (os.environ.get("CLIP_BPE_PATH"), "CLIP_BPE_PATH")):
+        if given:
+            if not Path(given).is_file():
+                raise FileNotFoundError(f"BPE vocabulary {given} (from {where}) does not exist")
+            return Path(given)
+    root = cache_dir()
+    cached = root / Path(urllib.parse.urlparse(BPE_URL).path).name
+    if cached.is_file():  # only a verified download gets this name (see download), so it is used as found
+        return cached
+    try:
+        return download(BPE_URL, root, BPE_SHA256)
+    except OSError as error:
+        raise FileNotFoundError(
+            f"CLIP's BPE vocabulary {cached.name} is not in {root} and could not be downloaded from {BPE_URL} "
+            f"({error}). Get it on a machine with internet access:\n  curl -L -o {cached.name} {BPE_URL}\n"
+            f"  sha256sum {cached.name}   # must print {BPE_SHA256}\nthen put it in {root} (or set CLIP_CACHE to "
+            f"its folder), or point CLIP_BPE_PATH at it") from error
+
+
+class SimpleTokenizer:
+    """CLIP's byte-level BPE: clean, lower-case, pre-tokenize, turn bytes into symbols, merge, look up ids."""
+
+    def __init__(self, bpe_path: str | os.PathLike | None = None):
+        self.bpe_path = find_bpe_vocabulary(bpe_path)
+        merges = read_merges(self.bpe_path)
+        self.byte_encoder = bytes_to_unicode()
+        self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
+        symbols = list(self.byte_encoder.values())
+        # ids: 256 byte symbols, the same with "</w>" (end of word), one per merge, then the two specials
+        vocab = symbols + [s + "</w>" for s in symbols] + ["".join(m) for m in merges] + [SOT, EOT]
+        self.encoder = {s: i for i, s in enumerate(vocab)}
+        self.decoder = dict(enumerate(vocab))
+        self.bpe_ranks = {m: rank for rank, m in enumerate(merges)}  # a lower rank merges first
+        self.vocab_size = len(vocab)
+        self.sot_id = self.encoder[SOT]
+        self.eot_id = self.encoder[EOT]
+        self.cache = {SOT: [self.sot_id], EOT: [self.eot_id]}  # pre-token -> its ids; the specials are pre-filled
+
+    def bpe(self, token: str) -> list[int]:
+        """The ids of one pre-token (already mapped to byte symbols)."""
+        if token in self.cache:
+            return self.cache[token]
+        word = [*token[:-1], token[-1] + "</w>"]  # symbols; the last one marks the end of the word
+        while len(word) > 1:
+            pairs = set(zip(word, word[1:]))
+            best = min(pairs, key=lambda pair: self.bpe_ranks.get(pair, math.inf))
+            if best not in self.bpe_ranks:
+                break
+            merged, i = [], 0
+            while i < len(word):  # merge every occurrence of the best pair, left to right
+                if i + 1 < len(word) and (word[i], word[i + 1]) == best:
+                    merged.append(word[i] + word[i + 1])
+                    i += 2
+                else:
+                    merged.append(word[i])
+                    i += 1
+            word = merged
+        self.cache[token] = ids = [self.encoder[symbol] for symbol in word]
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of text, without SOT and EOT."""
+        text = whitespace_clean(basic_clean(text)).lower()
+        ids = []
+        for pre_token in PRE_TOKENIZER.findall(text):
+            ids.extend(self.bpe("".join(self.byte_encoder[b] for b in pre_token.encode("utf-8"))))
+        return ids
+
+    def decode(self, ids) -> str:
+        """Text of token ids; each end of word becomes a space, so "hello world!" decodes as "hello world ! "."""
+        ids = [int(i) for i in ids]
+        unknown = [i for i in ids if i not in self.decoder]
+        if unknown:
+            raise ValueError(f"token ids {unknown[:5]} are outside the vocabulary of {self.vocab_size} ids "
+                             f"read from {self.bpe_path}")
+        symbols = "".join(self.decoder[i] for i in ids)
+        return bytearray(self.byte_decoder[c] for c in symbols).decode("utf-8", errors="replace").replace("</w>", " ")
+
+
+@lru_cache
+def _tokenizer_for(path: Path) -> SimpleTokenizer:
+    return SimpleTokenizer(path)
+
+
+def get_tokenizer(bpe_path: str | os.PathLike | None = None) -> SimpleTokenizer:
+    """The tokenizer of a vocabulary file, built once per resolved path (see find_bpe_vocabulary)."""
+    return _tokenizer_for(find_bpe_vocabulary(bpe_path).resolve())
+
+
+def tokenize(texts: str | list[str], context_length: int = 77, truncate: bool = False,
+             tokenizer: SimpleTokenizer | None = None) -> torch.IntTensor:
+    """Rows [SOT, ids..., EOT, PAD_ID...] of length context_length, one per text, int32 (as openai/CLIP).
+
+    A text that does not fit raises, unless truncate: then it is cut and its last token becomes EOT.
+    """
+    tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
+    texts = [texts] if isinstance(texts, str) else list(texts)
+    result = torch.full((len(texts), context_length), PAD_ID, dtype=torch.int32)  # (n, T)
+    for row, text in enumerate(texts):
+        ids = [tokenizer.sot_id, *tokenizer.encode(text), tokenizer.eot_id]
+        if len(ids) > context_length:
+            if not truncate:
+                raise RuntimeError(f"text {row} ({text[:60]!r}...) is {len(ids)} tokens long, more than the context "
+                                   f"length {context_length}; shorten it or pass truncate=True")
+            ids = ids[:context_length - 1] + [tokenizer.eot_id]
+        result[row, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4. Image preprocessing (PIL + numpy; the same arithmetic as torchvision's transforms)
+# ---------------------------------------------------------------------------------------------------
+
+def center_crop_to_uint8(image: Image.Image, n_px: int) -> np.ndarray:
+    """OpenAI's preprocessing up to the pixels: shorter side to n_px (bicubic), centre crop -> (n_px, n_px, 3) uint8."""
+    width, height = image.size
+    short, long = min(width, height), max(width, height)
+    new_long = int(n_px * long / short)  # truncated, as torchvision does
+    size = (n_px, new_long) if width <= height else (new_long, n_px)
+    if size != image.size:  # an image already at size is left alone (resizing RGBA would still change it)
+        # Pillow resizes RGBA with premultiplied alpha and palette images with NEAREST; converting to RGB
+        # first would change the pixels, so, as OpenAI does, convert after resize and crop
+        image = image.resize(size, Image.Resampling.BICUBIC)
+    left = int(round((size[0] - n_px) / 2))  # Python's round: half to even
+    top = int(round((size[1] - n_px) / 2))
+    image = image.crop((left, top, left + n_px, top + n_px)).convert("RGB")
+    return np.array(image, dtype=np.uint8)  # (n_px, n_px, 3)
+
+
+def resize_to_uint8(image: Image.Image, n_px: int = 224) -> np.ndarray:
+    """CLIP4IDC's preprocessing up to the pixels: RGB, bicubic resize straight to n_px x n_px (aspect not kept)."""
+    image = image.convert("RGB")
+    if image.size != (n_px, n_px):
+        image = image.resize((n_px, n_px), Image.Resampling.BICUBIC)
+    return np.array(image, dtype=np.uint8)  # (n_px, n_px, 3)
+
+
+def normalize(pixels: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """uint8 RGB pixels (..., H, W, 3) -> float32 (..., 3, H, W): /255, then CLIP's mean and std per channel."""
+    if isinstance(pixels, np.ndarray):
+        pixels = torch.from_numpy(np.require(pixels, requirements=["C", "W"]))  # copies only if read-only
+    assert pixels.dtype == torch.uint8 and pixels.shape[-1] == 3, \
+        f"expected uint8 RGB pixels of shape (..., H, W, 3), got {pixels.dtype} {tuple(pixels.shape)}"
+    x = pixels.movedim(-1, -3).float() / 255                           # (..., 3, H, W) in [0, 1]
+    mean = torch.tensor(CLIP_MEAN, device=x.device).view(3, 1, 1)
+    std = torch.tensor(CLIP_STD, device=x.device).view(3, 1, 1)
+    return (x - mean) / std                                             # (..., 3, H, W)
+
+
+def transform(n_px: int):
+    """OpenAI's preprocess: PIL image -> (3, n_px, n_px) float32. load() returns it."""
+    def preprocess(image: Image.Image) -> torch.Tensor:
+        return normalize(center_crop_to_uint8(image, n_px))
+    return preprocess
+
+
+def pair_transform(n_px: int = 224):
+    """CLIP4IDC's preprocess for the before and after images: PIL image -> (3, n_px, n_px) float32."""
+    # differs from reference: float32 throughout; CLIP4IDC's loader makes float64 arrays and casts them later
+    def preprocess(image: Image.Image) -> torch.Tensor:
+        return normalize(resize_to_uint8(image, n_px))
+    return preprocess
+
+
+# ---------------------------------------------------------------------------------------------------
+# 5. load(): weights + model + preprocess, as openai/CLIP's clip.load
+# ---------------------------------------------------------------------------------------------------
+
+def load(name_or_path: str | os.PathLike = "ViT-B/32", device: str | torch.device = "cpu",
+         download_root: str | os.PathLike | None = None):
+    """(model, preprocess) for a model name in MODEL_URLS or a path to a weights file.
+
+    A name is looked up in the cache (download_root, else $CLIP_CACHE, else ~/.cache/clip) and downloaded
+    there with its checksum if missing. A path is used as is.
+    """
+    if os.path.isfile(name_or_path):
+        path = Path(name_or_path)
+    elif name_or_path in MODEL_URLS:
+        url, root = MODEL_URLS[name_or_path], cache_dir(download_root)
+        sha256 = url.split("/")[-2]  # OpenAI's URLs embed the file's sha256
+        filename = Path(urllib.parse.urlparse(url).path).name
+        try:
+            path = download(url, root, sha256)
+        except OSError as error:
+            raise FileNotFoundError(
+                f"CLIP weights {name_or_path} ({root / filename}) are missing and could not be downloaded from "
+                f"{url} ({error}). Get them on a machine with internet access:\n  curl -L -o {filename} {url}\n"
+                f"  sha256sum {filename}   # must print {sha256}\nthen put the file in {root} (or set CLIP_CACHE "
+                f"to its folder), or pass its path to load()") from error
+    else:
+        raise FileNotFoundError(f"{name_or_path} is neither a file nor a known model name {list(MODEL_URLS)}")
+    # differs from reference: no jit=True mode; the archive is only read for its tensors (see "What is trusted")
+    model = build_model(load_state_dict(path)).to(device)
+    return model, transform(model.visual.input_resolution)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Demo and benchmarks
+# ---------------------------------------------------------------------------------------------------
+
+def clevr_style_captions(n: int) -> list[str]:
+    """n distinct CLEVR-Change-like difference captions (for the tokenizer benchmark)."""
+    sizes = ["small", "large", "tiny", "big"]
+    colors = ["gray", "red", "blue", "green", "brown", "purple", "cyan", "yellow"]
+    materials = ["metal", "rubber", "shiny", "matte"]
+    shapes = ["cube", "sphere", "cylinder", "block", "ball", "thing"]
+    templates = ["the {} {} {} {} changed to {}", "the {} {} {} {} that was behind the {} object has moved",
+                 "someone added a {} {} {} {} next to the {} one", "the {} {} {} {} disappeared ; it was {}",
+                 "a {} {} {} {} became {} ."]
+    combos = itertools.product(sizes, colors, materials, shapes, colors, templates)  # templates vary fastest
+    return [t.format(s, c, m, sh, c2) for s, c, m, sh, c2, t in itertools.islice(combos, n)]
+
+
+def benchmark(bpe_path: str | None = None, batch: int = 32, repeats: int = 3, n_captions: int = 5000):
+    """Throughput on the CPU with 2 threads: the best of `repeats` timed runs, in wall-clock and in CPU time.
+
+    On a shared machine the wall clock includes waiting for the CPU; the CPU time does not.
+    """
+    torch.set_num_threads(2)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, best of {repeats} runs")
+
+    def best_seconds(run, setup=lambda: None) -> tuple[float, float]:
+        wall, cpu = [], []
+        for _ in range(repeats):
+            setup()
+            start_wall, start_cpu = time.perf_counter(), time.process_time()
+            run()
+            wall.append(time.perf_counter() - start_wall)
+            cpu.append(time.process_time() - start_cpu)
+        return min(wall), min(cpu)
+
+    visual = CLIP(CLIPConfig()).visual.eval()  # ViT-B/32-shaped, random weights, float32
+    images = torch.randn(batch, 3, visual.input_resolution, visual.input_resolution)
+    with torch.inference_mode():
+        visual(images)  # warm-up
+        wall, cpu = best_seconds(lambda: visual(images))
+    print(f"ViT-B/32 image tower, batch {batch}, float32: {batch / wall:.1f} images/s "
+          f"({wall * 1000:.0f} ms wall, {cpu * 1000:.0f} ms CPU per batch; {batch / cpu:.1f} images per CPU-second)")
+
+    captions = clevr_style_captions(n_captions)
+    tokenizer = SimpleTokenizer(bpe_path)
+
+    def empty_cache():  # back to a fresh tokenizer's cache, which holds only the two special tokens
+        tokenizer.cache = {SOT: [tokenizer.sot_id], EOT: [tokenizer.eot_id]}
+
+    cold = best_seconds(lambda: tokenize(captions, tokenizer=tokenizer), setup=empty_cache)
+    warm = best_seconds(lambda: tokenize(captions, tokenizer=tokenizer))
+    for label, (wall, cpu) in (("cold (empty encode cache)", cold), ("warm (every word cached)", warm)):
+        print(f"tokenizer, {len(captions)} CLEVR-style captions, {label}: {len(captions) / wall:,.0f} captions/s "
+              f"({len(captions) / cpu:,.0f} per CPU-second)")
+
+
+def demo(bpe_path: str | None = None):
+    caption = "The small red metal cube changed to blue."
+    try:
+        tokenizer = get_tokenizer(bpe_path)
+        tokens = tokenize(caption, tokenizer=tokenizer)  # (1, 77)
+        n = int((tokens[0] != PAD_ID).sum())
+        print(f"{caption!r}\n  -> ids {tokens[0, :n].tolist()} + {77 - n} x PAD_ID (vocabulary of "
+              f"{tokenizer.vocab_size}, SOT {tokenizer.sot_id}, EOT {tokenizer.eot_id})")
+        print(f"  -> decoded {tokenizer.decode(tokens[0, 1:n - 1])!r}")
+    except (FileNotFoundError, ValueError) as error:
+        print(f"tokenizer skipped, no vocabulary: {error}")
+        tokenizer, tokens = None, None
+
+    torch.manual_seed(0)
+    config = CLIPConfig(embed_dim=32, image_resolution=64, vision_layers=2, vision_width=64, vision_patch_size=16,
+                        vocab_size=tokenizer.vocab_size if tokenizer else 1000, transformer_width=64,
+                        transformer_heads=1, transformer_layers=2)
+    model = CLIP(config).eval()
+    print(f"tiny random {config}")
+    images = torch.randn(2, 3, config.image_resolution, config.image_resolution)
+    tokens = tokens.repeat(3, 1) if tokens is not None else torch.randint(1, config.vocab_size - 1, (3, 77))
+    with torch.no_grad():
+        print(f"  images {tuple(images.shape)} -> visual.embed {tuple(model.visual.embed(images).shape)} "
+              f"-> encode_image {tuple(model.encode_image(images).shape)}")
+        print(f"  tokens {tuple(tokens.shape)} -> encode_text {tuple(model.encode_text(tokens).shape)}")
+        logits_per_image, logits_per_text = model(images, tokens)
+        print(f"  logits_per_image {tuple(logits_per_image.shape)}, logits_per_text {tuple(logits_per_text.shape)}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="CLIP demo (default) or benchmarks (--bench)")
+    parser.add_argument("--bench", action="store_true", help="measure image-tower and tokenizer throughput")
+    parser.add_argument("--bpe-path", default=None, help="BPE vocabulary file (default: $CLIP_BPE_PATH or the cache)")
+    args = parser.parse_args()
+    if args.bench:
+        benchmark(args.bpe_path)
+    else:
+        demo(args.bpe_path)
