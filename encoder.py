@@ -1,0 +1,328 @@
+"""The CLIP4IDC pair encoder: one CLIP ViT that looks at a before image and an after image together.
+
+CLIP4IDC (the paper's method, used by both stages; REFERENCE.md 1.2-1.3) splits CLIP's vision
+transformer in two. The first `intra_layers` blocks (9 of 12) are *intra-image* layers: each image is
+encoded alone, exactly as CLIP would. Then the two token sequences are joined: a learned "before"
+vector is added to every token of the before image, an "after" vector to every token of the after
+image, the two are concatenated into one sequence of 2(N+1) tokens, a new joint position table is
+added and `ln_mid` normalises them. The remaining blocks (3) are *inter-image* layers that attend
+across both images. `ln_post` and CLIP's projection then map every token to the joint space: the
+captioner (stage 2) reads all 2(N+1) tokens, and the pair embedding used for retrieval (stage 1) is
+the mean of the two CLS tokens, at 0 (before) and N+1 (after). The caption's embedding is CLIP's own
+text embedding, the feature at the end-of-text token.
+
+Differs from reference:
+- The four new parameters live on the PairEncoder as `before_embedding`, `after_embedding`,
+  `joint_positional_embedding`, `ln_mid` (the reference: `clip.visual.bef_embedding`, ...);
+  `rename_reference_keys` maps a reference checkpoint onto these names.
+- Weights stay float32 (the training script chooses autocast); the reference casts CLIP to fp16.
+- The intra-image layers see the batch as [all before images; all after images] instead of the
+  reference's interleaved (before, after) pairs; each image is encoded alone, so this changes nothing.
+- The no-decay set also holds the LayerNorm weights (see `no_decay_names`).
+
+Run `python encoder.py` to push a random image pair through a tiny random CLIP and print every shape.
+The benchmark of one full-size training step is `benchmark_adaptation_step` (see bench_part_encoder.md).
+
+Shape letters: B pairs in the batch, R image side (224), N patches per image ((224/32)^2 = 49),
+D vision width (768), E joint embedding width (512), T caption tokens, L = 2(N+1) joint tokens (100).
+"""
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.utils import flop_counter
+
+import clip
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    intra_layers: int = 9  # CLIP blocks that encode each image alone; the rest (12 - 9 = 3) see the pair
+
+
+# The parts of CLIP (names as in the OpenAI checkpoint) that the reference freezes in both stages
+# (C4I:main_task_retrieval.py `main`, freeze_layer_num=0; REFERENCE 2.2). Everything else trains.
+FROZEN_IN_REFERENCE = (
+    "visual.conv1",                 # patch embedding
+    "visual.class_embedding",       # the image's CLS token
+    "visual.positional_embedding",  # CLIP's per-image position table (N+1 rows)
+    "visual.ln_pre",
+    "token_embedding",              # word embeddings of the text tower
+    "positional_embedding",         # the text tower's position table
+)
+
+# The reference's checkpoint names of the new parameters, and ours.
+REFERENCE_NAMES = {
+    "clip.visual.bef_embedding": "before_embedding",
+    "clip.visual.aft_embedding": "after_embedding",
+    "clip.visual.joint_positional_embedding": "joint_positional_embedding",
+    "clip.visual.ln_mid.weight": "ln_mid.weight",
+    "clip.visual.ln_mid.bias": "ln_mid.bias",
+}
+
+
+class PairEncoder(nn.Module):
+    """CLIP with its vision tower split into intra-image and inter-image layers (REFERENCE 1.2)."""
+
+    def __init__(self, clip_model: clip.CLIP, config: EncoderConfig = EncoderConfig()):
+        super().__init__()
+        blocks = len(clip_model.visual.transformer.resblocks)
+        if not 0 <= config.intra_layers <= blocks:
+            raise ValueError(f"EncoderConfig.intra_layers={config.intra_layers}, but this CLIP has {blocks} "
+                             f"vision blocks: choose a split point from 0 to {blocks} (the paper's is 9)")
+        self.config = config
+        # CLIP keeps its own parameter names (clip.visual.conv1, clip.visual.transformer.resblocks.*, ...)
+        # so that the OpenAI checkpoint and the reference's parameter groups map one to one.
+        self.clip = clip_model
+        width = clip_model.visual.class_embedding.shape[0]  # D
+        self.n_patches = clip_model.visual.positional_embedding.shape[0] - 1  # N
+        tokens = 2 * (self.n_patches + 1)  # L: before CLS + N patches, then after CLS + N patches
+        scale = width ** -0.5  # the reference's init scale, as CLIP's for class_embedding
+        # differs from reference: named here, not clip.visual.bef_embedding etc. (rename_reference_keys)
+        self.before_embedding = nn.Parameter(scale * torch.randn(width))  # (D,) added to every before token
+        self.after_embedding = nn.Parameter(scale * torch.randn(width))  # (D,) added to every after token
+        # a new table, not a copy of CLIP's positional_embedding, as in the reference
+        self.joint_positional_embedding = nn.Parameter(scale * torch.randn(tokens, width))  # (L, D)
+        self.ln_mid = clip.LayerNorm(width)  # CLIP's float32 LayerNorm; torch's default init: weight 1, bias 0
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str = "ViT-B/32", config: EncoderConfig = EncoderConfig(),
+                        download_root: str | None = None) -> "PairEncoder":
+        """OpenAI's CLIP weights (a model name or a checkpoint path, through clip.load) + new pair parameters."""
+        clip_model, _ = clip.load(name_or_path, device="cpu", download_root=download_root)
+        return cls(clip_model, config)
+
+    # --- the steps of the pair encoder, in order ---
+
+    def intra_image(self, images: torch.Tensor) -> torch.Tensor:
+        """CLIP's embedding and its first intra_layers blocks, each image alone: (B, 3, R, R) -> (B, N+1, D)."""
+        x = self.clip.visual.embed(images)  # (B, N+1, D): patchify, prepend CLS, add positions, ln_pre
+        for block in self.clip.visual.transformer.resblocks[:self.config.intra_layers]:
+            x = block(x)  # (B, N+1, D)
+        return x
+
+    def join(self, before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+        """Mark each image's tokens, concatenate them, add joint positions: 2 x (B, N+1, D) -> (B, L, D)."""
+        dtype = before.dtype  # under autocast the blocks' output may be bf16/fp16; keep it
+        x = torch.cat([before + self.before_embedding.to(dtype), after + self.after_embedding.to(dtype)], dim=1)  # (B, L, D)
+        return self.ln_mid(x + self.joint_positional_embedding.to(dtype))  # (B, L, D)
+
+    def inter_image(self, x: torch.Tensor) -> torch.Tensor:
+        """CLIP's remaining blocks over the joint sequence, full attention: (B, L, D) -> (B, L, D)."""
+        for block in self.clip.visual.transformer.resblocks[self.config.intra_layers:]:
+            x = block(x)  # (B, L, D)
+        return x
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """ln_post and CLIP's projection on every token, as the reference's encode_image: (B, L, D) -> (B, L, E)."""
+        return self.clip.visual.ln_post(x) @ self.clip.visual.proj  # (B, L, E)
+
+    def pool(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The pair embedding: mean of the before CLS (token 0) and the after CLS (token N+1), not normalised."""
+        after_cls = self.n_patches + 1
+        return (tokens[:, 0] + tokens[:, after_cls]) / 2  # (B, E)
+
+    # --- public entry points ---
+
+    def encode_pair(self, before: torch.Tensor, after: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Encode a batch of image pairs.
+
+        before, after (B, 3, R, R): normalised images (clip.pair_transform)
+        Returns {"pair_embedding": (B, E) for retrieval, "pair_tokens": (B, L, E) for the captioner}.
+        """
+        side = self.clip.visual.input_resolution  # R
+        assert before.shape == after.shape and before.shape[1:] == (3, side, side), (
+            f"PairEncoder.encode_pair: before {tuple(before.shape)} and after {tuple(after.shape)} must both be "
+            f"(B, 3, {side}, {side}); resize the images with clip.pair_transform({side})")
+        batch = before.shape[0]
+        # differs from reference: [before images; after images], not interleaved; each image is alone here
+        x = self.intra_image(torch.cat([before, after]))  # (2B, N+1, D)
+        x = self.join(x[:batch], x[batch:])  # (B, L, D)
+        tokens = self.project(self.inter_image(x))  # (B, L, E)
+        return {"pair_embedding": self.pool(tokens), "pair_tokens": tokens}
+
+    def encode_text(self, text: torch.Tensor) -> torch.Tensor:
+        """CLIP's caption embedding, the feature at the end-of-text token: (B, T) token ids -> (B, E)."""
+        return self.clip.encode_text(text)
+
+    def forward(self, before: torch.Tensor, after: torch.Tensor, text: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """encode_pair's dict, plus "text_embedding" (B, E) when captions are given and CLIP's "logit_scale".
+
+        Everything the contrastive loss needs comes out of forward, so that under DDP it is all computed
+        inside the wrapped module: losses.contrastive_loss(out["text_embedding"], out["pair_embedding"],
+        out["logit_scale"]).
+        """
+        out = self.encode_pair(before, after)
+        if text is not None:
+            out["text_embedding"] = self.encode_text(text)  # (B, E)
+        out["logit_scale"] = self.clip.logit_scale  # log(1/temperature), learned, as in CLIP
+        return out
+
+    # --- what trains, and how fast (REFERENCE 2.2 and 3.1) ---
+
+    def freeze(self, parts: tuple[str, ...] = FROZEN_IN_REFERENCE) -> list[str]:
+        """Stop gradients for these CLIP parts (names as in the OpenAI checkpoint); return the frozen names."""
+        frozen = []
+        for part in parts:
+            matched = [(name, p) for name, p in self.clip.named_parameters()
+                       if name == part or name.startswith(part + ".")]
+            if not matched:
+                raise ValueError(f"PairEncoder.freeze: CLIP has no parameter named {part!r} or under it; "
+                                 f"use OpenAI's names such as {FROZEN_IN_REFERENCE}")
+            for name, p in matched:
+                p.requires_grad_(False)
+                frozen.append("clip." + name)
+        return frozen
+
+    def no_decay_names(self) -> set[str]:
+        """Parameters trained without weight decay: every bias and every LayerNorm parameter."""
+        # differs from reference: its rule is by name ("bias", "LayerNorm.weight"), and CLIP's LayerNorms
+        # are named ln_*, so it decays their weights (and ln_mid's). We exempt all LayerNorm parameters.
+        names = {name for name, _ in self.named_parameters() if name.endswith("bias")}
+        for module_name, module in self.named_modules():
+            if isinstance(module, nn.LayerNorm):
+                names.update(f"{module_name}.{name}" for name, _ in module.named_parameters())
+        return names
+
+    def optimizer_groups(self, lr: float, clip_lr_scale: float, weight_decay: float,
+                         joint_lr_scale: float = 1.0) -> list[dict]:
+        """Parameter groups for a torch optimizer, frozen parameters left out.
+
+        Stage 1 (REFERENCE 2.2): the new joint parameters train at lr, CLIP's at lr * clip_lr_scale
+        (1e-4 and 1e-3 in the paper). Stage 2 (REFERENCE 3.1) puts the joint parameters at CLIP's rate:
+        joint_lr_scale=clip_lr_scale. Each group carries "lr_scale" so a schedule can set
+        group["lr"] = scheduled_lr * group["lr_scale"], and a "name" for logging.
+        """
+        no_decay = self.no_decay_names()
+        groups = {(role, decay): [] for role in ("joint", "clip") for decay in (True, False)}
+        for name, p in self.named_parameters():
+            if p.requires_grad:
+                role = "clip" if name.startswith("clip.") else "joint"
+                groups[(role, name not in no_decay)].append(p)
+        lr_scales = {"joint": joint_lr_scale, "clip": clip_lr_scale}
+        return [{"name": role if decay else f"{role}_no_decay", "params": params,
+                 "lr": lr * lr_scales[role], "lr_scale": lr_scales[role],
+                 "weight_decay": weight_decay if decay else 0.0}
+                for (role, decay), params in groups.items() if params]
+
+
+def rename_reference_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A reference CLIP4IDC checkpoint (pytorch_model.bin.*) as a PairEncoder state dict, in float32.
+
+    Its clip.* keys are CLIP's and keep their names, except the four new parameters (REFERENCE_NAMES).
+    Keys outside clip.* (the reference's caption decoder) are left out; load the result with
+    strict=True so that anything missing fails loudly.
+    """
+    return {REFERENCE_NAMES.get(key, key): value.float() if value.is_floating_point() else value
+            for key, value in state_dict.items() if key.startswith("clip.")}
+
+
+# --- Benchmark of one adaptation training step (called by `python adapt.py --bench`) ---
+
+VIT_B_32 = dict(embed_dim=512, image_resolution=224, vision_layers=12, vision_width=768, vision_patch_size=32,
+                context_length=77, vocab_size=49408, transformer_width=512, transformer_heads=8,
+                transformer_layers=12)  # OpenAI's ViT-B/32 sizes (REFERENCE 1.1)
+
+
+# FlopCounterMode counts attention only for the GPU kernels; count the CPU flash-attention kernel the
+# same way (the matrix products QK^T and PV, and in the backward the 5 products of a flash kernel).
+CPU_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+        lambda q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_flop_count(q, k, v),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda grad, q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_backward_flop_count(grad, q, k, v),
+}
+
+
+def matmul_gflops(threads: int, n: int = 2048, repeats: int = 10) -> float:
+    """The float32 matrix-multiply rate of this machine on `threads` threads, in GFLOP/s (best of repeats)."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n ** 3 / best / 1e9
+
+
+def benchmark_adaptation_step(loss_fn, batch_size: int = 16, caption_tokens: int = 32, threads: int = 2,
+                              steps: int = 3, clip_sizes: dict = VIT_B_32) -> dict[str, float]:
+    """Time one stage-1 training step of a randomly initialised CLIP4IDC encoder on the CPU, in float32.
+
+    loss_fn is losses.contrastive_loss (passed in because encoder.py does not import losses.py).
+    The step is forward, loss, backward, gradient clipping at 1.0 and a fused AdamW step, with the
+    reference's frozen set. FLOPs are counted by torch's FlopCounterMode (matrix products, convolution
+    and attention; element-wise work is not counted). The step time is the fastest of `steps` timed
+    steps, after one warm-up step. Returns pairs/s, GFLOP per step, achieved GFLOP/s and, for
+    comparison, the float32 matmul rate measured in the same run.
+    """
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = PairEncoder(clip.CLIP(clip.CLIPConfig(**clip_sizes))).train()
+    model.freeze()
+    optimizer = torch.optim.AdamW(model.optimizer_groups(lr=1e-4, clip_lr_scale=1e-3, weight_decay=0.2),
+                                  betas=(0.9, 0.98), eps=1e-6, fused=True)
+    side, vocab = clip_sizes["image_resolution"], clip_sizes["vocab_size"]
+    before, after = torch.randn(batch_size, 3, side, side), torch.randn(batch_size, 3, side, side)
+    text = torch.randint(0, vocab - 2, (batch_size, caption_tokens))
+    text[:, 0] = vocab - 2  # start-of-text
+    text[:, -1] = vocab - 1  # end-of-text, the largest id, where CLIP reads the caption's feature
+
+    def step():
+        out = model(before, after, text)
+        loss = loss_fn(out["text_embedding"], out["pair_embedding"], out["logit_scale"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    with flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
+        step()  # also the warm-up step
+    matmul_before = matmul_gflops(threads)
+    seconds = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - start)
+    step_s = min(seconds)
+    gflop = counter.get_total_flops() / 1e9
+    # the better of two matmul measurements, before and after the steps, so that a busy moment
+    # during one of them does not flatter the step's fraction
+    matmul = max(matmul_before, matmul_gflops(threads))
+    return {"pairs_per_s": batch_size / step_s, "step_s": step_s, "gflop_per_step": gflop,
+            "gflop_per_s": gflop / step_s, "matmul_gflop_per_s": matmul,
+            "fraction_of_matmul": gflop / step_s / matmul}
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    tiny = clip.CLIPConfig(embed_dim=32, image_resolution=64, vision_layers=4, vision_width=128, vision_patch_size=16,
+                           context_length=77, vocab_size=1000, transformer_width=64, transformer_heads=1,
+                           transformer_layers=2)
+    model = PairEncoder(clip.CLIP(tiny), EncoderConfig(intra_layers=3)).eval()
+    B, R, T = 2, tiny.image_resolution, 8
+    before, after = torch.randn(B, 3, R, R), torch.randn(B, 3, R, R)
+    text = torch.randint(0, tiny.vocab_size - 2, (B, T))
+    text[:, -1] = tiny.vocab_size - 1  # end-of-text
+    print(f"tiny CLIP: {R}x{R} images, {model.n_patches} patches each, {tiny.vision_layers} vision blocks, "
+          f"{model.config.intra_layers} intra-image + {tiny.vision_layers - model.config.intra_layers} inter-image")
+    with torch.no_grad():
+        print(f"before, after images        {tuple(before.shape)} each   (B, 3, R, R)")
+        embedded = model.clip.visual.embed(before)
+        print(f"per-image embedding         {tuple(embedded.shape)}       (B, N+1, D)")
+        intra_before, intra_after = model.intra_image(before), model.intra_image(after)
+        print(f"after intra-image layers    {tuple(intra_before.shape)} each  (B, N+1, D)")
+        joint = model.join(intra_before, intra_after)
+        print(f"joined, positions, ln_mid   {tuple(joint.shape)}       (B, L=2(N+1), D)")
+        inter = model.inter_image(joint)
+        print(f"after inter-image layers    {tuple(inter.shape)}       (B, L, D)")
+        tokens = model.project(inter)
+        print(f"ln_post and proj            {tuple(tokens.shape)}        (B, L, E)")
+        print(f"pair embedding (mean CLS)   {tuple(model.pool(tokens).shape)}            (B, E)")
+        print(f"caption tokens              {tuple(text.shape)}             (B, T)")
+        print(f"text embedding (EOT)        {tuple(model.encode_text(text).shape)}            (B, E)")
+        out = model(before, after, text)
+        print("forward returns            ", {key: tuple(value.shape) for key, value in out.items()})
