@@ -228,6 +228,12 @@ def save_checkpoint(state: dict, path) -> None:
     _fsync_dir(path.parent)
 
 
+def remove_partial_files(folder) -> None:
+    """Delete the temporary files of saves that a killed run left behind (never a finished checkpoint)."""
+    for partial in Path(folder).glob(".*.tmp*"):
+        partial.unlink(missing_ok=True)
+
+
 def load_checkpoint(path, required=("model", "config")) -> dict:
     """Read a checkpoint with `weights_only=True`: tensors and plain containers only, never code."""
     path = Path(path)

@@ -1,0 +1,425 @@
+"""Stage 1 of CLIP4IDC, IDC adaptation: teach CLIP's vision tower to see what changed between two images.
+
+CLIP4IDC (Guo et al., 2022, section 3.2) first adapts CLIP to image pairs. encoder.py's pair encoder turns a
+(before, after) pair into one embedding; CLIP's text tower turns the pair's change caption into another;
+a symmetric contrastive loss (losses.py) pulls each pair towards its own caption and away from every other
+caption of the global batch. Stage 2 (caption.py) then trains a captioner on the adapted pair encoder.
+
+This is a plain nanoGPT-style script: a Config dataclass whose fields are the command-line flags, a dataset
+preset applied before them, then one loop. The same file runs on one CPU or GPU (`python adapt.py`) and on
+several (`torchrun --standalone --nproc_per_node=2 adapt.py`, or several machines with torchrun's
+--nnodes/--rdzv flags): DDP is detected from the environment.
+
+What it does, in order: set up processes and precision; read the dataset (drawing the synthetic one on
+first use); build the pair encoder (OpenAI's ViT-B/32, or a small CLIP-shaped model from scratch for
+--data synth, whose weights cannot be downloaded offline); train with AdamW, warmup + cosine, gradient
+clipping and logit_scale clamping; after every epoch, rank captions against pairs on the validation split
+(metrics.py) and keep the best checkpoint; at the end, report the best checkpoint's test retrieval.
+
+Differs from reference (REFERENCE.md section 2):
+  - the best epoch is chosen on the validation split; the reference selects on the test split;
+  - float32 weights, with optional autocast (bf16, or fp16 with a GradScaler), instead of fp16 weights;
+  - torch's AdamW (with bias correction) instead of BertAdam (without it); LayerNorm weights not decayed;
+  - the global batch is divided by the number of processes (the reference divides by GPUs per machine);
+  - checkpoints hold the optimizer and RNG states, so an interrupted run resumes where it stopped.
+
+Run:  python adapt.py --data synth            small CLIP-shaped model from scratch, CPU, a few minutes
+      python adapt.py --data clevr            the paper's run on CLEVR-Change (GPUs recommended)
+      torchrun --standalone --nproc_per_node=2 adapt.py --data clevr
+      python adapt.py --data synth --resume   continue an interrupted run from out_dir/ckpt_last.pt
+      python adapt.py --bench                 one full-size ViT-B/32 training step on the CPU: pairs/s, GFLOP/s
+
+Shape letters: B pairs in a batch, R image side (224), T caption tokens (32), E joint embedding width.
+"""
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils import flop_counter
+from torch.utils.data import DataLoader, DistributedSampler
+
+import clip
+import data
+import metrics
+import runtime
+from encoder import EncoderConfig, PairEncoder
+from losses import contrastive_loss
+
+MAX_LOGIT_SCALE = math.log(100)  # logit_scale is clamped to ln(100): a temperature of at least 0.01, as CLIP
+MODEL_KEYS = ("data", "clip_model", "intra_layers", "max_words", "scratch_width", "scratch_layers",
+              "scratch_patch", "scratch_text_width", "scratch_text_layers", "scratch_embed_dim", "synth_pairs")
+
+
+@dataclass
+class Config:
+    # data
+    data: str = "clevr"            # dataset preset: clevr, spot, ier, pairs or synth
+    data_root: str = ""            # the dataset's folder ("" = data/<dataset>, see data.py)
+    synth_pairs: int = 2000        # synth only: scenes drawn on first use
+    max_words: int = 32            # caption length in tokens, start and end tokens included
+    image_cache: bool = False      # keep preprocessed 224x224 pixels in .npy files (skips PNG decoding)
+    num_workers: int = 4           # DataLoader worker processes per training process
+    # model
+    clip_model: str = "ViT-B/32"   # OpenAI model name or weights file, or "scratch" (the scratch_* sizes)
+    intra_layers: int = 9          # vision blocks that see each image alone; the rest see the pair
+    scratch_width: int = 256       # scratch model: vision width
+    scratch_layers: int = 6        # scratch model: vision blocks
+    scratch_patch: int = 32        # scratch model: patch side in pixels
+    scratch_text_width: int = 256  # scratch model: text width
+    scratch_text_layers: int = 3   # scratch model: text blocks
+    scratch_embed_dim: int = 256   # scratch model: joint embedding width
+    freeze: bool = True            # freeze the reference's set: patch, class and position embeddings, ln_pre, token embedding
+    # optimisation
+    epochs: int = 12               # passes over the training samples
+    batch_size: int = 128          # global batch: per-process batch x processes x grad_accum
+    grad_accum: int = 1            # micro-batches per optimizer step
+    lr: float = 1e-4               # learning rate of the new joint parameters
+    clip_lr_scale: float = 1e-3    # CLIP's parameters train at lr x clip_lr_scale
+    weight_decay: float = 0.2      # decoupled weight decay (not on biases and norms)
+    warmup: float = 0.1            # fraction of the steps spent warming up
+    beta2: float = 0.98            # AdamW's second-moment decay (beta1 is 0.9)
+    eps: float = 1e-6              # AdamW's epsilon
+    grad_clip: float = 1.0         # global gradient-norm clipping
+    # run
+    seed: int = 42                 # random seed (each process adds its rank)
+    device: str = "auto"           # auto, cpu, cuda
+    dtype: str = "auto"            # auto (bf16 or fp16 on GPU, float32 on CPU), float32, bfloat16, float16
+    out_dir: str = ""              # checkpoints and logs ("" = runs/adapt_<dataset>)
+    log_every: int = 10            # optimizer steps between progress lines
+    save_every: int = 200          # optimizer steps between ckpt_last.pt saves (and at every epoch end)
+    eval_batch_size: int = 128     # pairs per batch when encoding the evaluation split
+    resume: bool = False           # continue from out_dir/ckpt_last.pt
+    bench: bool = False            # time one full-size ViT-B/32 training step on the CPU and exit
+
+
+# Dataset presets, applied before the command-line flags (REFERENCE 2.1). IER has no reference run: we use
+# Spot-the-Diff's settings. synth trains a small CLIP from scratch on 2 CPU cores in a few minutes, so
+# everything trains (nothing is pretrained to keep) at one learning rate.
+PRESETS = {
+    "clevr": dict(epochs=12, batch_size=128, lr=1e-4, clip_lr_scale=1e-3),
+    "spot": dict(epochs=20, batch_size=128, lr=1e-4, clip_lr_scale=1e-3),
+    "ier": dict(epochs=20, batch_size=128, lr=1e-4, clip_lr_scale=1e-3),
+    "pairs": dict(epochs=12, batch_size=64, lr=1e-4, clip_lr_scale=1e-3),
+    "synth": dict(clip_model="scratch", intra_layers=4, epochs=6, batch_size=64, lr=5e-4, clip_lr_scale=1.0,
+                  weight_decay=0.05, freeze=False, num_workers=0, image_cache=True, log_every=5),
+}
+
+
+# -----------------------------------------------------------------------------
+# Model, optimizer and schedule
+
+
+def build_encoder(config: Config, vocab_size: int) -> tuple[PairEncoder, dict]:
+    """The pair encoder, and the CLIP sizes a checkpoint needs to rebuild it (caption.py reads them)."""
+    encoder_config = EncoderConfig(intra_layers=config.intra_layers)
+    if config.clip_model == "scratch":
+        clip_config = clip.CLIPConfig(
+            embed_dim=config.scratch_embed_dim, image_resolution=data.IMAGE_SIZE,
+            vision_layers=config.scratch_layers, vision_width=config.scratch_width,
+            vision_patch_size=config.scratch_patch, context_length=config.max_words, vocab_size=vocab_size,
+            transformer_width=config.scratch_text_width, transformer_heads=max(1, config.scratch_text_width // 64),
+            transformer_layers=config.scratch_text_layers)
+        model = PairEncoder(clip.CLIP(clip_config), encoder_config)
+    else:
+        model = PairEncoder.from_pretrained(config.clip_model, encoder_config)
+        clip_config = model.clip.config
+        if clip_config.vocab_size != vocab_size:
+            raise ValueError(f"{config.clip_model} has a vocabulary of {clip_config.vocab_size} tokens but the "
+                             f"{config.data} dataset's tokenizer has {vocab_size}; use CLIP's vocabulary file")
+    if config.freeze:
+        model.freeze()
+    return model, dataclasses.asdict(clip_config)
+
+
+def build_optimizer(model: PairEncoder, config: Config, device: torch.device) -> torch.optim.AdamW:
+    # new joint parameters at lr, CLIP at lr x clip_lr_scale; no decay on biases and norms (encoder.py)
+    groups = model.optimizer_groups(config.lr, config.clip_lr_scale, config.weight_decay)
+    # differs from reference: AdamW with bias correction; the reference's BertAdam has none
+    return torch.optim.AdamW(groups, betas=(0.9, config.beta2), eps=config.eps, fused=True)
+
+
+def get_lr(step: int, total_steps: int, config: Config) -> float:
+    """The reference's warmup_cosine (BertAdam): x/w during warmup, then 0.5(1 + cos(pi x)), x = step/total."""
+    x = step / max(1, total_steps)
+    if x < config.warmup:
+        return config.lr * x / config.warmup
+    return config.lr * 0.5 * (1 + math.cos(math.pi * x))
+
+
+def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp: bool) -> torch.Tensor:
+    """One optimizer step over grad_accum micro-batches; returns the mean loss (a tensor, not synced)."""
+    total = 0.0
+    for i, batch in enumerate(micro_batches):
+        if ddp:  # all-reduce the gradients only after the last micro-batch
+            model.require_backward_grad_sync = i == len(micro_batches) - 1
+        with ctx:
+            out = model(batch["before"], batch["after"], batch["caption"])
+            # the all-gather inside the loss sees one micro-batch per process: accumulation shrinks the
+            # set of contrastive negatives to micro-batch x processes, it does not grow it
+            loss = contrastive_loss(out["text_embedding"], out["pair_embedding"], out["logit_scale"])
+            loss = loss / len(micro_batches)
+        scaler.scale(loss).backward()
+        total = total + loss.detach()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():  # a temperature below 0.01 makes the softmax too sharp to train, as CLIP found
+        raw = model.module if ddp else model
+        raw.clip.logit_scale.clamp_(max=MAX_LOGIT_SCALE)
+    return total
+
+
+# -----------------------------------------------------------------------------
+# Evaluation: rank every caption of a split against every pair (REFERENCE 2.6)
+
+
+@torch.no_grad()
+def evaluate(model: PairEncoder, pairs, tokenizer, images, config: Config, device, ctx) -> dict:
+    was_training = model.training
+    model.eval()
+    loader = DataLoader(data.PairImages(pairs, images), batch_size=config.eval_batch_size,
+                        num_workers=config.num_workers)
+    pair_embeddings = []
+    for batch in loader:
+        with ctx:
+            out = model.encode_pair(batch["before"].to(device), batch["after"].to(device))
+        pair_embeddings.append(out["pair_embedding"].float())  # (B, E)
+    texts, text_to_pair = data.retrieval_texts(pairs)
+    text_embeddings = []
+    for start in range(0, len(texts), config.eval_batch_size):
+        tokens = torch.stack([data.text_tokens(tokenizer, t, config.max_words)
+                              for t in texts[start:start + config.eval_batch_size]]).to(device)  # (B, T)
+        with ctx:
+            text_embeddings.append(model.encode_text(tokens).float())  # (B, E)
+    pair_e = torch.nn.functional.normalize(torch.cat(pair_embeddings), dim=-1)  # (n_pairs, E)
+    text_e = torch.nn.functional.normalize(torch.cat(text_embeddings), dim=-1)  # (n_texts, E)
+    model.train(was_training)
+    scores = metrics.retrieval_metrics((text_e @ pair_e.T).cpu().numpy(), text_to_pair)
+    return {f"{direction}_{name}": value for direction, by_name in scores.items() for name, value in by_name.items()}
+
+
+def summary(scores: dict) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in scores.items() if k.endswith(("R1", "R5")))
+
+
+# -----------------------------------------------------------------------------
+# Benchmark: one full-size training step, FLOPs counted, next to this machine's matmul rate
+
+# FlopCounterMode counts attention only for the GPU kernels; count the CPU flash-attention kernels the same
+# way (the products QK^T and PV, and the backward's five products).
+CPU_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+        lambda q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_flop_count(q, k, v),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda grad, q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_backward_flop_count(grad, q, k, v),
+}
+
+
+def matmul_gflops(n: int = 2048, repeats: int = 10) -> float:
+    """This machine's float32 matrix-multiply rate with the current thread count, in GFLOP/s (best of repeats)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * n ** 3 / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def benchmark(threads: int = 2, batch_size: int = 16, steps: int = 3) -> dict:
+    """One stage-1 step of a ViT-B/32-sized encoder (random weights), float32 on the CPU, batch 16, T = 32.
+
+    The same train_step and optimizer as training, with the reference's frozen set. The step time is the
+    fastest of `steps` timed steps after a warm-up step that also counts the FLOPs.
+    """
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    config = Config(batch_size=batch_size)
+    model = PairEncoder(clip.CLIP(clip.CLIPConfig()), EncoderConfig(config.intra_layers)).train()
+    model.freeze()
+    optimizer = build_optimizer(model, config, torch.device("cpu"))
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    side, vocab = model.clip.visual.input_resolution, model.clip.config.vocab_size
+    text = torch.randint(0, vocab - 2, (batch_size, config.max_words))
+    text[:, 0], text[:, -1] = vocab - 2, vocab - 1  # start and end tokens
+    batch = {"before": torch.randn(batch_size, 3, side, side), "after": torch.randn(batch_size, 3, side, side),
+             "caption": text}
+    run = lambda: train_step(model, optimizer, scaler, [batch], runtime.autocast(torch.device("cpu"), "float32"),
+                             config, ddp=False)
+    with flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
+        run()
+    matmul_before = matmul_gflops()
+    step_s = min(_timed(run) for _ in range(steps))
+    matmul = max(matmul_before, matmul_gflops())  # the better of two, so a busy moment cannot flatter the step
+    gflop = counter.get_total_flops() / 1e9
+    return {"threads": threads, "batch_size": batch_size, "pairs_per_s": batch_size / step_s, "step_s": step_s,
+            "gflop_per_step": gflop, "gflop_per_s": gflop / step_s, "matmul_gflop_per_s": matmul,
+            "fraction_of_matmul": gflop / step_s / matmul}
+
+
+# -----------------------------------------------------------------------------
+# The run
+
+
+def main(argv=None):
+    config = runtime.parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
+    if config.bench:
+        print(json.dumps(benchmark(), indent=2))
+        return
+    dist_ = runtime.setup_distributed(config.device)
+    device, master = dist_.device, dist_.master
+    dtype = runtime.resolve_dtype(config.dtype, device)
+    ctx = runtime.autocast(device, dtype)
+    scaler = torch.amp.GradScaler(device.type, enabled=(dtype == "float16"))
+    runtime.seed_everything(config.seed + dist_.rank)
+    out_dir = Path(config.out_dir or f"runs/adapt_{config.data}")
+    log = runtime.JsonlLog(out_dir / "log.jsonl", enabled=master)
+    say = print if master else (lambda *a, **k: None)
+
+    # --- data ---
+    root = data.dataset_root(config.data, config.data_root or None)
+    if config.data == "synth":  # drawn once, by the master, while the other processes wait
+        if master:
+            data.ensure_synth(root, data.SynthConfig(pairs=config.synth_pairs))
+        if dist_.ddp:
+            dist.barrier()
+    splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
+    tokenizer = clip.get_tokenizer(data.bpe_path(config.data, root))
+    images = data.ImageReader()
+    if config.image_cache:
+        cache_dir = root / ".cache"
+        if master:
+            data.image_cache([p for s in splits.values() for p in s], cache_dir, "all")
+        if dist_.ddp:
+            dist.barrier()
+        images = data.ImageReader(cache=data.image_cache([p for s in splits.values() for p in s], cache_dir, "all"))
+    train_set = data.AdaptationSamples(splits["train"], tokenizer, train=True, images=images,
+                                       max_words=config.max_words)
+
+    # --- model, optimizer, resume ---
+    model, clip_config = build_encoder(config, tokenizer.vocab_size)
+    model.to(device)
+    optimizer = build_optimizer(model, config, device)
+    step, best, best_epoch, history = 0, -1.0, -1, []
+    ckpt_path = out_dir / "ckpt_last.pt"
+    if master:
+        runtime.remove_partial_files(out_dir)
+    if config.resume:
+        state = runtime.load_checkpoint(ckpt_path)
+        runtime.check_config(state["config"], dataclasses.asdict(config), MODEL_KEYS, ckpt_path)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        step, best, best_epoch, history = state["step"], state["best_metric"], state["best_epoch"], state["history"]
+        if master:
+            runtime.set_rng_state(state["rng"])
+        else:
+            runtime.seed_everything(config.seed + dist_.rank + step)
+        say(f"resumed {ckpt_path} at step {step}")
+    elif master and ckpt_path.exists():
+        raise FileExistsError(f"{ckpt_path} exists: pass --resume to continue that run, or choose another --out_dir")
+    raw_model = model
+    if dist_.ddp:
+        model = DDP(model, device_ids=[dist_.local_rank] if device.type == "cuda" else None)
+
+    # --- batches ---
+    per_step = dist_.world_size * config.grad_accum  # micro-batches per optimizer step, over all processes
+    if config.batch_size % per_step:
+        raise ValueError(f"--batch_size {config.batch_size} is not divisible by processes x grad_accum = {per_step}")
+    micro = config.batch_size // per_step
+    sampler = DistributedSampler(train_set, num_replicas=dist_.world_size, rank=dist_.rank, shuffle=True,
+                                 seed=config.seed, drop_last=True)
+    steps_per_epoch = len(sampler) // (micro * config.grad_accum)
+    if steps_per_epoch == 0:
+        raise ValueError(f"{len(train_set)} training samples are fewer than one global batch of {config.batch_size}")
+    total_steps = config.epochs * steps_per_epoch
+    if master:
+        runtime.save_json(dataclasses.asdict(config), out_dir / "config.json")
+        say(json.dumps(dataclasses.asdict(config)))
+        say(f"{len(train_set)} training samples from {len(splits['train'])} pairs; global batch "
+            f"{config.batch_size} = {micro} x {dist_.world_size} processes x {config.grad_accum} accumulation; "
+            f"{steps_per_epoch} steps per epoch, {total_steps} in all; {dtype} on {device}; "
+            f"{sum(p.numel() for p in raw_model.parameters() if p.requires_grad) / 1e6:.1f}M trainable parameters")
+
+    def save(path, epoch):
+        runtime.save_checkpoint({
+            "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+            "config": dataclasses.asdict(config), "clip_config": clip_config,
+            "encoder_config": dataclasses.asdict(raw_model.config), "bpe_path": str(tokenizer.bpe_path),
+            "epoch": epoch, "step": step, "best_metric": best, "best_epoch": best_epoch, "history": history,
+            "rng": runtime.rng_state()}, path)
+
+    # --- training ---
+    progress = runtime.Progress(total_steps, first_step=step)
+    model.train()
+    while step < total_steps:
+        epoch = step // steps_per_epoch
+        sampler.set_epoch(epoch)
+        done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
+        loader = DataLoader(train_set, batch_size=micro, drop_last=True, num_workers=config.num_workers,
+                            sampler=runtime.SkipSampler(sampler, done_in_epoch * micro * config.grad_accum),
+                            pin_memory=device.type == "cuda")
+        batches = iter(loader)
+        for _ in range(done_in_epoch, steps_per_epoch):
+            for group in optimizer.param_groups:
+                group["lr"] = get_lr(step, total_steps, config) * group["lr_scale"]
+            micro_batches = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()
+                              if k in ("before", "after", "caption")} for _ in range(config.grad_accum)]
+            loss = train_step(model, optimizer, scaler, micro_batches, ctx, config, dist_.ddp)
+            step += 1
+            if master and (step % config.log_every == 0 or step == total_steps):
+                loss_value, scale = loss.item(), raw_model.clip.logit_scale.exp().item()
+                say(progress.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=loss_value,
+                                  lr=get_lr(step, total_steps, config), temp=1 / scale), flush=True)
+                log.write(step=step, epoch=epoch, loss=loss_value, lr=get_lr(step, total_steps, config),
+                          logit_scale=scale)
+            if master and step % config.save_every == 0 and step % steps_per_epoch:
+                save(ckpt_path, epoch)
+        # end of epoch: validation retrieval on the master, the others wait
+        if master:
+            scores = evaluate(raw_model, splits["val"], tokenizer, images, config, device, ctx)
+            history.append({"epoch": epoch, "step": step, **scores})
+            improved = scores["text_to_pair_R1"] >= best  # a tie keeps the later epoch, as the reference
+            if improved:
+                best, best_epoch = scores["text_to_pair_R1"], epoch
+            say(f"epoch {epoch + 1} validation: {summary(scores)}" + (" (best so far)" if improved else ""))
+            log.write(step=step, epoch=epoch, split="val", **scores)
+            if improved:
+                save(out_dir / "ckpt_best.pt", epoch)
+            save(ckpt_path, epoch)
+        if dist_.ddp:
+            dist.barrier()
+
+    # --- test: the epoch chosen on validation, scored once ---
+    if master:
+        state = runtime.load_checkpoint(out_dir / "ckpt_best.pt")
+        raw_model.load_state_dict(state["model"])
+        scores = evaluate(raw_model, splits["test"], tokenizer, images, config, device, ctx)
+        log.write(step=step, split="test", best_epoch=best_epoch, **scores)
+        runtime.save_json({"best_epoch": best_epoch, "val_text_to_pair_R1": best, **scores},
+                          out_dir / "test_retrieval.json")
+        say(f"test retrieval of the best epoch ({best_epoch + 1}, chosen on validation):")
+        say("\n".join(f"  {k:<18} {v:8.2f}" for k, v in scores.items()))
+    runtime.cleanup_distributed(dist_)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (data.DataError, FileNotFoundError, FileExistsError, ValueError, RuntimeError) as error:
+        print(f"adapt.py: error: {error}", file=sys.stderr)
+        sys.exit(1)
