@@ -21,17 +21,15 @@ Differs from reference:
 - The no-decay set also holds the LayerNorm weights (see `no_decay_names`).
 
 Run `python encoder.py` to push a random image pair through a tiny random CLIP and print every shape.
-The benchmark of one full-size training step is `benchmark_adaptation_step` (see bench_part_encoder.md).
+The benchmark of one full-size training step is `python adapt.py --bench`.
 
 Shape letters: B pairs in the batch, R image side (224), N patches per image ((224/32)^2 = 49),
 D vision width (768), E joint embedding width (512), T caption tokens, L = 2(N+1) joint tokens (100).
 """
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.utils import flop_counter
 
 import clip
 
@@ -216,85 +214,6 @@ def rename_reference_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torc
     """
     return {REFERENCE_NAMES.get(key, key): value.float() if value.is_floating_point() else value
             for key, value in state_dict.items() if key.startswith("clip.")}
-
-
-# --- Benchmark of one adaptation training step (called by `python adapt.py --bench`) ---
-
-VIT_B_32 = dict(embed_dim=512, image_resolution=224, vision_layers=12, vision_width=768, vision_patch_size=32,
-                context_length=77, vocab_size=49408, transformer_width=512, transformer_heads=8,
-                transformer_layers=12)  # OpenAI's ViT-B/32 sizes (REFERENCE 1.1)
-
-
-# FlopCounterMode counts attention only for the GPU kernels; count the CPU flash-attention kernel the
-# same way (the matrix products QK^T and PV, and in the backward the 5 products of a flash kernel).
-CPU_ATTENTION_FLOPS = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
-        lambda q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_flop_count(q, k, v),
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        lambda grad, q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_backward_flop_count(grad, q, k, v),
-}
-
-
-def matmul_gflops(threads: int, n: int = 2048, repeats: int = 10) -> float:
-    """The float32 matrix-multiply rate of this machine on `threads` threads, in GFLOP/s (best of repeats)."""
-    torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * n ** 3 / best / 1e9
-
-
-def benchmark_adaptation_step(loss_fn, batch_size: int = 16, caption_tokens: int = 32, threads: int = 2,
-                              steps: int = 3, clip_sizes: dict = VIT_B_32) -> dict[str, float]:
-    """Time one stage-1 training step of a randomly initialised CLIP4IDC encoder on the CPU, in float32.
-
-    loss_fn is losses.contrastive_loss (passed in because encoder.py does not import losses.py).
-    The step is forward, loss, backward, gradient clipping at 1.0 and a fused AdamW step, with the
-    reference's frozen set. FLOPs are counted by torch's FlopCounterMode (matrix products, convolution
-    and attention; element-wise work is not counted). The step time is the fastest of `steps` timed
-    steps, after one warm-up step. Returns pairs/s, GFLOP per step, achieved GFLOP/s and, for
-    comparison, the float32 matmul rate measured in the same run.
-    """
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    model = PairEncoder(clip.CLIP(clip.CLIPConfig(**clip_sizes))).train()
-    model.freeze()
-    optimizer = torch.optim.AdamW(model.optimizer_groups(lr=1e-4, clip_lr_scale=1e-3, weight_decay=0.2),
-                                  betas=(0.9, 0.98), eps=1e-6, fused=True)
-    side, vocab = clip_sizes["image_resolution"], clip_sizes["vocab_size"]
-    before, after = torch.randn(batch_size, 3, side, side), torch.randn(batch_size, 3, side, side)
-    text = torch.randint(0, vocab - 2, (batch_size, caption_tokens))
-    text[:, 0] = vocab - 2  # start-of-text
-    text[:, -1] = vocab - 1  # end-of-text, the largest id, where CLIP reads the caption's feature
-
-    def step():
-        out = model(before, after, text)
-        loss = loss_fn(out["text_embedding"], out["pair_embedding"], out["logit_scale"])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    with flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
-        step()  # also the warm-up step
-    matmul_before = matmul_gflops(threads)
-    seconds = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        seconds.append(time.perf_counter() - start)
-    step_s = min(seconds)
-    gflop = counter.get_total_flops() / 1e9
-    # the better of two matmul measurements, before and after the steps, so that a busy moment
-    # during one of them does not flatter the step's fraction
-    matmul = max(matmul_before, matmul_gflops(threads))
-    return {"pairs_per_s": batch_size / step_s, "step_s": step_s, "gflop_per_step": gflop,
-            "gflop_per_s": gflop / step_s, "matmul_gflop_per_s": matmul,
-            "fraction_of_matmul": gflop / step_s / matmul}
 
 
 if __name__ == "__main__":
