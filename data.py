@@ -1100,12 +1100,17 @@ class CaptionItems(Dataset):
 # 6. Contact sheet, loading benchmark, command line
 # ---------------------------------------------------------------------------------------------------
 
-def contact_sheet(pairs: list[ImagePair], out: Path, model_view: bool = False, captions: int = 3) -> Path:
-    """A PNG with one row per pair: before | after | distractor, then its id, type and captions."""
+def contact_sheet(pairs: list[ImagePair], out: Path, model_view: bool = False, captions: int = 3,
+                  predictions: dict[str, str] | None = None) -> Path:
+    """A PNG with one row per pair: before | after | distractor, then its id, type and captions.
+
+    With predictions ({evaluation id: caption}, as caption.py --eval writes them), each row shows the
+    predicted caption of the change pair and of the distractor pair ("<id>_n") above the references.
+    """
     tile = (IMAGE_SIZE, IMAGE_SIZE) if model_view else (240, 160)  # the model's input, or half of 480 x 320
     text_width, line = 470, 18
     font = ImageFont.load_default(size=14)
-    height = max(tile[1], line * (captions + 3)) + 8
+    height = max(tile[1], line * (captions + 3 + 2 * (predictions is not None))) + 8
     sheet = Image.new("RGB", (3 * (tile[0] + 4) + text_width, height * len(pairs)), "white")
     draw = ImageDraw.Draw(sheet)
     for row, pair in enumerate(pairs):
@@ -1115,8 +1120,14 @@ def contact_sheet(pairs: list[ImagePair], out: Path, model_view: bool = False, c
                 image = Image.fromarray(preprocess_uint8(path, IMAGE_SIZE)) if model_view \
                     else load_image(path).convert("RGB").resize(tile, Image.Resampling.BICUBIC)
                 sheet.paste(image, (column * (tile[0] + 4), top))
-        lines = [f"{pair.id}  {pair.change_type or ''}", *pair.captions[:captions],
-                 *(f"distractor: {c}" for c in pair.no_change_captions[:1])]
+        lines = [f"{pair.id}  {pair.change_type or ''}"]
+        if predictions is not None:
+            lines.append(f"predicted: {predictions.get(pair.id, '(none)')}")
+        lines += [f"reference: {c}" if predictions is not None else c for c in pair.captions[:captions]]
+        if predictions is not None and pair.id + NO_CHANGE_SUFFIX in predictions:
+            lines.append(f"distractor predicted: {predictions[pair.id + NO_CHANGE_SUFFIX]}")
+        lines += [f"distractor{' reference' if predictions is not None else ''}: {c}"
+                  for c in pair.no_change_captions[:1]]
         for k, text in enumerate(lines):
             draw.text((3 * (tile[0] + 4) + 6, top + 4 + k * line), text, fill="black", font=font)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -87,19 +87,20 @@ def contrastive_loss(text_emb: torch.Tensor, pair_emb: torch.Tensor, logit_scale
 def caption_loss(logits: torch.Tensor, targets: torch.Tensor, pad_id: int) -> torch.Tensor:
     """Token cross-entropy, averaged over the target tokens that are not padding (no label smoothing).
 
-    logits  (B, T, V): the decoder's scores for the next token at each position
-    targets (B, T):    the next token ids (caption_out), padded with pad_id after the end token
+    logits  (B, T, V): the decoder's scores for the next token at each position; or (N, V) for N positions
+                       already picked out (caption.py runs the output layer only where a target is not padding)
+    targets (B, T):    the next token ids (caption_out), padded with pad_id after the end token; or (N,)
     pad_id: the tokenizer's padding id. In CLIP's vocabulary it is also the token "!", so a real "!"
         is never learned either, as in the reference's CrossEntropyLoss(ignore_index=0).
     A batch whose targets are all padding gives NaN (0 tokens to average over).
     Under DDP each process averages over its own tokens and DDP averages the processes, as in the
     reference, so a token of a batch with short captions weighs slightly more than in one process.
     """
-    assert logits.ndim == 3 and targets.shape == logits.shape[:2], (
-        f"caption_loss: logits {tuple(logits.shape)} must be (B, T, V) and targets "
-        f"{tuple(targets.shape)} must be (B, T) with the same B and T")
+    assert logits.ndim in (2, 3) and targets.shape == logits.shape[:-1], (
+        f"caption_loss: logits {tuple(logits.shape)} must be (B, T, V) or (N, V) and targets "
+        f"{tuple(targets.shape)} (B, T) or (N,) to match")
     vocab = logits.shape[-1]
-    return F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1).long(), ignore_index=pad_id)
+    return F.cross_entropy(logits.reshape(-1, vocab).float(), targets.reshape(-1).long(), ignore_index=pad_id)
 
 
 if __name__ == "__main__":

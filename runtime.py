@@ -30,6 +30,7 @@ import random
 import re
 import sys
 import time
+import typing
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -81,6 +82,13 @@ def parse_config(config_cls, presets: dict, argv=None, description: str = ""):
         if kind is bool:
             parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
+        elif typing.get_origin(kind) is tuple:  # e.g. tuple[str, str]: a flag that takes that many values
+            parts = typing.get_args(kind)
+            names = comments.get(f.name, "").split(":")[0].split()  # "BEFORE AFTER: ..." names the values
+            metavar = tuple(names) if len(names) == len(parts) and all(n.isupper() for n in names) \
+                else tuple(f"{f.name.upper()}{i + 1}" for i in range(len(parts)))
+            parser.add_argument(*flags, dest=f.name, type=parts[0], nargs=len(parts), default=argparse.SUPPRESS,
+                                metavar=metavar, help=help_text)
         else:
             parser.add_argument(*flags, dest=f.name, type=_flag_type(kind), default=argparse.SUPPRESS,
                                 metavar=f.name.upper(), help=help_text)
@@ -90,7 +98,7 @@ def parse_config(config_cls, presets: dict, argv=None, description: str = ""):
         parser.error(f"--data {data!r} is not a known dataset; choose one of: {', '.join(presets)}")
     values = dataclasses.asdict(defaults)
     values.update(presets.get(data, {}))
-    values.update(given)
+    values.update({k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
     return config_cls(**values)
 
 

@@ -1,0 +1,654 @@
+"""Stage 2 of CLIP4IDC, IDC finetuning: train a captioner that says what changed, evaluate it like the papers.
+
+CLIP4IDC (Guo et al., 2022, section 3.3) puts a transformer caption decoder (decoder.py) on the adapted pair
+encoder of stage 1 (adapt.py): the decoder reads the pair's 2(N+1) = 100 tokens and writes the change
+caption, trained with token cross-entropy (losses.py) and decoded greedily.
+
+By default the pair encoder stays as stage 1 left it, in the paper's words "a vanilla Transformer is
+trained for IDC on the features extracted by the vision encoder": every pair is encoded once, its tokens
+are kept on disk in float16 (keyed by the stage-1 checkpoint), and the decoder trains on them, so an epoch
+costs the decoder alone. --finetune_encoder trains end to end with CLIP at lr x clip_lr_scale, as the
+reference does. On CLEVR-Change-style data (use_no_change_pair) every item is two captions: the change
+pair with a change caption and the distractor pair (before, view-shifted before) with a no-change caption,
+their two losses summed, as the reference.
+
+The best epoch is chosen by CIDEr-D on the validation split, with patience; the test split is decoded and
+scored once at the end, and again by --eval: overall, semantic changes only, and per change type
+(color, material, add, drop, move, distractor), each subset re-scored on its own as the papers' toolkit
+does (metrics.py), plus a grid PNG of test pairs with their predicted and reference captions.
+
+Differs from reference (REFERENCE.md section 3):
+  - the best epoch is chosen on the validation split (the reference uses the test split);
+  - by default the decoder trains on cached encoder features (--finetune_encoder for the reference's way);
+  - decoding stops at EOT, after at most max_len = 22 tokens (the reference always runs 32 steps);
+  - the output layer runs only at caption positions that are not padding, and batches are cut to their
+    longest caption: the same loss, less work;
+  - float32 weights with optional autocast, torch's AdamW instead of BertAdam, LayerNorms not decayed;
+  - the unused CLIP text tower is frozen when finetuning (the reference runs it on a dummy caption).
+
+Run:  python caption.py --data synth                  train on the synthetic set (after adapt.py --data synth)
+      python caption.py --data synth --eval           decode and score the test split with the best checkpoint
+      python caption.py --data synth --pair A.png B.png   caption one pair of your own images
+      python caption.py --data clevr                  the paper's run; torchrun works as for adapt.py
+      python caption.py --bench                       CPU timings: ViT-B/32 encoding, greedy decoding, training
+
+Shape letters: B pairs in a batch, M visual tokens per pair (100), E width (512), T caption tokens, V vocabulary.
+"""
+import dataclasses
+import hashlib
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+import clip
+import data
+import metrics
+import runtime
+from decoder import CaptionDecoder, DecoderConfig, ids_to_text
+from encoder import FROZEN_IN_REFERENCE, EncoderConfig, PairEncoder
+from losses import caption_loss
+
+MODEL_KEYS = ("data", "max_words", "finetune_encoder", "use_no_change_pair", "train_word_embedding",
+              "decoder_layers", "decoder_heads", "decoder_ffn")
+SEMANTIC = "semantic change"  # the papers' "SC" row: change pairs only, no distractors
+
+
+@dataclass
+class Config:
+    # data
+    data: str = "clevr"            # dataset preset: clevr, spot, ier, pairs or synth
+    data_root: str = ""            # the dataset's folder ("" = data/<dataset>, see data.py)
+    synth_pairs: int = 2000        # synth only: scenes drawn on first use (must match adapt.py's)
+    max_words: int = 32            # caption length in tokens, start and end tokens included
+    use_no_change_pair: bool = True  # also train on (before, distractor) with a no-change caption (CLEVR-Change)
+    image_cache: bool = False      # keep preprocessed 224x224 pixels in .npy files (skips PNG decoding)
+    num_workers: int = 4           # DataLoader worker processes per training process
+    # model
+    encoder_ckpt: str = ""         # stage-1 checkpoint ("" = runs/adapt_<dataset>/ckpt_best.pt)
+    finetune_encoder: bool = False  # train the pair encoder too, end to end (the reference's way)
+    decoder_layers: int = 3        # visual self-attention layers, and as many decoder layers
+    decoder_heads: int = 8         # attention heads of the decoder
+    decoder_ffn: int = 2048        # feed-forward width of the decoder
+    dropout: float = 0.1           # dropout on the decoder's hidden states and attention probabilities
+    train_word_embedding: bool = False  # the word embedding (tied to CLIP's) trains at lr x clip_lr_scale; else frozen
+    # optimisation
+    epochs: int = 50               # at most this many passes over the training pairs
+    patience: int = 10             # stop after this many epochs more without a better validation CIDEr-D
+    batch_size: int = 16           # global batch of pairs: per-process batch x processes x grad_accum
+    grad_accum: int = 1            # micro-batches per optimizer step
+    lr: float = 1e-4               # learning rate of the decoder
+    clip_lr_scale: float = 1e-3    # the encoder (when finetuned) and the word embedding train at lr x clip_lr_scale
+    weight_decay: float = 0.01     # decoupled weight decay (not on biases and norms)
+    warmup: float = 0.1            # fraction of the steps spent warming up, then linear decay
+    beta2: float = 0.999           # AdamW's second-moment decay (beta1 is 0.9)
+    eps: float = 1e-6              # AdamW's epsilon
+    grad_clip: float = 1.0         # global gradient-norm clipping
+    max_len: int = 22              # greedy decoding writes at most this many tokens
+    # run
+    seed: int = 2021               # random seed (each process adds its rank)
+    device: str = "auto"           # auto, cpu, cuda
+    dtype: str = "auto"            # auto (bf16 or fp16 on GPU, float32 on CPU), float32, bfloat16, float16
+    out_dir: str = ""              # checkpoints, features, predictions and scores ("" = runs/caption_<dataset>)
+    log_every: int = 50            # optimizer steps between progress lines
+    save_every: int = 500          # optimizer steps between ckpt_last.pt saves (and at every epoch end)
+    eval_batch_size: int = 64      # pairs per batch when encoding and decoding
+    resume: bool = False           # continue from out_dir/ckpt_last.pt
+    eval: bool = False             # decode and score the test split with out_dir/ckpt_best.pt, then exit
+    pair: tuple[str, str] = ()     # BEFORE AFTER: caption these two images with out_dir/ckpt_best.pt, then exit
+    bench: bool = False            # time encoding, decoding and a training step on the CPU, then exit
+
+
+# Dataset presets (REFERENCE 3.4). Spot-the-Diff, IER and your own pairs have no distractor images, and on
+# Spot-the-Diff the reference trains the tied word embedding (at lr x clip_lr_scale); CLEVR freezes it.
+PRESETS = {
+    "clevr": dict(epochs=50, batch_size=16, lr=1e-4, use_no_change_pair=True, train_word_embedding=False),
+    "spot": dict(epochs=50, batch_size=16, lr=1e-4, use_no_change_pair=False, train_word_embedding=True),
+    "ier": dict(epochs=50, batch_size=16, lr=1e-4, use_no_change_pair=False, train_word_embedding=True),
+    "pairs": dict(epochs=50, batch_size=16, lr=1e-4, use_no_change_pair=False, train_word_embedding=True),
+    "synth": dict(epochs=12, patience=4, batch_size=32, lr=5e-4, clip_lr_scale=1.0, train_word_embedding=True,
+                  decoder_heads=4, decoder_ffn=1024, num_workers=0, image_cache=True, log_every=10,
+                  eval_batch_size=128),
+}
+
+
+# -----------------------------------------------------------------------------
+# The stage-1 encoder and the captioner
+
+
+def load_encoder(path: Path) -> tuple[PairEncoder, dict]:
+    """adapt.py's checkpoint as a PairEncoder in eval mode, and the checkpoint's other entries."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no stage-1 checkpoint at {path}: run adapt.py for this dataset first "
+                                f"(python adapt.py --data ...), or pass --encoder_ckpt")
+    state = runtime.load_checkpoint(path, required=("model", "clip_config", "encoder_config"))
+    encoder = PairEncoder(clip.CLIP(clip.CLIPConfig(**state["clip_config"])), EncoderConfig(**state["encoder_config"]))
+    encoder.load_state_dict(state["model"])
+    return encoder.eval(), state
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class Captioner(nn.Module):
+    """What stage 2 trains: the caption decoder, and the pair encoder when it is finetuned.
+
+    The decoder's word embedding (also its output weight) and position embedding are CLIP's token and text
+    position embeddings: the same Parameters when the encoder is finetuned, copies of them otherwise.
+    forward(batch) returns the loss, so that under DDP everything that needs gradients runs inside it.
+    """
+
+    def __init__(self, decoder: CaptionDecoder, encoder: PairEncoder | None, pad_id: int):
+        super().__init__()
+        self.encoder = encoder  # registered first, so the tied embeddings are named (and grouped) as CLIP's
+        self.decoder = decoder
+        self.pad_id = pad_id
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        B = batch["caption_in"].shape[0]
+        both = "no_change_caption_in" in batch  # CLEVR: also the distractor pair with a no-change caption
+        if self.encoder is None:  # cached pair tokens
+            visual = torch.cat([batch["visual"], batch["no_change_visual"]]) if both else batch["visual"]
+        else:  # encode now, the change pairs and the distractor pairs in one batch
+            before = torch.cat([batch["before"], batch["before"]]) if both else batch["before"]
+            after = torch.cat([batch["after"], batch["distractor"]]) if both else batch["after"]
+            visual = self.encoder.encode_pair(before, after)["pair_tokens"]  # (kB, M, E)
+        names = ("caption", "no_change_caption") if both else ("caption",)
+        caption_in = torch.cat([batch[f"{n}_in"] for n in names])  # (kB, T)
+        caption_out = torch.cat([batch[f"{n}_out"] for n in names])  # (kB, T)
+        # cut the batch to its longest caption: the columns after it are padding everywhere
+        length = int((caption_out != self.pad_id).sum(dim=1).max())
+        caption_in, caption_out = caption_in[:, :length], caption_out[:, :length]  # (kB, T')
+        states = self.decoder.caption_states(visual, caption_in, caption_in == self.pad_id)  # (kB, T', E)
+        keep = caption_out != self.pad_id  # (kB, T'): the output layer runs only where the loss looks
+        # the change loss and the no-change loss, each a mean over its own tokens, summed (as the reference)
+        return sum(caption_loss(self.decoder.to_logits(states[part][keep[part]]), caption_out[part][keep[part]],
+                                self.pad_id)
+                   for part in (slice(k * B, (k + 1) * B) for k in range(len(names))))
+
+
+def build_captioner(config: Config, encoder: PairEncoder, clip_config: dict) -> Captioner:
+    """The decoder sized from CLIP (width E, vocabulary, positions), tied to CLIP's embeddings."""
+    token_embedding, positions = encoder.clip.token_embedding.weight, encoder.clip.positional_embedding
+    width, embed = token_embedding.shape[1], clip_config["embed_dim"]
+    if width != embed:
+        raise ValueError(f"the decoder ties its word embedding to CLIP's token embedding of width {width}, so the "
+                         f"pair tokens must have that width too, but CLIP's joint width is {embed}")
+    decoder_config = DecoderConfig(hidden=embed, heads=config.decoder_heads, ffn=config.decoder_ffn,
+                                   layers=config.decoder_layers, dropout=config.dropout,
+                                   attention_dropout=config.dropout, vocab_size=token_embedding.shape[0],
+                                   max_positions=positions.shape[0], visual_tokens=2 * (encoder.n_patches + 1))
+    if config.finetune_encoder:
+        # the very Parameters of CLIP (REFERENCE 3.1): they train or stay frozen with CLIP's settings
+        decoder = CaptionDecoder(decoder_config, token_embedding, positions)
+        frozen = [p for p in FROZEN_IN_REFERENCE if not (p == "token_embedding" and config.train_word_embedding)]
+        # the text tower has no use in stage 2 (the reference runs it on a dummy caption and drops the output)
+        encoder.freeze(tuple(frozen) + ("transformer", "ln_final", "text_projection", "logit_scale"))
+        return Captioner(decoder, encoder, clip.PAD_ID)
+    # differs from reference: the encoder is not part of the model; the embeddings are copies of CLIP's
+    decoder = CaptionDecoder(decoder_config, nn.Parameter(token_embedding.detach().clone()),
+                             nn.Parameter(positions.detach().clone(), requires_grad=False))
+    decoder.word_embedding.requires_grad_(config.train_word_embedding)
+    return Captioner(decoder, None, clip.PAD_ID)
+
+
+def build_optimizer(captioner: Captioner, config: Config) -> torch.optim.AdamW:
+    """The decoder at lr; the encoder and the word embedding (CLIP's) at lr x clip_lr_scale (REFERENCE 3.1).
+
+    No weight decay on biases and LayerNorms. named_parameters lists a tied Parameter once, under its first
+    name: when finetuning, CLIP's (encoder.clip.token_embedding.weight), as in the reference.
+    """
+    norms = {f"{name}.{p}" for name, m in captioner.named_modules() if isinstance(m, nn.LayerNorm)
+             for p, _ in m.named_parameters()}
+    groups = {}
+    for name, p in captioner.named_parameters():
+        if not p.requires_grad:
+            continue
+        role = "clip" if name.startswith("encoder.") or name == "decoder.word_embedding" else "decoder"
+        decay = not (name.endswith("bias") or name in norms)
+        groups.setdefault((role, decay), []).append(p)
+    scales = {"clip": config.clip_lr_scale, "decoder": 1.0}
+    return torch.optim.AdamW([{"params": params, "lr": config.lr * scales[role], "lr_scale": scales[role],
+                               "weight_decay": config.weight_decay if decay else 0.0}
+                              for (role, decay), params in groups.items()],
+                             betas=(0.9, config.beta2), eps=config.eps, fused=True)
+
+
+def get_lr(step: int, total_steps: int, config: Config) -> float:
+    """The reference's warmup_linear (BertAdam): x/w during warmup, then (1 - x)/(1 - w), x = step/total."""
+    x = step / max(1, total_steps)
+    if x < config.warmup:
+        return config.lr * x / config.warmup
+    return config.lr * max(0.0, (x - 1) / (config.warmup - 1))
+
+
+# -----------------------------------------------------------------------------
+# Pair features: every pair of a split encoded once
+
+
+def encode_pairs(encoder: PairEncoder, pairs, images, out: np.ndarray, config: Config, device, ctx,
+                 what: str, master: bool = True) -> np.ndarray:
+    """Fill out (rows, M, E) with the pair tokens of every pair (row i = pairs[i]), float16, with progress."""
+    loader = DataLoader(data.PairImages(pairs, images), batch_size=config.eval_batch_size,
+                        num_workers=config.num_workers)
+    progress, done = runtime.Progress(len(loader)), 0
+    with torch.no_grad():
+        for step, batch in enumerate(loader, 1):
+            with ctx:
+                tokens = encoder.encode_pair(batch["before"].to(device), batch["after"].to(device))["pair_tokens"]
+            out[done:done + len(tokens)] = tokens.float().cpu().numpy().astype(np.float16)  # (B, M, E)
+            done += len(tokens)
+            if master and (step % 20 == 0 or step == len(loader)):
+                print(f"encoding {what}: " + progress.line(step), flush=True)
+    return out
+
+
+def cached_features(encoder, encoder_sha: str, pairs, images, cache_dir: Path, name: str, config: Config,
+                    device, ctx) -> Path:
+    """cache_dir/<name>_<key>.npy, float16 (rows, M, E): written once per stage-1 checkpoint and split."""
+    described = "\n".join(f"{p.id}\t{p.before}\t{p.after}" for p in pairs)
+    key = hashlib.sha256(f"{encoder_sha}\n{data.IMAGE_SIZE}\n{described}".encode()).hexdigest()[:16]
+    path = cache_dir / f"{name}_{key}.npy"
+    if path.is_file():
+        return path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.tmp")
+    side = encoder.clip.visual.input_resolution // encoder.clip.visual.conv1.kernel_size[0]
+    shape = (len(pairs), 2 * (side * side + 1), encoder.clip.visual.proj.shape[1])  # (rows, M, E)
+    array = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float16, shape=shape)
+    encode_pairs(encoder.to(device), pairs, images, array, config, device, ctx, f"{name} ({len(pairs)} pairs)")
+    array.flush()
+    del array
+    partial.replace(path)
+    return path
+
+
+class FeatureItems(Dataset):
+    """data.CaptionItems with each pair's cached tokens in place of its images ("visual", "no_change_visual")."""
+
+    def __init__(self, items: data.CaptionItems, features_path: Path):
+        self.items, self.features_path, self.features = items, features_path, None
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        if self.features is None:  # opened in each process (DataLoader workers too), memory-mapped
+            self.features = np.load(self.features_path, mmap_mode="r")
+        item = self.items[i]
+        item["visual"] = torch.from_numpy(self.features[item["row"]].astype(np.float32))  # (M, E)
+        if "no_change_row" in item:
+            item["no_change_visual"] = torch.from_numpy(self.features[item["no_change_row"]].astype(np.float32))
+        return item
+
+    def __getstate__(self):
+        return {**self.__dict__, "features": None}
+
+
+# -----------------------------------------------------------------------------
+# Decoding and scoring
+
+
+@torch.no_grad()
+def predict(decoder: CaptionDecoder, features: np.ndarray, pairs, tokenizer, config: Config, device, ctx,
+            what: str = "", master: bool = True) -> dict[str, str]:
+    """{evaluation id: greedy caption} for pairs, whose tokens are the rows of features (rows, M, E)."""
+    was_training = decoder.training
+    decoder.eval()
+    predictions, batches = {}, math.ceil(len(pairs) / config.eval_batch_size)
+    progress = runtime.Progress(batches)
+    for b, start in enumerate(range(0, len(pairs), config.eval_batch_size), 1):
+        visual = torch.from_numpy(np.asarray(features[start:start + config.eval_batch_size], dtype=np.float32))
+        with ctx:
+            ids = decoder.greedy_decode(visual.to(device), tokenizer.sot_id, tokenizer.eot_id, config.max_len)
+        for pair, row in zip(pairs[start:start + config.eval_batch_size], ids.tolist()):
+            predictions[pair.id] = ids_to_text(row, tokenizer.decode, tokenizer.eot_id)
+        if master and what and (b % 20 == 0 or b == batches):
+            print(f"decoding {what}: " + progress.line(b), flush=True)
+    decoder.train(was_training)
+    return predictions
+
+
+def score_table(predictions: dict[str, str], pairs) -> dict:
+    """Scores of the whole split, of its semantic changes alone, and of each change type, each scored alone."""
+    by_type = data.ids_by_type(pairs)
+    subsets = {"total": [p.id for p in pairs]}
+    if data.DISTRACTOR in by_type:
+        subsets[SEMANTIC] = [p.id for p in pairs if p.change_type != data.DISTRACTOR]
+    subsets.update({t: by_type[t] for t in (*data.CHANGE_TYPES, data.DISTRACTOR) if len(by_type.get(t, [])) > 1})
+    results = metrics.score_subsets(predictions, data.references(pairs), subsets)
+    info = next(iter(results.values())).get("info", {})
+    return {"scores": {name: result["corpus"] for name, result in results.items()},
+            "sizes": {name: len(ids) for name, ids in subsets.items()}, "info": info}
+
+
+def format_table(table: dict) -> str:
+    columns = ("BLEU_1", "BLEU_2", "BLEU_3", "BLEU_4", "METEOR", "ROUGE_L", "CIDEr")
+    label = {"material": "material (texture)", data.DISTRACTOR: "distractor (no change)"}
+    lines = [f"{'':<26}{'pairs':>6} " + " ".join(f"{c:>8}" for c in columns)]
+    for name, scores in table["scores"].items():
+        lines.append(f"{label.get(name, name):<26}{table['sizes'][name]:>6} "
+                     + " ".join(f"{scores[c]:8.4f}" for c in columns))
+    if table.get("info"):
+        lines.append(f"({table['info']})")
+    return "\n".join(lines)
+
+
+def evaluate_test(decoder, features: np.ndarray, pairs, test_pairs, tokenizer, config: Config, device, ctx,
+                  out_dir: Path) -> dict:
+    """Decode the test split, write predictions (COCO results format), the score table and a grid PNG.
+
+    pairs are the evaluation pairs (rows of features); test_pairs the split's pairs, for the grid.
+    """
+    predictions = predict(decoder, features, pairs, tokenizer, config, device, ctx, what="test")
+    runtime.save_json([{"image_id": i, "caption": c} for i, c in predictions.items()],
+                      out_dir / "test_predictions.json")
+    table = score_table(predictions, pairs)
+    runtime.save_json(table, out_dir / "test_scores.json")
+    text = format_table(table)
+    (out_dir / "test_scores.txt").write_text(text + "\n")
+    print(text)
+    shown = test_pairs[:: max(1, len(test_pairs) // 12)][:12]
+    grid = data.contact_sheet(shown, out_dir / "test_grid.png", model_view=True, captions=1, predictions=predictions)
+    print(f"predictions {out_dir / 'test_predictions.json'}, scores {out_dir / 'test_scores.json'}, grid {grid}")
+    return table
+
+
+# -----------------------------------------------------------------------------
+# Benchmark: the CLEVR-Change test split's decoding cost and a training step, full-size, on the CPU
+
+
+def benchmark(threads: int = 2, pairs: int = 64, batch: int = 32, steps: int = 22, train_batch: int = 16) -> dict:
+    """Encoding (ViT-B/32 pair encoder), greedy decoding with and without the cache (same weights, `steps`
+    tokens per caption: EOT is forbidden so both run every step, as the reference always does), and one
+    training step on cached features (batch 16 pairs, two captions each as on CLEVR-Change)."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    config = Config()
+    encoder = PairEncoder(clip.CLIP(clip.CLIPConfig()), EncoderConfig()).eval()
+    captioner = build_captioner(config, encoder, dataclasses.asdict(encoder.clip.config))
+    decoder = captioner.decoder.eval()
+    vocab = decoder.config.vocab_size
+    sot, eot = vocab - 2, vocab - 1
+    with torch.no_grad():
+        decoder.output_bias[eot] = -1e4  # random weights: never stop early, so every caption takes `steps` tokens
+    side = encoder.clip.visual.input_resolution
+    images = torch.randn(pairs, 3, side, side)
+    timed = lambda fn: (lambda start: (fn(), time.perf_counter() - start)[1])(time.perf_counter())
+    with torch.no_grad():
+        encoder.encode_pair(images[:2], images[:2])  # warm-up
+        encode_s = sum(timed(lambda: encoder.encode_pair(images[i:i + batch], images[i:i + batch]))
+                       for i in range(0, pairs, batch))
+        visual = encoder.encode_pair(images[:batch], images[:batch])["pair_tokens"]  # (B, M, E)
+        decoder.greedy_decode(visual[:2], sot, eot, 2)  # warm-up
+        cached_s = timed(lambda: decoder.greedy_decode(visual, sot, eot, steps, use_cache=True))
+        full_s = timed(lambda: decoder.greedy_decode(visual, sot, eot, steps, use_cache=False))
+    # training on cached features: captions of 8 to 16 tokens, as CLEVR-Change's, padded to max_words
+    captioner.train()
+    optimizer = build_optimizer(captioner, config)
+    lengths = torch.randint(8, 17, (2, train_batch))
+    def caption(n):
+        ids = torch.zeros(train_batch, config.max_words, dtype=torch.long)
+        for i, length in enumerate(lengths[n].tolist()):
+            ids[i, :length] = torch.randint(1, vocab - 2, (length,))
+        return ids
+    batch_ = {"visual": torch.randn(train_batch, *visual.shape[1:]), "caption_in": caption(0), "caption_out": caption(0),
+              "no_change_visual": torch.randn(train_batch, *visual.shape[1:]),
+              "no_change_caption_in": caption(1), "no_change_caption_out": caption(1)}
+    def train_step():
+        captioner(batch_).backward()
+        torch.nn.utils.clip_grad_norm_(captioner.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    train_step()  # warm-up
+    train_s = min(timed(train_step) for _ in range(3))
+    test_pairs = 7970  # CLEVR-Change test split: 3,985 change pairs + 3,985 distractor pairs
+    return {"threads": threads, "encode_pairs_per_s": pairs / encode_s,
+            "decode_cached_captions_per_s": batch / cached_s, "decode_full_recompute_captions_per_s": batch / full_s,
+            "decode_speedup": full_s / cached_s, "clevr_test_encode_min": test_pairs / (pairs / encode_s) / 60,
+            "clevr_test_decode_cached_min": test_pairs / (batch / cached_s) / 60,
+            "clevr_test_decode_full_recompute_min": test_pairs / (batch / full_s) / 60,
+            "train_pairs_per_s_cached_features": train_batch / train_s,
+            "clevr_train_epoch_min": 33830 / (train_batch / train_s) / 60}
+
+
+# -----------------------------------------------------------------------------
+# The run
+
+
+def split_features(captioner: Captioner, feature_path: dict, split: str, pairs, images, config: Config, device,
+                   ctx) -> np.ndarray:
+    """The pair tokens of a split: the cache, or, when the encoder is finetuned, encoded now by its current weights."""
+    if captioner.encoder is None:
+        return np.load(feature_path[split], mmap_mode="r")
+    shape = (len(pairs), captioner.decoder.config.visual_tokens, captioner.decoder.config.hidden)
+    return encode_pairs(captioner.encoder.eval(), pairs, images, np.empty(shape, np.float16), config, device, ctx,
+                        split)
+
+
+def main(argv=None):
+    config = runtime.parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
+    if config.bench:
+        print(json.dumps(benchmark(), indent=2))
+        return
+    out_dir = Path(config.out_dir or f"runs/caption_{config.data}")
+    inference = config.eval or bool(config.pair)
+    if inference:  # the trained captioner decides the model settings and names the encoder it was trained on
+        best = runtime.load_checkpoint(out_dir / "ckpt_best.pt", required=("model", "config", "encoder_sha256"))
+        config = dataclasses.replace(config, encoder_ckpt=best["encoder_ckpt"],
+                                     **{k: best["config"][k] for k in MODEL_KEYS if k != "data"})
+    dist_ = runtime.setup_distributed(config.device)
+    device, master = dist_.device, dist_.master
+    dtype = runtime.resolve_dtype(config.dtype, device)
+    ctx = runtime.autocast(device, dtype)
+    scaler = torch.amp.GradScaler(device.type, enabled=(dtype == "float16"))
+    runtime.seed_everything(config.seed + dist_.rank)
+    say = print if master else (lambda *a, **k: None)
+
+    # --- the stage-1 encoder, the tokenizer it was trained with, the captioner ---
+    root = data.dataset_root(config.data, config.data_root or None)
+    encoder_path = Path(config.encoder_ckpt or f"runs/adapt_{config.data}/ckpt_best.pt")
+    encoder, encoder_state = load_encoder(encoder_path)
+    encoder_sha = sha256_file(encoder_path)
+    if inference and best["encoder_sha256"] != encoder_sha:
+        raise ValueError(f"{encoder_path} changed since {out_dir / 'ckpt_best.pt'} was trained on it (its sha256 "
+                         f"differs); train stage 2 again, or restore that stage-1 checkpoint")
+    tokenizer = clip.get_tokenizer(encoder_state["bpe_path"] if config.pair else data.bpe_path(config.data, root))
+    if tokenizer.vocab_size != encoder.clip.config.vocab_size:
+        raise ValueError(f"the tokenizer of {config.data} has {tokenizer.vocab_size} tokens but the stage-1 model "
+                         f"{encoder_path} has {encoder.clip.config.vocab_size}: it was trained on another dataset")
+    captioner = build_captioner(config, encoder, encoder_state["clip_config"])
+    if inference:
+        captioner.load_state_dict(best["model"])
+    captioner.to(device)
+    encoder.to(device)
+    images = data.ImageReader(encoder.clip.visual.input_resolution)
+
+    if config.pair:  # caption one pair of the user's own images
+        before, after = (images(Path(p)).unsqueeze(0).to(device) for p in config.pair)  # (1, 3, R, R) each
+        with torch.no_grad(), ctx:
+            visual = encoder.eval().encode_pair(before, after)["pair_tokens"]  # (1, M, E)
+        pair = data.ImagePair("pair", *map(Path, config.pair), captions=[])
+        print(predict(captioner.decoder, visual.float().cpu().numpy(), [pair], tokenizer, config, device, ctx)["pair"])
+        return
+
+    # --- data, and the cached pair tokens of every split (written by the master, read by all) ---
+    if config.data == "synth":
+        if master:
+            data.ensure_synth(root, data.SynthConfig(pairs=config.synth_pairs))
+        if dist_.ddp:
+            dist.barrier()
+    splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
+    if config.image_cache:
+        every_pair = [p for s in splits.values() for p in s]
+        if master:
+            data.image_cache(every_pair, root / ".cache", "all")
+        if dist_.ddp:
+            dist.barrier()
+        images = data.ImageReader(encoder.clip.visual.input_resolution,
+                                  data.image_cache(every_pair, root / ".cache", "all"))
+    eval_pairs = {s: data.evaluation_pairs(splits[s], config.use_no_change_pair) for s in data.SPLITS}
+    cached = () if config.finetune_encoder else ("test",) if config.eval else data.SPLITS
+    feature_path = {}
+    for rank_turn in ((True, False) if dist_.ddp else (True,)):  # the master writes, then the others open
+        if master == rank_turn:
+            feature_path = {s: cached_features(encoder, encoder_sha, eval_pairs[s], images, out_dir / "features", s,
+                                               config, device, ctx) for s in cached}
+        if dist_.ddp:
+            dist.barrier()
+
+    if config.eval:
+        features = split_features(captioner, feature_path, "test", eval_pairs["test"], images, config, device, ctx)
+        evaluate_test(captioner.decoder, features, eval_pairs["test"], splits["test"], tokenizer, config, device, ctx,
+                      out_dir)
+        return
+
+    # --- training set, optimizer, resume ---
+    items = data.CaptionItems(splits["train"], tokenizer, config.use_no_change_pair,
+                              images=images if config.finetune_encoder else None, max_words=config.max_words)
+    train_set = items if config.finetune_encoder else FeatureItems(items, feature_path["train"])
+    optimizer = build_optimizer(captioner, config)
+    step, best_cider, best_epoch, bad_epochs, history = 0, -1.0, -1, 0, []
+    ckpt_path = out_dir / "ckpt_last.pt"
+    if master:
+        runtime.remove_partial_files(out_dir)
+    if config.resume:
+        state = runtime.load_checkpoint(ckpt_path)
+        runtime.check_config(state["config"], dataclasses.asdict(config), MODEL_KEYS, ckpt_path)
+        if state["encoder_sha256"] != encoder_sha:
+            raise ValueError(f"{ckpt_path} was trained on another stage-1 checkpoint than {encoder_path}")
+        captioner.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        step, best_cider, best_epoch = state["step"], state["best_metric"], state["best_epoch"]
+        bad_epochs, history = state["bad_epochs"], state["history"]
+        if master:
+            runtime.set_rng_state(state["rng"])
+        else:
+            runtime.seed_everything(config.seed + dist_.rank + step)
+        say(f"resumed {ckpt_path} at step {step}")
+    elif master and ckpt_path.exists():
+        raise FileExistsError(f"{ckpt_path} exists: pass --resume to continue that run, or choose another --out_dir")
+    raw = captioner
+    model = DDP(captioner, device_ids=[dist_.local_rank] if device.type == "cuda" else None) if dist_.ddp else captioner
+
+    # --- batches ---
+    per_step = dist_.world_size * config.grad_accum
+    if config.batch_size % per_step:
+        raise ValueError(f"--batch_size {config.batch_size} is not divisible by processes x grad_accum = {per_step}")
+    micro = config.batch_size // per_step
+    sampler = DistributedSampler(train_set, num_replicas=dist_.world_size, rank=dist_.rank, shuffle=True,
+                                 seed=config.seed, drop_last=True)
+    steps_per_epoch = len(sampler) // (micro * config.grad_accum)
+    if steps_per_epoch == 0:
+        raise ValueError(f"{len(train_set)} training pairs are fewer than one global batch of {config.batch_size}")
+    total_steps = config.epochs * steps_per_epoch
+    log = runtime.JsonlLog(out_dir / "log.jsonl", enabled=master)
+    if master:
+        runtime.save_json(dataclasses.asdict(config), out_dir / "config.json")
+        say(json.dumps(dataclasses.asdict(config)))
+        say(f"{len(train_set)} training pairs; global batch {config.batch_size} = {micro} x {dist_.world_size} "
+            f"processes x {config.grad_accum} accumulation; {steps_per_epoch} steps per epoch, at most "
+            f"{total_steps}; {'finetuning the encoder' if config.finetune_encoder else 'cached encoder features'}; "
+            f"{dtype} on {device}; {sum(p.numel() for p in raw.parameters() if p.requires_grad) / 1e6:.1f}M "
+            f"trainable parameters")
+
+    def save(path):
+        runtime.save_checkpoint({
+            "model": raw.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+            "config": dataclasses.asdict(config), "encoder_ckpt": str(encoder_path.resolve()),
+            "encoder_sha256": encoder_sha, "decoder_config": dataclasses.asdict(raw.decoder.config),
+            "step": step, "best_metric": best_cider, "best_epoch": best_epoch, "bad_epochs": bad_epochs,
+            "history": history, "rng": runtime.rng_state()}, path)
+
+    # --- training ---
+    progress = runtime.Progress(total_steps, first_step=step)
+    model.train()
+    while step < total_steps and bad_epochs <= config.patience:
+        epoch = step // steps_per_epoch
+        sampler.set_epoch(epoch)
+        done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
+        loader = DataLoader(train_set, batch_size=micro, drop_last=True, num_workers=config.num_workers,
+                            sampler=runtime.SkipSampler(sampler, done_in_epoch * micro * config.grad_accum),
+                            pin_memory=device.type == "cuda")
+        batches = iter(loader)
+        for _ in range(done_in_epoch, steps_per_epoch):
+            for group in optimizer.param_groups:
+                group["lr"] = get_lr(step, total_steps, config) * group["lr_scale"]
+            total = 0.0
+            for i in range(config.grad_accum):
+                batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items() if torch.is_tensor(v)}
+                if dist_.ddp:  # all-reduce the gradients only after the last micro-batch
+                    model.require_backward_grad_sync = i == config.grad_accum - 1
+                with ctx:
+                    loss = model(batch) / config.grad_accum
+                scaler.scale(loss).backward()
+                total = total + loss.detach()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if master and (step % config.log_every == 0 or step == total_steps):
+                value = total.item()
+                say(progress.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=value,
+                                  lr=get_lr(step, total_steps, config)), flush=True)
+                log.write(step=step, epoch=epoch, loss=value, lr=get_lr(step, total_steps, config))
+            if master and step % config.save_every == 0 and step % steps_per_epoch:
+                save(ckpt_path)
+        # end of epoch: validation CIDEr-D, decoded by the master alone while the others wait
+        if master:
+            features = split_features(raw, feature_path, "val", eval_pairs["val"], images, config, device, ctx)
+            predictions = predict(raw.decoder, features, eval_pairs["val"], tokenizer, config, device, ctx)
+            cider = metrics.score_captions(predictions, data.references(eval_pairs["val"]),
+                                           metrics=("CIDEr",))["corpus"]["CIDEr"]
+            improved = cider >= best_cider  # a tie keeps the later epoch, as the reference
+            if improved:
+                best_cider, best_epoch = cider, epoch
+            bad_epochs = 0 if improved else bad_epochs + 1
+            history.append({"epoch": epoch, "step": step, "val_CIDEr": cider})
+            example_id = eval_pairs["val"][0].id
+            say(f"epoch {epoch + 1} validation CIDEr-D {cider:.4f}" + (" (best so far)" if improved else "")
+                + f"; {example_id}: {predictions[example_id]!r}")
+            log.write(step=step, epoch=epoch, split="val", CIDEr=cider)
+            if improved:
+                save(out_dir / "ckpt_best.pt")
+            save(ckpt_path)
+        if dist_.ddp:  # everyone follows the master's patience
+            flag = torch.tensor([bad_epochs], device=device)
+            dist.broadcast(flag, 0)
+            bad_epochs = int(flag)
+    if bad_epochs > config.patience:
+        say(f"stopped early: {bad_epochs} epochs without a better validation CIDEr-D")
+
+    # --- test: the epoch chosen on validation, scored once ---
+    if master:
+        raw.load_state_dict(runtime.load_checkpoint(out_dir / "ckpt_best.pt")["model"])
+        say(f"test scores of the best epoch ({best_epoch + 1}, validation CIDEr-D {best_cider:.4f}):")
+        features = split_features(raw, feature_path, "test", eval_pairs["test"], images, config, device, ctx)
+        evaluate_test(raw.decoder, features, eval_pairs["test"], splits["test"], tokenizer, config, device, ctx,
+                      out_dir)
+    runtime.cleanup_distributed(dist_)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (data.DataError, FileNotFoundError, FileExistsError, ValueError, RuntimeError) as error:
+        print(f"caption.py: error: {error}", file=sys.stderr)
+        sys.exit(1)
