@@ -27,7 +27,7 @@ Run:  python adapt.py --data synth            small CLIP-shaped model from scrat
       python adapt.py --data clevr            the paper's run on CLEVR-Change (GPUs recommended)
       torchrun --standalone --nproc_per_node=2 adapt.py --data clevr
       python adapt.py --data synth --resume   continue an interrupted run from out_dir/ckpt_last.pt
-      python adapt.py --bench                 one full-size ViT-B/32 training step on the CPU: pairs/s, GFLOP/s
+      python adapt.py --bench [--compile]     one full-size ViT-B/32 training step on the CPU: pairs/s, GFLOP/s
 
 Shape letters: B pairs in a batch, R image side (224), T caption tokens (32), E joint embedding width.
 """
@@ -93,6 +93,7 @@ class Config:
     seed: int = 42                 # random seed (each process adds its rank)
     device: str = "auto"           # auto, cpu, cuda
     dtype: str = "auto"            # auto (bf16 or fp16 on GPU, float32 on CPU), float32, bfloat16, float16
+    compile: bool = False          # torch.compile the encoder: fused element-wise work, after a minute of compiling
     out_dir: str = ""              # checkpoints and logs ("" = runs/adapt_<dataset>)
     log_every: int = 10            # optimizer steps between progress lines
     save_every: int = 200          # optimizer steps between ckpt_last.pt saves (and at every epoch end)
@@ -155,7 +156,8 @@ def get_lr(step: int, total_steps: int, config: Config) -> float:
     return config.lr * 0.5 * (1 + math.cos(math.pi * x))
 
 
-def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp: bool) -> torch.Tensor:
+def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp: bool,
+               logit_scale: torch.nn.Parameter) -> torch.Tensor:
     """One optimizer step over grad_accum micro-batches; returns the mean loss (a tensor, not synced)."""
     total = 0.0
     for i, batch in enumerate(micro_batches):
@@ -175,8 +177,7 @@ def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():  # a temperature below 0.01 makes the softmax too sharp to train, as CLIP found
-        raw = model.module if ddp else model
-        raw.clip.logit_scale.clamp_(max=MAX_LOGIT_SCALE)
+        logit_scale.clamp_(max=MAX_LOGIT_SCALE)
     return total
 
 
@@ -240,35 +241,39 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def benchmark(threads: int = 2, batch_size: int = 16, steps: int = 3) -> dict:
+def benchmark(threads: int = 2, batch_size: int = 16, steps: int = 3, compile: bool = False) -> dict:
     """One stage-1 step of a ViT-B/32-sized encoder (random weights), float32 on the CPU, batch 16, T = 32.
 
-    The same train_step and optimizer as training, with the reference's frozen set. The step time is the
-    fastest of `steps` timed steps after a warm-up step that also counts the FLOPs.
+    The same train_step and optimizer as training, with the reference's frozen set. The FLOPs are counted
+    on a first, eager step (the counter cannot see into compiled code); the step time is the fastest of
+    `steps` timed steps after it (and after compiling, with compile).
     """
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     config = Config(batch_size=batch_size)
-    model = PairEncoder(clip.CLIP(clip.CLIPConfig()), EncoderConfig(config.intra_layers)).train()
-    model.freeze()
-    optimizer = build_optimizer(model, config, torch.device("cpu"))
+    encoder = PairEncoder(clip.CLIP(clip.CLIPConfig()), EncoderConfig(config.intra_layers)).train()
+    encoder.freeze()
+    optimizer = build_optimizer(encoder, config, torch.device("cpu"))
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    side, vocab = model.clip.visual.input_resolution, model.clip.config.vocab_size
+    side, vocab = encoder.clip.visual.input_resolution, encoder.clip.config.vocab_size
     text = torch.randint(0, vocab - 2, (batch_size, config.max_words))
     text[:, 0], text[:, -1] = vocab - 2, vocab - 1  # start and end tokens
     batch = {"before": torch.randn(batch_size, 3, side, side), "after": torch.randn(batch_size, 3, side, side),
              "caption": text}
-    run = lambda: train_step(model, optimizer, scaler, [batch], runtime.autocast(torch.device("cpu"), "float32"),
-                             config, ddp=False)
+    step = lambda model: train_step(model, optimizer, scaler, [batch], runtime.autocast(torch.device("cpu"), "float32"),
+                                    config, False, encoder.clip.logit_scale)
     with flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
-        run()
+        step(encoder)
+    model, result = encoder, {"threads": threads, "batch_size": batch_size, "compiled": compile}
+    if compile:
+        model = torch.compile(encoder)
+        result["compile_s"] = _timed(lambda: step(model))
     matmul_before = matmul_gflops()
-    step_s = min(_timed(run) for _ in range(steps))
+    step_s = min(_timed(lambda: step(model)) for _ in range(steps))
     matmul = max(matmul_before, matmul_gflops())  # the better of two, so a busy moment cannot flatter the step
     gflop = counter.get_total_flops() / 1e9
-    return {"threads": threads, "batch_size": batch_size, "pairs_per_s": batch_size / step_s, "step_s": step_s,
-            "gflop_per_step": gflop, "gflop_per_s": gflop / step_s, "matmul_gflop_per_s": matmul,
-            "fraction_of_matmul": gflop / step_s / matmul}
+    return {**result, "pairs_per_s": batch_size / step_s, "step_s": step_s, "gflop_per_step": gflop,
+            "gflop_per_s": gflop / step_s, "matmul_gflop_per_s": matmul, "fraction_of_matmul": gflop / step_s / matmul}
 
 
 # -----------------------------------------------------------------------------
@@ -278,7 +283,7 @@ def benchmark(threads: int = 2, batch_size: int = 16, steps: int = 3) -> dict:
 def main(argv=None):
     config = runtime.parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
     if config.bench:
-        print(json.dumps(benchmark(), indent=2))
+        print(json.dumps(benchmark(compile=config.compile), indent=2))
         return
     dist_ = runtime.setup_distributed(config.device)
     device, master = dist_.device, dist_.master
@@ -333,6 +338,8 @@ def main(argv=None):
     elif master and ckpt_path.exists():
         raise FileExistsError(f"{ckpt_path} exists: pass --resume to continue that run, or choose another --out_dir")
     raw_model = model
+    if config.compile:
+        model = torch.compile(model)
     if dist_.ddp:
         model = DDP(model, device_ids=[dist_.local_rank] if device.type == "cuda" else None)
 
@@ -379,7 +386,8 @@ def main(argv=None):
                 group["lr"] = get_lr(step, total_steps, config) * group["lr_scale"]
             micro_batches = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()
                               if k in ("before", "after", "caption")} for _ in range(config.grad_accum)]
-            loss = train_step(model, optimizer, scaler, micro_batches, ctx, config, dist_.ddp)
+            loss = train_step(model, optimizer, scaler, micro_batches, ctx, config, dist_.ddp,
+                              raw_model.clip.logit_scale)
             step += 1
             if master and (step % config.log_every == 0 or step == total_steps):
                 loss_value, scale = loss.item(), raw_model.clip.logit_scale.exp().item()

@@ -127,9 +127,31 @@ class LayerNorm(nn.LayerNorm):
         return F.layer_norm(x.float(), self.normalized_shape, self.weight, self.bias, self.eps).to(x.dtype)
 
 
+class _QuickGELUFunction(torch.autograd.Function):
+    """x * sigmoid(1.702 x) through torch's fused silu kernels: y = silu(z) / 1.702 with z = 1.702 x.
+
+    The same function as OpenAI's, with fewer passes over memory: written out, x * sigmoid(1.702 x) costs
+    about 8 element-wise passes forward and backward, a quarter of a training step on the CPU; here the
+    forward is 3 passes and the backward one, since dy/dx = silu'(z) * 1.702 / 1.702 = silu'(z).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        z = x * QUICK_GELU_SCALE
+        ctx.save_for_backward(z)
+        return F.silu(z).div_(QUICK_GELU_SCALE)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (z,) = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad, z)
+
+
 class QuickGELU(nn.Module):
+    """x * sigmoid(1.702 x), the GELU approximation CLIP was trained with."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.sigmoid(QUICK_GELU_SCALE * x)
+        return _QuickGELUFunction.apply(x)
 
 
 class SelfAttention(nn.Module):
