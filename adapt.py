@@ -34,13 +34,11 @@ Shape letters: B pairs in a batch, R image side (224), T caption tokens (32), E 
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP

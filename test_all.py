@@ -5,10 +5,42 @@ Run them with:  python -m pytest test_all.py -q
 Tests that compare against known answers in ../shared (OpenAI's own CLIP outputs, the coco-caption
 toolkit's scores) skip with the reason when that folder is missing, and fail instead under CI=true.
 """
+import functools
+import gzip
+import hashlib
+import http.server
+import json
+import math
 import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import warnings
+import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from PIL import Image
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import adapt
+import caption
+import clip
+import data
+import metrics
+import runtime
+from decoder import CaptionDecoder, DecoderConfig, ids_to_text
+from encoder import FROZEN_IN_REFERENCE, EncoderConfig, PairEncoder, rename_reference_keys
+from losses import caption_loss, contrastive_loss, gather_with_grad
 
 HERE = Path(__file__).resolve().parent
 SHARED = Path(os.environ.get("CLIP4IDC_SHARED", HERE.parent / "shared"))
@@ -23,3 +55,1789 @@ def shared(*parts) -> Path:
             pytest.fail(message)
         pytest.skip(message)
     return path
+
+
+# ======== clip.py ========
+
+
+# tolerances from ../shared/clip_vectors/README.md, "Tolerances (float32, CPU)"
+EMBEDDING_TOL = dict(rtol=1e-5, atol=1e-5)
+LOGITS_TOL = dict(rtol=1e-5, atol=1e-4)
+INTERMEDIATE_TOL = dict(rtol=1e-5, atol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def openai_tokenizer():
+    return clip.get_tokenizer(shared("clip_vectors", "bpe_simple_vocab_16e6.txt.gz"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_cases():
+    return json.loads(shared("clip_vectors", "tokenizer_public.json").read_text())["cases"]
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return torch.load(shared("clip_vectors", "tiny_expected.pt"), weights_only=True)
+
+
+def test_encode_gives_openais_ids_for_all_412_public_strings(openai_tokenizer, tokenizer_cases):
+    assert len(tokenizer_cases) == 412
+    wrong = [case["id"] for case in tokenizer_cases if openai_tokenizer.encode(case["text"]) != case["encode"]]
+    assert wrong == []
+
+
+def test_tokenize_gives_openais_int32_rows_for_all_412_public_strings(openai_tokenizer, tokenizer_cases):
+    rows = clip.tokenize([case["text"] for case in tokenizer_cases], truncate=True, tokenizer=openai_tokenizer)
+    assert rows.dtype == torch.int32 and rows.shape == (412, 77)
+    expected_rows = [case["tokenize"] + [clip.PAD_ID] * (77 - len(case["tokenize"])) for case in tokenizer_cases]
+    wrong = [case["id"] for case, row, want in zip(tokenizer_cases, rows.tolist(), expected_rows) if row != want]
+    assert wrong == []
+
+
+def test_decode_gives_openais_text_for_all_412_public_strings(openai_tokenizer, tokenizer_cases):
+    wrong = [case["id"] for case in tokenizer_cases if openai_tokenizer.decode(case["encode"]) != case["decode"]]
+    assert wrong == []
+
+
+def test_openais_vocabulary_has_49408_ids_with_the_specials_last(openai_tokenizer):
+    assert (openai_tokenizer.vocab_size, openai_tokenizer.sot_id, openai_tokenizer.eot_id) == (49408, 49406, 49407)
+    assert openai_tokenizer.decode([clip.PAD_ID]) == "!"  # CLIP has no pad token: id 0 is "!"
+
+
+def test_tokenize_refuses_a_caption_that_is_too_long_unless_truncating(openai_tokenizer, tokenizer_cases):
+    long_text = next(case["text"] for case in tokenizer_cases if case["truncated"])
+    with pytest.raises(RuntimeError, match="truncate=True"):
+        clip.tokenize(long_text, tokenizer=openai_tokenizer)
+    row = clip.tokenize(long_text, truncate=True, tokenizer=openai_tokenizer)[0]
+    assert row[0] == 49406 and row[-1] == 49407  # cut to 77, the last token overwritten by EOT
+
+
+def test_a_tiny_merges_file_gives_a_small_vocabulary_with_derived_special_ids(tmp_path):
+    path = tmp_path / "bpe_tiny.txt.gz"
+    path.write_bytes(gzip.compress("#version: 0.2\nc u\nb e</w>\ncu be</w>\n".encode("utf-8")))
+    tokenizer = clip.SimpleTokenizer(path)
+    assert (tokenizer.vocab_size, tokenizer.sot_id, tokenizer.eot_id) == (512 + 3 + 2, 515, 516)
+    assert tokenizer.encode("Cube") == [514]              # c u b e</w> -> cu b e</w> -> cu be</w> -> cube</w>
+    assert tokenizer.encode("cubes") == [512, 65, 68, 338]  # cu, then the byte symbols b, e and s</w>
+    assert clip.tokenize("cube cube", context_length=6, tokenizer=tokenizer).tolist() == [[515, 514, 514, 516, 0, 0]]
+    assert tokenizer.decode([514, 514]) == "cube cube "
+
+
+def test_a_file_that_is_not_a_merges_file_is_refused_with_its_name(tmp_path):
+    path = tmp_path / "vocab.txt.gz"
+    path.write_bytes(gzip.compress(b'{"a": 1}\n'))
+    with pytest.raises(ValueError, match="vocab.txt.gz.*#version"):
+        clip.SimpleTokenizer(path)
+
+
+def test_the_vocabulary_is_found_through_clip_bpe_path(monkeypatch):
+    vocabulary = shared("clip_vectors", "bpe_simple_vocab_16e6.txt.gz")
+    monkeypatch.setenv("CLIP_BPE_PATH", str(vocabulary))
+    assert clip.get_tokenizer() is clip.get_tokenizer(vocabulary)  # one tokenizer per vocabulary file
+    assert clip.tokenize("a cube")[0, :4].tolist() == [49406, 320, 11353, 49407]
+
+
+def test_a_missing_vocabulary_offline_says_where_it_looked_and_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("CLIP_BPE_PATH", raising=False)
+    monkeypatch.setenv("CLIP_CACHE", str(tmp_path))
+    monkeypatch.setattr(clip, "BPE_URL", (tmp_path / "offline" / "bpe_simple_vocab_16e6.txt.gz").as_uri())
+    with pytest.raises(FileNotFoundError) as error:
+        clip.SimpleTokenizer()
+    assert "bpe_simple_vocab_16e6.txt.gz" in str(error.value) and str(tmp_path) in str(error.value)
+    assert "curl" in str(error.value) and "CLIP_BPE_PATH" in str(error.value)
+    assert list(tmp_path.iterdir()) == []  # no partial download left behind
+
+
+def test_openai_preprocessing_matches_openais_on_every_test_image():
+    folder = shared("clip_vectors", "preprocess_vectors")
+    images = json.loads((folder / "images.json").read_text())["images"]
+    expected = np.load(folder / "expected.npz")
+    preprocess = clip.transform(224)
+    for name in images:
+        image = Image.open(folder / f"{name}.png")
+        pixels = clip.center_crop_to_uint8(image, 224)  # (224, 224, 3) after resize, crop and convert("RGB")
+        np.testing.assert_array_equal(pixels, expected[f"{name}__rgb_uint8"], err_msg=name)
+        np.testing.assert_allclose(preprocess(image).numpy(), expected[name], rtol=0, atol=1e-6, err_msg=name)
+    assert len(images) == 6
+
+
+def test_pair_preprocessing_resizes_straight_to_a_square_without_cropping():
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (320, 480, 3), dtype=np.uint8))  # CLEVR size
+    pixels = clip.resize_to_uint8(image, 224)
+    np.testing.assert_array_equal(pixels, np.asarray(image.resize((224, 224), Image.Resampling.BICUBIC)))
+    torch.testing.assert_close(clip.pair_transform(224)(image), clip.normalize(pixels))
+
+
+def test_normalize_turns_a_batch_of_uint8_images_into_clip_inputs():
+    white = np.full((2, 4, 4, 3), 255, dtype=np.uint8)  # (B, H, W, 3), as data.py caches them
+    x = clip.normalize(white)
+    assert x.shape == (2, 3, 4, 4) and x.dtype == torch.float32
+    assert math.isclose(x[0, 0, 0, 0].item(), (1 - clip.CLIP_MEAN[0]) / clip.CLIP_STD[0], rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("filename", ["tiny_openai_jit.pt", "tiny_openai_state_dict.pt"])
+def test_both_tiny_checkpoints_load_and_reproduce_openais_outputs(filename, expected, openai_tokenizer):
+    model, preprocess = clip.load(shared("clip_vectors", filename))
+    assert model.config.image_resolution == 64 and model.visual.input_resolution == 64
+    tokens = clip.tokenize(expected["texts"], truncate=True, tokenizer=openai_tokenizer)
+    assert torch.equal(tokens, expected["text_tokens"])
+    with torch.no_grad():
+        torch.testing.assert_close(model.encode_image(expected["images"]), expected["encode_image"], **EMBEDDING_TOL)
+        torch.testing.assert_close(model.encode_text(tokens), expected["encode_text"], **EMBEDDING_TOL)
+        logits_per_image, logits_per_text = model(expected["images"], tokens)
+    torch.testing.assert_close(logits_per_image, expected["logits_per_image"], **LOGITS_TOL)
+    torch.testing.assert_close(logits_per_text, expected["logits_per_text"], **LOGITS_TOL)
+    torch.testing.assert_close(model.logit_scale.exp().detach(), expected["logit_scale_exp"])
+
+
+def test_every_intermediate_activation_matches_openais(expected):
+    model, _ = clip.load(shared("clip_vectors", "tiny_openai_jit.pt"))
+    images, tokens = expected["images"], expected["text_tokens"]
+    with torch.no_grad():
+        visual = model.visual
+        torch.testing.assert_close(visual.conv1(images), expected["visual_patch_embed"], **INTERMEDIATE_TOL)
+        x = visual.embed(images)
+        torch.testing.assert_close(x, expected["visual_ln_pre"], **INTERMEDIATE_TOL)
+        for block, want in zip(visual.transformer.resblocks, expected["visual_blocks"], strict=True):
+            x = block(x)
+            torch.testing.assert_close(x, want, **INTERMEDIATE_TOL)
+        torch.testing.assert_close(visual.ln_post(x), expected["visual_ln_post_all_tokens"], **INTERMEDIATE_TOL)
+
+        x = model.token_embedding(tokens) + model.positional_embedding
+        torch.testing.assert_close(x, expected["text_input_embeddings"], **INTERMEDIATE_TOL)
+        for block, want in zip(model.transformer.resblocks, expected["text_blocks"], strict=True):
+            x = block(x, causal=True)
+            torch.testing.assert_close(x, want, **INTERMEDIATE_TOL)
+        torch.testing.assert_close(model.ln_final(x), expected["text_ln_final"], **INTERMEDIATE_TOL)
+    assert tokens.argmax(-1).tolist() == expected["text_eot_index"].tolist() == [9, 1, 19, 76]
+
+
+def test_reading_the_torchscript_archive_gives_exactly_its_jit_state_dict():
+    path = shared("clip_vectors", "tiny_openai_jit.pt")
+    ours = clip.load_state_dict(path, dtype=None)  # stored dtypes, as torch.jit.load gives them
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit is deprecated in torch 2.13
+        theirs = torch.jit.load(str(path), map_location="cpu").state_dict()
+    assert list(ours) == list(theirs) and len(ours) == 89
+    for key in theirs:
+        assert ours[key].dtype == theirs[key].dtype and torch.equal(ours[key], theirs[key]), key
+
+
+def test_load_state_dict_casts_weights_to_float32_and_keeps_the_metadata_ints():
+    state_dict = clip.load_state_dict(shared("clip_vectors", "tiny_openai_state_dict.pt"))
+    assert {v.dtype for k, v in state_dict.items() if k not in clip.METADATA_KEYS} == {torch.float32}
+    assert [state_dict[k].item() for k in clip.METADATA_KEYS] == [64, 77, 49408]
+
+
+def test_an_archive_that_asks_for_any_other_python_name_is_refused_not_run(tmp_path):
+    path = tmp_path / "evil.pt"
+    payload = b"\x80\x02cos\nsystem\nX\x04\x00\x00\x00trueq\x00\x85R."  # would call os.system("true")
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("evil/data.pkl", payload)
+        archive.writestr("evil/constants.pkl", b"\x80\x02).")
+    with pytest.raises(RuntimeError, match="refusing to load os.system; .* not what it claims"):
+        clip.load_state_dict(path)
+
+
+def vit_b32_shaped_state_dict() -> dict:
+    """Random tensors under every key of OpenAI's ViT-B-32.pt, with its shapes (and its fp16/fp32 layout)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = {"positional_embedding": (77, 512), "text_projection": (512, 512), "logit_scale": (),
+              "visual.class_embedding": (768,), "visual.positional_embedding": (50, 768), "visual.proj": (768, 512),
+              "visual.conv1.weight": (768, 3, 32, 32), "visual.ln_pre.weight": (768,), "visual.ln_pre.bias": (768,),
+              "visual.ln_post.weight": (768,), "visual.ln_post.bias": (768,), "token_embedding.weight": (49408, 512),
+              "ln_final.weight": (512,), "ln_final.bias": (512,)}
+    for tower, width in (("visual.transformer", 768), ("transformer", 512)):
+        for i in range(12):
+            block = f"{tower}.resblocks.{i}."
+            shapes |= {block + "attn.in_proj_weight": (3 * width, width), block + "attn.in_proj_bias": (3 * width,),
+                       block + "attn.out_proj.weight": (width, width), block + "attn.out_proj.bias": (width,),
+                       block + "ln_1.weight": (width,), block + "ln_1.bias": (width,),
+                       block + "mlp.c_fc.weight": (4 * width, width), block + "mlp.c_fc.bias": (4 * width,),
+                       block + "mlp.c_proj.weight": (width, 4 * width), block + "mlp.c_proj.bias": (width,),
+                       block + "ln_2.weight": (width,), block + "ln_2.bias": (width,)}
+    state_dict = {k: torch.randn(shape, generator=g).to(torch.float16 if len(shape) >= 2 else torch.float32)
+                  for k, shape in shapes.items()}
+    state_dict |= {"input_resolution": torch.tensor(224), "context_length": torch.tensor(77),
+                   "vocab_size": torch.tensor(49408)}
+    return state_dict
+
+
+def test_a_vit_b32_shaped_state_dict_loads_strictly_and_is_recognised_as_vit_b32():
+    model = clip.build_model(vit_b32_shaped_state_dict())
+    assert model.config == clip.CLIPConfig(embed_dim=512, image_resolution=224, vision_layers=12, vision_width=768,
+                                           vision_patch_size=32, context_length=77, vocab_size=49408,
+                                           transformer_width=512, transformer_heads=8, transformer_layers=12)
+    assert model.config.vision_heads == 12 and not model.training
+    assert sum(p.numel() for p in model.parameters()) == 151_277_313  # ViT-B/32's published size
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda sd: sd.pop("visual.ln_post.bias"), "Missing key.*visual.ln_post.bias"),
+    (lambda sd: sd.update({"visual.extra": torch.zeros(1)}), "Unexpected key.*visual.extra"),
+    (lambda sd: sd.pop("visual.conv1.weight"), "no 'visual.conv1.weight'"),
+])
+def test_a_state_dict_with_missing_or_extra_keys_is_refused_by_name(change, message):
+    state_dict = clip.load_state_dict(shared("clip_vectors", "tiny_openai_state_dict.pt"))
+    change(state_dict)
+    with pytest.raises((RuntimeError, KeyError), match=message):
+        clip.build_model(state_dict)
+
+
+def test_a_missing_weights_file_is_reported_with_its_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere.pt"):
+        clip.load(tmp_path / "nowhere.pt")
+    with pytest.raises(FileNotFoundError, match="nowhere.pt"):
+        clip.load_state_dict(tmp_path / "nowhere.pt")
+
+
+def _truncated(data):
+    return data[: len(data) // 2]
+
+
+def _one_byte_flipped_in_the_first_tensor(data):
+    position = data.index(b"tiny_openai_jit/data/0") + 200  # inside that record's bytes: its CRC no longer matches
+    return data[:position] + bytes([data[position] ^ 0xFF]) + data[position + 1:]
+
+
+@pytest.mark.parametrize("filename, damage", [
+    ("tiny_openai_jit.pt", _truncated),
+    ("tiny_openai_state_dict.pt", _truncated),
+    ("tiny_openai_jit.pt", _one_byte_flipped_in_the_first_tensor),
+    ("tiny_openai_jit.pt", lambda data: b"not a weights file at all"),
+])
+def test_a_truncated_or_corrupt_weights_file_gives_a_clear_error(filename, damage, tmp_path):
+    path = tmp_path / filename
+    path.write_bytes(damage(shared("clip_vectors", filename).read_bytes()))
+    with pytest.raises(RuntimeError, match=f"{filename}.*(corrupt|truncated)"):
+        clip.load(path)
+
+
+def test_a_named_model_offline_fails_fast_naming_the_missing_file(tmp_path, monkeypatch):
+    url = (tmp_path / "offline" / ("0" * 64) / "ViT-B-32.pt").as_uri()
+    monkeypatch.setitem(clip.MODEL_URLS, "ViT-B/32", url)
+    with pytest.raises(FileNotFoundError) as error:
+        clip.load("ViT-B/32", download_root=tmp_path / "cache")
+    assert str(tmp_path / "cache" / "ViT-B-32.pt") in str(error.value) and "curl" in str(error.value)
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_load_downloads_a_named_model_into_the_cache_once_its_checksum_matches(tmp_path, monkeypatch, expected):
+    source = shared("clip_vectors", "tiny_openai_jit.pt")
+    sha256 = hashlib.sha256(source.read_bytes()).hexdigest()
+    (tmp_path / "server" / sha256).mkdir(parents=True)  # OpenAI's URLs embed the sha256 the same way
+    shutil.copy(source, tmp_path / "server" / sha256 / "tiny.pt")
+    monkeypatch.setitem(clip.MODEL_URLS, "tiny", (tmp_path / "server" / sha256 / "tiny.pt").as_uri())
+    monkeypatch.setenv("CLIP_CACHE", str(tmp_path / "cache"))
+    model, _ = clip.load("tiny")
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["tiny.pt"]
+    with torch.no_grad():
+        torch.testing.assert_close(model.encode_image(expected["images"]), expected["encode_image"], **EMBEDDING_TOL)
+
+
+@pytest.fixture
+def http_folder(tmp_path):
+    """A folder served by http.server on 127.0.0.1 in a thread; yields (folder, base URL)."""
+    folder = tmp_path / "served"
+    folder.mkdir()
+
+    class QuietHandler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(QuietHandler, directory=folder))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield folder, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_download_over_http_keeps_a_file_only_when_its_sha256_matches(http_folder, tmp_path):
+    folder, base_url = http_folder
+    data = b"weights " * 100_000
+    (folder / "weights.bin").write_bytes(data)
+    cache = tmp_path / "cache"
+    with pytest.raises(RuntimeError, match="sha256.*deleted"):
+        clip.download(f"{base_url}/weights.bin", cache, "0" * 64)
+    assert list(cache.iterdir()) == []  # the bad download is gone, no temporary file left
+    path = clip.download(f"{base_url}/weights.bin", cache, hashlib.sha256(data).hexdigest())
+    assert path == cache / "weights.bin" and path.read_bytes() == data
+    assert list(cache.iterdir()) == [path]
+
+
+def test_download_from_a_file_url_deletes_a_bad_download_and_keeps_a_good_one(tmp_path):
+    source = tmp_path / "weights.bin"
+    source.write_bytes(b"abc")
+    cache = tmp_path / "cache"
+    with pytest.raises(RuntimeError, match="sha256"):
+        clip.download(source.as_uri(), cache, "0" * 64)
+    assert list(cache.iterdir()) == []
+    sha256 = hashlib.sha256(b"abc").hexdigest()
+    assert clip.download(source.as_uri(), cache, sha256).read_bytes() == b"abc"
+    assert list(cache.iterdir()) == [cache / "weights.bin"]
+
+
+def test_download_replaces_a_cached_file_whose_checksum_is_wrong(tmp_path):
+    source = tmp_path / "weights.bin"
+    source.write_bytes(b"good")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "weights.bin").write_bytes(b"bad")
+    with pytest.warns(UserWarning, match="downloading it again"):
+        path = clip.download(source.as_uri(), cache, hashlib.sha256(b"good").hexdigest())
+    assert path.read_bytes() == b"good" and list(cache.iterdir()) == [path]
+
+
+def test_a_failed_download_raises_oserror_and_leaves_nothing_behind(http_folder, tmp_path):
+    _, base_url = http_folder
+    with pytest.raises(OSError, match="404"):
+        clip.download(f"{base_url}/missing.bin", tmp_path / "cache", "0" * 64)
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def tiny_config(**overrides) -> clip.CLIPConfig:
+    sizes = dict(embed_dim=16, image_resolution=32, vision_layers=2, vision_width=64, vision_patch_size=16,
+                 context_length=77, vocab_size=600, transformer_width=64, transformer_heads=2, transformer_layers=2)
+    return clip.CLIPConfig(**(sizes | overrides))
+
+
+def test_a_32_token_caption_embeds_exactly_like_its_77_token_row():
+    torch.manual_seed(0)
+    model = clip.CLIP(tiny_config()).eval()
+    tokens = torch.zeros(2, 77, dtype=torch.int32)
+    tokens[0, :4] = torch.tensor([598, 7, 9, 599])   # SOT, two words, EOT (SOT/EOT are the 2 largest ids)
+    tokens[1, :3] = torch.tensor([598, 11, 599])
+    with torch.no_grad():  # CLIP4IDC feeds 32 tokens: the causal mask makes the padding after EOT irrelevant
+        torch.testing.assert_close(model.encode_text(tokens[:, :32]), model.encode_text(tokens), rtol=0, atol=1e-6)
+
+
+def test_initialize_parameters_follows_openais_recipe():
+    torch.manual_seed(0)
+    model = clip.CLIP(tiny_config(vocab_size=5000, transformer_layers=8))
+    assert model.logit_scale.item() == pytest.approx(math.log(1 / 0.07))  # temperature 0.07
+    assert model.token_embedding.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    proj_std = 64 ** -0.5 * (2 * 8) ** -0.5  # residual projections shrink with depth
+    assert model.transformer.resblocks[0].mlp.c_proj.weight.std().item() == pytest.approx(proj_std, rel=0.05)
+
+
+def test_layer_norm_computes_in_float32_and_returns_the_input_dtype():
+    norm = clip.LayerNorm(8)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0)) * 1000
+    out = norm(x.bfloat16())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, norm(x.bfloat16().float()).bfloat16(), rtol=0, atol=0)
+
+
+# ======== encoder.py and losses.py ========
+
+# --- losses.py ---
+
+
+def test_contrastive_loss_matches_a_direct_computation():
+    text = torch.tensor([[1.0, 0.0], [0.6, 0.8], [0.0, 2.0]])
+    pair = torch.tensor([[2.0, 0.1], [1.0, 1.0], [-0.5, 1.0]])
+    logit_scale = torch.tensor(math.log(10.0))
+    # cosine similarities times exp(logit_scale), then cross-entropy with caption i <-> pair i
+    cos = [[sum(a * b for a, b in zip(t, p)) / (math.hypot(*t) * math.hypot(*p)) for p in pair.tolist()]
+           for t in text.tolist()]
+    s = [[10.0 * c for c in row] for row in cos]
+    n = len(s)
+    text_to_pair = sum(-s[i][i] + math.log(sum(math.exp(s[i][j]) for j in range(n))) for i in range(n)) / n
+    pair_to_text = sum(-s[i][i] + math.log(sum(math.exp(s[j][i]) for j in range(n))) for i in range(n)) / n
+    expected = (text_to_pair + pair_to_text) / 2
+    assert math.isclose(contrastive_loss(text, pair, logit_scale).item(), expected, rel_tol=1e-6)
+
+
+def test_contrastive_loss_is_computed_in_float32_under_bf16_autocast():
+    text, pair = torch.randn(4, 8).bfloat16(), torch.randn(4, 8).bfloat16()
+    logit_scale = torch.tensor(math.log(100.0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = contrastive_loss(text, pair, logit_scale)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, contrastive_loss(text.float(), pair.float(), logit_scale), rtol=1e-6, atol=1e-6)
+
+
+def test_gather_with_grad_is_the_identity_in_one_process():
+    x = torch.randn(4, 3)
+    assert gather_with_grad(x) is x
+
+
+class _TwoTowers(nn.Module):
+    """A stand-in for the pair encoder: one linear map per modality and CLIP's logit scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.text = nn.Linear(6, 4)
+        self.pair = nn.Linear(5, 4)
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+
+    def forward(self, text_in, pair_in):
+        return {"text_embedding": self.text(text_in), "pair_embedding": self.pair(pair_in),
+                "logit_scale": self.logit_scale}
+
+
+def _full_batch():
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(8, 6, generator=generator), torch.randn(8, 5, generator=generator)
+
+
+def _loss_and_gradients(model, text_in, pair_in):
+    out = model(text_in, pair_in)
+    loss = contrastive_loss(out["text_embedding"], out["pair_embedding"], out["logit_scale"])
+    loss.backward()
+    named = model.module.named_parameters() if isinstance(model, DDP) else model.named_parameters()
+    return {"loss": loss.detach(), **{name: p.grad.clone() for name, p in named}}
+
+
+def _ddp_worker(rank, world, port, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = DDP(_TwoTowers())  # DDP averages the parameter gradients over the processes
+    text_in, pair_in = _full_batch()
+    b = text_in.shape[0] // world
+    mine = slice(rank * b, (rank + 1) * b)  # this process's share of the global batch
+    torch.save(_loss_and_gradients(model, text_in[mine], pair_in[mine]), f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_with_b_pairs_each_train_like_one_process_with_2b_pairs(tmp_path):
+    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    torch.manual_seed(0)
+    one_process = _loss_and_gradients(_TwoTowers(), *_full_batch())
+    for rank in range(2):
+        two_processes = torch.load(tmp_path / f"rank{rank}.pt")
+        assert two_processes.keys() == one_process.keys()
+        for name, expected in one_process.items():
+            torch.testing.assert_close(two_processes[name], expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_caption_loss_ignores_padding_targets():
+    pad_id = 0
+    logits = torch.randn(2, 4, 7, generator=torch.Generator().manual_seed(0))
+    targets = torch.tensor([[3, 5, 1, pad_id], [2, pad_id, pad_id, pad_id]])
+    log_probs = logits.log_softmax(-1)
+    real = [(0, 0), (0, 1), (0, 2), (1, 0)]  # (caption, position) of the 4 targets that are not padding
+    expected = -sum(log_probs[b, t, targets[b, t]] for b, t in real) / len(real)
+    torch.testing.assert_close(caption_loss(logits, targets, pad_id), expected)
+    changed_at_padding = logits.clone()
+    changed_at_padding[1, 1:] = 100.0
+    torch.testing.assert_close(caption_loss(changed_at_padding, targets, pad_id), expected)
+
+
+# --- encoder.py ---
+
+TINY = dict(embed_dim=32, image_resolution=64, vision_layers=4, vision_width=128, vision_patch_size=16,
+            context_length=77, vocab_size=1000, transformer_width=64, transformer_heads=1, transformer_layers=2)
+N = (64 // 16) ** 2  # 16 patches per image of the tiny CLIP
+D, E = 128, 32  # its vision width and joint embedding width
+
+
+def _tiny_encoder(intra_layers=3):
+    torch.manual_seed(0)
+    return PairEncoder(clip.CLIP(clip.CLIPConfig(**TINY)), EncoderConfig(intra_layers=intra_layers)).eval()
+
+
+def _images(batch=2, seed=1):
+    return torch.randn(batch, 3, 64, 64, generator=torch.Generator().manual_seed(seed))
+
+
+def test_with_every_block_intra_image_the_cls_output_is_clips_image_embedding():
+    model = _tiny_encoder(intra_layers=4)  # split at the last block: no inter-image layers
+    images = _images()
+    with torch.no_grad():
+        cls = model.project(model.intra_image(images))[:, 0]  # join (before/after, joint positions, ln_mid) bypassed
+        torch.testing.assert_close(cls, model.clip.encode_image(images), rtol=1e-5, atol=1e-5)
+
+
+def test_on_the_tiny_openai_checkpoint_the_intra_image_cls_output_is_openais_image_embedding():
+    expected = torch.load(shared("clip_vectors", "tiny_expected.pt"))
+    clip_model = clip.build_model(clip.load_state_dict(shared("clip_vectors", "tiny_openai_state_dict.pt")))
+    model = PairEncoder(clip_model, EncoderConfig(intra_layers=len(clip_model.visual.transformer.resblocks)))
+    with torch.no_grad():
+        cls = model.project(model.intra_image(expected["images"]))[:, 0]
+    torch.testing.assert_close(cls, expected["encode_image"], rtol=1e-5, atol=1e-5)
+
+
+def test_every_step_of_the_pair_encoder_has_the_documented_shape():
+    model = _tiny_encoder(intra_layers=3)
+    before, after = _images(seed=1), _images(seed=2)
+    text = torch.randint(0, 998, (2, 8))
+    text[:, -1] = 999  # end-of-text, the largest id
+    with torch.no_grad():
+        intra = model.intra_image(before)
+        joint = model.join(intra, model.intra_image(after))
+        inter = model.inter_image(joint)
+        tokens = model.project(inter)
+        out = model(before, after, text)
+    assert intra.shape == (2, N + 1, D)
+    assert joint.shape == inter.shape == (2, 2 * (N + 1), D)
+    assert tokens.shape == (2, 2 * (N + 1), E)
+    assert model.pool(tokens).shape == (2, E)
+    assert {key: tuple(value.shape) for key, value in out.items()} == {
+        "pair_embedding": (2, E), "pair_tokens": (2, 2 * (N + 1), E), "text_embedding": (2, E), "logit_scale": ()}
+    torch.testing.assert_close(out["pair_tokens"], tokens)
+
+
+def test_the_pair_embedding_is_the_mean_of_the_before_and_after_cls_tokens():
+    model = _tiny_encoder()
+    with torch.no_grad():
+        out = model.encode_pair(_images(seed=1), _images(seed=2))
+    tokens = out["pair_tokens"]
+    torch.testing.assert_close(out["pair_embedding"], (tokens[:, 0] + tokens[:, N + 1]) / 2)
+
+
+def test_swapping_before_and_after_changes_the_pair_embedding():
+    model = _tiny_encoder()
+    before, after = _images(seed=1), _images(seed=2)
+    with torch.no_grad():
+        forward = model.encode_pair(before, after)["pair_embedding"]
+        swapped = model.encode_pair(after, before)["pair_embedding"]
+    assert (forward - swapped).abs().max() > 1e-3
+
+
+def test_inter_image_layers_let_the_before_image_see_the_after_image():
+    before, after, other_after = _images(seed=1), _images(seed=2), _images(seed=3)
+    for intra_layers, sees_after in [(3, True), (4, False)]:
+        model = _tiny_encoder(intra_layers)
+        with torch.no_grad():
+            cls_a = model.encode_pair(before, after)["pair_tokens"][:, 0]
+            cls_b = model.encode_pair(before, other_after)["pair_tokens"][:, 0]
+        assert ((cls_a - cls_b).abs().max() > 1e-3) == sees_after
+
+
+def test_new_parameters_start_at_scale_width_to_the_minus_half():
+    model = _tiny_encoder()
+    assert model.joint_positional_embedding.shape == (2 * (N + 1), D)
+    for p in (model.before_embedding, model.after_embedding, model.joint_positional_embedding):
+        assert abs(p.std().item() - D ** -0.5) < 0.2 * D ** -0.5
+    assert not torch.equal(model.joint_positional_embedding[:N + 1], model.clip.visual.positional_embedding)
+    assert torch.equal(model.ln_mid.weight, torch.ones(D)) and torch.equal(model.ln_mid.bias, torch.zeros(D))
+
+
+def test_a_split_point_beyond_the_vision_blocks_is_refused():
+    with pytest.raises(ValueError, match="intra_layers=5"):
+        _tiny_encoder(intra_layers=5)
+
+
+def test_freeze_stops_exactly_the_references_frozen_clip_parts():
+    model = _tiny_encoder()
+    frozen = model.freeze()
+    assert FROZEN_IN_REFERENCE == ("visual.conv1", "visual.class_embedding", "visual.positional_embedding",
+                                   "visual.ln_pre", "token_embedding", "positional_embedding")
+    assert sorted(frozen) == sorted([
+        "clip.visual.conv1.weight", "clip.visual.class_embedding", "clip.visual.positional_embedding",
+        "clip.visual.ln_pre.weight", "clip.visual.ln_pre.bias", "clip.token_embedding.weight",
+        "clip.positional_embedding"])
+    assert {name for name, p in model.named_parameters() if not p.requires_grad} == set(frozen)
+
+
+def test_optimizer_groups_put_new_parameters_at_lr_and_clip_at_the_scaled_lr_without_decay_for_norms():
+    model = _tiny_encoder()
+    model.freeze()
+    groups = {g["name"]: g for g in model.optimizer_groups(lr=1e-4, clip_lr_scale=1e-3, weight_decay=0.2)}
+    names = {id(p): name for name, p in model.named_parameters()}
+    members = {key: {names[id(p)] for p in g["params"]} for key, g in groups.items()}
+    assert members["joint"] == {"before_embedding", "after_embedding", "joint_positional_embedding"}
+    assert members["joint_no_decay"] == {"ln_mid.weight", "ln_mid.bias"}
+    assert {"clip.logit_scale", "clip.visual.proj", "clip.text_projection"} <= members["clip"]
+    assert {"clip.visual.ln_post.weight", "clip.ln_final.weight", "clip.visual.transformer.resblocks.0.ln_1.weight",
+            "clip.transformer.resblocks.0.attn.in_proj_bias"} <= members["clip_no_decay"]
+    assert [(groups[k]["lr"], groups[k]["weight_decay"]) for k in ("joint", "joint_no_decay", "clip", "clip_no_decay")] \
+        == [(1e-4, 0.2), (1e-4, 0.0), (1e-4 * 1e-3, 0.2), (1e-4 * 1e-3, 0.0)]
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert set().union(*members.values()) == trainable and sum(map(len, members.values())) == len(trainable)
+
+
+def test_a_reference_checkpoint_loads_after_renaming_its_new_parameters():
+    model = _tiny_encoder()
+    ours_to_reference = {ours: reference for reference, ours in
+                         [("clip.visual.bef_embedding", "before_embedding"), ("clip.visual.aft_embedding", "after_embedding"),
+                          ("clip.visual.joint_positional_embedding", "joint_positional_embedding"),
+                          ("clip.visual.ln_mid.weight", "ln_mid.weight"), ("clip.visual.ln_mid.bias", "ln_mid.bias")]}
+    reference = {ours_to_reference.get(key, key): value.half() for key, value in model.state_dict().items()}
+    reference["decoder.some_layer.weight"] = torch.zeros(3)
+    fresh = _tiny_encoder()
+    fresh.load_state_dict(rename_reference_keys(reference), strict=True)
+    torch.testing.assert_close(fresh.before_embedding, model.before_embedding.half().float())
+
+
+# ======== decoder.py ========
+
+# A tiny decoder: 3 + 3 layers as the reference, narrow and with a 50-token vocabulary. Its init is wider than
+# the reference's 0.02 so that a random model's greedy captions differ from pair to pair.
+TINY_DECODER_CONFIG = DecoderConfig(hidden=32, heads=4, ffn=64, vocab_size=50, max_positions=40, visual_tokens=6, init_std=0.1)
+SOT_ID, EOT_ID = TINY_DECODER_CONFIG.vocab_size - 2, TINY_DECODER_CONFIG.vocab_size - 1
+
+
+def tiny_decoder(seed=0, config=TINY_DECODER_CONFIG):
+    torch.manual_seed(seed)
+    return CaptionDecoder(config).eval()
+
+
+def visual_tokens(batch, seed=1, config=TINY_DECODER_CONFIG):
+    return torch.randn(batch, config.visual_tokens, config.hidden, generator=torch.Generator().manual_seed(seed))
+
+
+def never_emit(decoder, token):
+    with torch.no_grad():
+        decoder.output_bias[token] = -1e4
+
+
+# --- the model ---
+
+
+def test_forward_returns_one_row_of_logits_per_caption_token():
+    decoder = tiny_decoder()
+    caption_in = torch.randint(0, TINY_DECODER_CONFIG.vocab_size, (3, 7))
+    assert decoder(visual_tokens(3), caption_in).shape == (3, 7, TINY_DECODER_CONFIG.vocab_size)
+
+
+def test_the_full_size_decoder_has_the_reference_parameter_count():
+    decoder = CaptionDecoder(DecoderConfig())
+    embeddings = 49408 * 512 + 77 * 512 + 2 * 512  # word, position, their LayerNorm
+    attention = 4 * (512 * 512 + 512) + 2 * 512  # query, key, value, out, LayerNorm
+    feed_forward = 512 * 2048 + 2048 + 2048 * 512 + 512 + 2 * 512
+    head = 512 * 512 + 512 + 2 * 512 + 49408  # dense, LayerNorm, output bias; the output weight is the word embedding
+    expected = embeddings + 3 * (attention + feed_forward) + 3 * (2 * attention + feed_forward) + head
+    assert expected == 47_719_680
+    assert sum(p.numel() for p in decoder.parameters()) == expected
+
+
+def test_a_fresh_decoder_starts_from_the_reference_init():
+    torch.manual_seed(0)
+    decoder = CaptionDecoder(DecoderConfig(hidden=64, heads=4, ffn=128, vocab_size=2000))
+    assert torch.equal(decoder.output_bias, torch.zeros(2000))
+    assert torch.equal(decoder.head_norm.weight, torch.ones(64)) and torch.equal(decoder.head_norm.bias, torch.zeros(64))
+    assert torch.equal(decoder.caption_layers[2].feed_forward.down.bias, torch.zeros(64))
+    assert abs(decoder.word_embedding.std().item() - 0.02) < 0.001
+    assert abs(decoder.visual_layers[0].self_attention.query.weight.std().item() - 0.02) < 0.002
+
+
+def test_decoder_layer_i_cross_attends_to_the_output_of_visual_layer_i():
+    decoder = tiny_decoder()
+    visual_outputs, cross_attention_sources = [], []
+    for visual_layer, caption_layer in zip(decoder.visual_layers, decoder.caption_layers):
+        visual_layer.register_forward_hook(lambda module, args, output: visual_outputs.append(output))
+        caption_layer.cross_attention.key.register_forward_hook(
+            lambda module, args, output: cross_attention_sources.append(args[0]))
+    decoder(visual_tokens(2), torch.randint(0, TINY_DECODER_CONFIG.vocab_size, (2, 4)))
+    assert len(visual_outputs) == len(cross_attention_sources) == 3
+    for visual_output, source in zip(visual_outputs, cross_attention_sources):
+        assert source is visual_output
+    assert not torch.equal(visual_outputs[0], visual_outputs[2])
+
+
+def test_a_later_caption_token_never_changes_an_earlier_logit():
+    decoder = tiny_decoder()
+    visual = visual_tokens(2)
+    caption_in = torch.randint(0, TINY_DECODER_CONFIG.vocab_size, (2, 10))
+    changed = caption_in.clone()
+    changed[:, 6:] = torch.randint(0, TINY_DECODER_CONFIG.vocab_size, (2, 4))
+    before, after = decoder(visual, caption_in), decoder(visual, changed)
+    assert torch.equal(before[:, :6], after[:, :6])
+    assert not torch.allclose(before[:, 6:], after[:, 6:])
+
+
+def test_padding_after_the_caption_does_not_change_logits_at_real_positions():
+    decoder = tiny_decoder()
+    visual = visual_tokens(2)
+    caption_in = torch.randint(0, TINY_DECODER_CONFIG.vocab_size, (2, 5))
+    padded = torch.cat([caption_in, torch.zeros(2, 4, dtype=torch.long)], dim=1)  # (2, 9), padded with id 0
+    padding = torch.tensor([[False] * 5 + [True] * 4] * 2)
+    logits = decoder(visual, padded, padding)
+    assert logits.shape == (2, 9, TINY_DECODER_CONFIG.vocab_size)
+    torch.testing.assert_close(logits[:, :5], decoder(visual, caption_in), rtol=0, atol=1e-5)
+
+
+def test_padding_may_not_cover_the_start_token():
+    decoder = tiny_decoder()
+    padding = torch.ones(1, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="SOT"):
+        decoder(visual_tokens(1), torch.zeros(1, 4, dtype=torch.long), padding)
+
+
+def test_visual_tokens_of_the_wrong_shape_are_refused_with_the_expected_shape():
+    decoder = tiny_decoder()
+    with pytest.raises(ValueError, match=r"\(B, 6, 32\)"):
+        decoder(torch.randn(2, 32), torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_dropout_is_active_in_training_and_off_in_evaluation():
+    decoder = tiny_decoder()
+    visual, caption_in = visual_tokens(2), torch.randint(0, TINY_DECODER_CONFIG.vocab_size, (2, 6))
+    assert torch.equal(decoder(visual, caption_in), decoder(visual, caption_in))
+    decoder.train()
+    assert not torch.equal(decoder(visual, caption_in), decoder(visual, caption_in))
+
+
+# --- tied weights ---
+
+
+def test_the_output_weight_is_the_word_embedding():
+    decoder = tiny_decoder()
+    caption_in = torch.tensor([[SOT_ID, 3, 4]])
+    with torch.no_grad():
+        decoder.word_embedding[7] = 0.0  # token 7 is not in the input, so only the output map reads this row
+        decoder.output_bias[7] = 2.5
+    logits = decoder(visual_tokens(1), caption_in)
+    assert torch.equal(logits[..., 7], torch.full((1, 3), 2.5))
+
+
+def test_clip_embeddings_passed_in_are_shared_not_copied():
+    torch.manual_seed(0)
+    token_embedding = nn.Embedding(TINY_DECODER_CONFIG.vocab_size, TINY_DECODER_CONFIG.hidden)  # stands in for CLIP's token_embedding
+    positional_embedding = nn.Parameter(torch.randn(TINY_DECODER_CONFIG.max_positions, TINY_DECODER_CONFIG.hidden))  # and its positional_embedding
+    word_values, position_values = token_embedding.weight.detach().clone(), positional_embedding.detach().clone()
+    decoder = CaptionDecoder(TINY_DECODER_CONFIG, token_embedding.weight, positional_embedding)
+    assert decoder.word_embedding is token_embedding.weight
+    assert decoder.position_embedding is positional_embedding
+    assert torch.equal(token_embedding.weight, word_values) and torch.equal(positional_embedding, position_values)
+    both = nn.ModuleDict({"token_embedding": token_embedding, "decoder": decoder})
+    assert sum(p.numel() for p in both.parameters()) == sum(p.numel() for p in decoder.parameters())
+    decoder(visual_tokens(1), torch.tensor([[SOT_ID, 3]]))[0, -1, 9].backward()
+    assert token_embedding.weight.grad[9].abs().sum() > 0  # token 9 was only an output: its gradient is the output map's
+
+
+def test_embeddings_of_the_wrong_shape_are_refused():
+    with pytest.raises(ValueError, match="word_embedding has shape"):
+        CaptionDecoder(TINY_DECODER_CONFIG, word_embedding=nn.Parameter(torch.zeros(TINY_DECODER_CONFIG.vocab_size + 1, TINY_DECODER_CONFIG.hidden)))
+
+
+# --- greedy decoding ---
+
+
+@pytest.mark.parametrize("batch, max_len, init_std", [(1, 1, 0.1), (1, 22, 0.1), (4, 7, 0.1), (9, 22, 0.1),
+                                                      (9, 40, 0.1), (5, 22, 0.02)])
+def test_decoding_with_the_cache_gives_the_same_tokens_as_full_recompute(batch, max_len, init_std):
+    config = DecoderConfig(**{**TINY_DECODER_CONFIG.__dict__, "init_std": init_std})
+    decoder = tiny_decoder(seed=batch, config=config)
+    visual = visual_tokens(batch, seed=max_len, config=config)
+    first = decoder.greedy_decode(visual, SOT_ID, EOT_ID, max_len=max_len)
+    # Besides the real EOT, call "EOT" tokens that these captions do emit, so that rows stop at different steps.
+    for eot_id in (EOT_ID, int(first[0, -1]), int(first[-1, 0])):
+        cached = decoder.greedy_decode(visual, SOT_ID, eot_id, max_len=max_len, use_cache=True)
+        recomputed = decoder.greedy_decode(visual, SOT_ID, eot_id, max_len=max_len, use_cache=False)
+        assert cached.dtype == torch.long and cached.shape[0] == batch and cached.shape[1] <= max_len
+        assert torch.equal(cached, recomputed)
+
+
+def test_greedy_tokens_are_the_argmax_of_the_teacher_forced_logits():
+    decoder = tiny_decoder()
+    never_emit(decoder, EOT_ID)
+    visual = visual_tokens(6)
+    tokens = decoder.greedy_decode(visual, SOT_ID, EOT_ID, max_len=15)
+    assert tokens.shape == (6, 15)
+    caption_in = torch.cat([torch.full((6, 1), SOT_ID), tokens[:, :-1]], dim=1)  # (6, 15)
+    assert torch.equal(decoder(visual, caption_in).argmax(dim=-1), tokens)
+    assert len({tuple(row) for row in tokens.tolist()}) > 1  # the pairs do steer the captions
+
+
+def test_greedy_decoding_stops_at_eot():
+    decoder = tiny_decoder()
+    with torch.no_grad():
+        decoder.output_bias[EOT_ID] = 1e4  # EOT wins at the first step
+    tokens = decoder.greedy_decode(visual_tokens(3), SOT_ID, EOT_ID, max_len=22)
+    assert tokens.tolist() == [[EOT_ID]] * 3
+
+
+def test_each_caption_stops_at_its_own_eot_and_decoding_ends_when_all_have_stopped():
+    decoder = tiny_decoder()
+    never_emit(decoder, EOT_ID)
+    visual = visual_tokens(6)
+    free = decoder.greedy_decode(visual, SOT_ID, EOT_ID, max_len=22).tolist()  # never stops: 22 tokens each
+    # Now call "EOT" the token found in the most captions but not in all of them.
+    rows_with = {token: sum(token in row for row in free) for token in set(sum(free, []))}
+    stop_token = max((rows, token) for token, rows in rows_with.items() if rows < len(free))[1]
+    stops = [row.index(stop_token) + 1 if stop_token in row else 22 for row in free]  # tokens up to and with EOT
+    assert min(stops) < 22 and max(stops) == 22
+    tokens = decoder.greedy_decode(visual, SOT_ID, stop_token, max_len=22)
+    assert tokens.shape == (6, 22)
+    for row, free_row, stop in zip(tokens.tolist(), free, stops):
+        assert row == free_row[:stop] + [stop_token] * (22 - stop)  # cut at its own EOT, then EOT to the end
+
+    stopping = [i for i, stop in enumerate(stops) if stop < 22]
+    assert len(stopping) >= 2
+    early = decoder.greedy_decode(visual[stopping], SOT_ID, stop_token, max_len=22)
+    assert early.shape == (len(stopping), max(stops[i] for i in stopping))  # ends with the last caption to stop
+
+
+def test_greedy_decoding_refuses_training_mode():
+    decoder = tiny_decoder().train()
+    with pytest.raises(RuntimeError, match="eval"):
+        decoder.greedy_decode(visual_tokens(1), SOT_ID, EOT_ID)
+
+
+def test_max_len_must_fit_the_position_embedding():
+    assert tiny_decoder().greedy_decode(visual_tokens(1), SOT_ID, EOT_ID, max_len=40).shape[1] <= 40
+    with pytest.raises(ValueError, match="max_len=41"):
+        tiny_decoder().greedy_decode(visual_tokens(1), SOT_ID, EOT_ID, max_len=41)
+
+
+# --- ids to text ---
+
+
+def test_ids_to_text_cuts_at_eot_then_at_the_pad_text():
+    words = {1: "the", 2: "cube", 3: "moved", 0: "!", 9: "<|endoftext|>"}
+
+    def decode(ids):
+        return " ".join(words[i] for i in ids) + " "
+
+    assert ids_to_text([1, 2, 3, 9, 1, 1], decode, eot_id=9) == "the cube moved"
+    assert ids_to_text(torch.tensor([1, 2, 0, 3]), decode, eot_id=9) == "the cube"
+    assert ids_to_text([9, 1], decode, eot_id=9) == ""
+
+
+# ======== data.py ========
+
+# Run:  python -m pytest test_part_data.py -q
+# The fixtures write each dataset's published layout in a temporary folder, awkward parts included;
+# the synthetic dataset is drawn once per session, small.
+
+
+SYNTH = data.SynthConfig(pairs=40, seed=3)
+
+
+@pytest.fixture(scope="module")
+def synth_root(tmp_path_factory):
+    return data.make_synth(tmp_path_factory.mktemp("synth") / "synth", SYNTH)
+
+
+@pytest.fixture(scope="module")
+def synth_tokenizer(synth_root):
+    return clip.get_tokenizer(synth_root / data.SYNTH_BPE_FILE)
+
+
+def write_png(path, color=(120, 60, 30), size=(48, 32)):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, color).save(path)
+
+
+def write_json(path, content):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(content))
+
+
+@pytest.fixture
+def clevr_root(tmp_path):
+    """CLEVR-Change in miniature: id 4 is in no split and has no files; lists unsorted; dicts keyed by file name."""
+    root = tmp_path / "clevr_change"
+    ids = [0, 1, 2, 3, 5]
+    for i in ids:
+        write_png(root / "images" / f"CLEVR_default_{i:06d}.png", (i * 40, 0, 0))
+        write_png(root / "sc_images" / f"CLEVR_semantic_{i:06d}.png", (0, i * 40, 0))
+        write_png(root / "nsc_images" / f"CLEVR_nonsemantic_{i:06d}.png", (0, 0, i * 40))
+    write_json(root / "splits.json", {"train": [3, 0, 1], "val": [2], "test": [5]})
+    names = [f"CLEVR_default_{i:06d}.png" for i in ids]
+    write_json(root / "change_captions.json",
+               {name: [f"the small red cube {i} turned blue", "the red thing became blue"] for i, name in zip(ids, names)})
+    write_json(root / "no_change_captions.json", {name: ["nothing has changed", "the scene remains the same"]
+                                                  for name in names})
+    write_json(root / "type_mapping.json", {"color": ["000000.png", "000005.png"], "material": ["000001.png"],
+                                            "add": ["000002.png"], "drop": ["000003.png"], "move": []})
+    return root
+
+
+# --- readers of the published layouts ---
+
+def test_clevr_change_reader_reads_only_split_ids_with_their_files_captions_and_types(clevr_root):
+    train = data.read_clevr_change(clevr_root, "train")
+    assert [p.id for p in train] == ["000003.png", "000000.png", "000001.png"]  # the split's order, no id 4
+    first = train[0]
+    assert first.before == clevr_root / "images" / "CLEVR_default_000003.png"
+    assert first.after == clevr_root / "sc_images" / "CLEVR_semantic_000003.png"
+    assert first.distractor == clevr_root / "nsc_images" / "CLEVR_nonsemantic_000003.png"
+    assert first.captions == ["the small red cube 3 turned blue", "the red thing became blue"]
+    assert first.no_change_captions == ["nothing has changed", "the scene remains the same"]
+    assert [p.change_type for p in train] == ["drop", "color", "material"]
+
+
+def test_clevr_change_evaluation_uses_the_toolkit_ids_and_reference_lists(clevr_root):
+    pairs = data.evaluation_pairs(data.read_clevr_change(clevr_root, "train"), use_no_change_pair=True)
+    assert [p.id for p in pairs] == ["000003.png", "000000.png", "000001.png",
+                                     "000003.png_n", "000000.png_n", "000001.png_n"]
+    assert pairs[3].after == clevr_root / "nsc_images" / "CLEVR_nonsemantic_000003.png"
+    assert data.references(pairs)["000000.png_n"] == ["nothing has changed", "the scene remains the same"]
+    assert data.ids_by_type(pairs) == {"drop": ["000003.png"], "color": ["000000.png"], "material": ["000001.png"],
+                                       "distractor": ["000003.png_n", "000000.png_n", "000001.png_n"]}
+
+
+def test_a_split_id_without_captions_is_an_error_naming_the_id(clevr_root):
+    captions = json.loads((clevr_root / "change_captions.json").read_text())
+    del captions["CLEVR_default_000005.png"]
+    write_json(clevr_root / "change_captions.json", captions)
+    with pytest.raises(data.DataError, match="split test id 5: CLEVR_default_000005.png has no entry"):
+        data.read_clevr_change(clevr_root, "test")
+
+
+def test_an_empty_caption_is_an_error_naming_the_pair(clevr_root):
+    captions = json.loads((clevr_root / "change_captions.json").read_text())
+    captions["CLEVR_default_000005.png"] = ["the cube moved", "  "]
+    write_json(clevr_root / "change_captions.json", captions)
+    with pytest.raises(data.DataError, match="pair 000005.png: empty"):
+        data.read_clevr_change(clevr_root, "test")
+
+
+def test_a_missing_image_is_an_error_naming_the_file(clevr_root):
+    missing = clevr_root / "nsc_images" / "CLEVR_nonsemantic_000005.png"
+    missing.unlink()
+    with pytest.raises(data.DataError, match=f"image {missing} is missing"):
+        data.read_clevr_change(clevr_root, "test")
+    with pytest.raises(data.DataError, match=f"image {missing} is missing"):
+        data.load_image(missing)
+
+
+def test_a_corrupt_image_is_an_error_naming_the_file(clevr_root):
+    corrupt = clevr_root / "images" / "CLEVR_default_000005.png"
+    corrupt.write_bytes(corrupt.read_bytes()[:40])  # a truncated PNG
+    pairs = data.read_clevr_change(clevr_root, "test")
+    with pytest.raises(data.DataError, match=f"image {corrupt} is corrupt"):
+        data.PairImages(pairs, data.ImageReader(32))[0]
+
+
+def test_a_missing_dataset_folder_says_which_dataset_where_and_how_to_get_it(tmp_path):
+    with pytest.raises(data.DataError, match=r"CLEVR-Change: no folder .*nowhere.*RobustChangeCaptioning"):
+        data.load_split("clevr", "train", tmp_path / "nowhere")
+    with pytest.raises(data.DataError, match=r"Spot-the-Diff: no folder .*harsh19/spot-the-diff"):
+        data.load_split("spot", "train", tmp_path / "nowhere")
+    with pytest.raises(data.DataError, match=r"Image-Editing-Request: no folder .*VisualRelationships"):
+        data.load_split("ier", "train", tmp_path / "nowhere")
+
+
+def test_an_incomplete_synthetic_folder_is_an_error_saying_it_will_be_drawn_again(tmp_path):
+    (tmp_path / "synth").mkdir()
+    with pytest.raises(data.DataError, match="not a complete synthetic dataset.*remove it and it will be drawn again"):
+        data.load_split("synth", "train", tmp_path / "synth")
+
+
+def test_spot_the_diff_raw_annotations_are_merged_by_img_id(tmp_path):
+    root = tmp_path / "spot"
+    for img_id in ("7", "12"):
+        write_png(root / "images" / f"{img_id}.png")
+        write_png(root / "images" / f"{img_id}_2.png")
+    write_json(root / "annotations" / "test.json", [  # one item per annotator: img_id repeats
+        {"img_id": "12", "sentences": ["the car is gone", "a man appeared"]},
+        {"img_id": "7", "sentences": ["the door is open"]},
+        {"img_id": "12", "sentences": ["the white car left"]}])
+    pairs = data.load_split("spot", "test", root)
+    assert [p.id for p in pairs] == ["12.png", "7.png"]
+    assert pairs[0].captions == ["the car is gone", "a man appeared", "the white car left"]
+    assert (pairs[0].before.name, pairs[0].after.name) == ("12.png", "12_2.png")
+    assert pairs[0].distractor is None and pairs[0].change_type is None
+
+
+def test_spot_the_diff_prefers_the_reformatted_file(tmp_path):
+    root = tmp_path / "spot"
+    write_png(root / "images" / "3.png")
+    write_png(root / "images" / "3_2.png")
+    write_json(root / "reformat_val.json", [{"img_id": "3", "sentences": ["from the reformatted file"]}])
+    write_json(root / "annotations" / "val.json", [{"img_id": "3", "sentences": ["from the raw file"]}])
+    assert data.load_split("spot", "val", root)[0].captions == ["from the reformatted file"]
+
+
+def test_ier_reads_the_valid_file_for_val_and_keeps_mixed_case_requests(tmp_path):
+    root = tmp_path / "ier"
+    for name in ("Reddit.com_abc_abc.jpg", "Reddit.com_abc_xyz.jpg"):
+        write_png(root / "images" / name)
+    write_json(root / "valid.json", [{"img0": "Reddit.com_abc_abc.jpg", "img1": "Reddit.com_abc_xyz.jpg",
+                                      "sents": ["Make It Brighter", "increase brightness", "Brighten the photo"],
+                                      "uid": "Reddit_1"}])
+    pairs = data.load_split("ier", "val", root)
+    assert pairs[0].id == "Reddit_1"
+    assert pairs[0].captions[0] == "Make It Brighter"
+    assert data.references(pairs) == {"Reddit_1": ["Make It Brighter", "increase brightness", "Brighten the photo"]}
+
+
+def test_mixed_case_requests_tokenize_as_lower_case():
+    tokenizer = clip.get_tokenizer(shared("clip_vectors", "bpe_simple_vocab_16e6.txt.gz"))
+    assert torch.equal(data.text_tokens(tokenizer, "Make It Brighter"), data.text_tokens(tokenizer, "make it brighter"))
+
+
+def test_user_pairs_json_reads_relative_paths_and_default_ids(tmp_path):
+    root = tmp_path / "mine"
+    for name in ("a.png", "b.png", "c.png", "d.png"):
+        write_png(root / "img" / name)
+    write_json(root / "train.json", [
+        {"before": "img/a.png", "after": "img/b.png", "captions": ["the cup is gone"]},
+        {"id": "kitchen", "before": "img/c.png", "after": "img/d.png", "captions": ["a plate appeared"],
+         "type": "add", "distractor": "img/a.png", "no_change_captions": ["nothing changed"]}])
+    pairs = data.load_split("pairs", "train", root)
+    assert [p.id for p in pairs] == ["0", "kitchen"]
+    assert pairs[0].before == root / "img" / "a.png"
+    assert (pairs[1].change_type, pairs[1].distractor, pairs[1].no_change_captions) == \
+        ("add", root / "img" / "a.png", ["nothing changed"])
+    write_json(root / "val.json", [{"before": "img/a.png", "captions": ["x"]}])
+    with pytest.raises(data.DataError, match=r"val.json, item 0: missing \['after'\]"):
+        data.load_split("pairs", "val", root)
+
+
+# --- the synthetic dataset ---
+
+def test_synthetic_dataset_has_the_clevr_change_layout_and_balanced_splits(synth_root):
+    splits = json.loads((synth_root / "splits.json").read_text())
+    assert sorted(splits["train"] + splits["val"] + splits["test"]) == list(range(40))
+    assert (len(splits["train"]), len(splits["val"]), len(splits["test"])) == (30, 5, 5)
+    types = json.loads((synth_root / "type_mapping.json").read_text())
+    assert types["move"][:2] == ["000004.png", "000009.png"]
+    test = data.load_split("synth", "test", synth_root)
+    assert sorted(p.change_type for p in test) == sorted(data.CHANGE_TYPES)  # one of each type
+    assert Image.open(test[0].before).size == (480, 320)
+
+
+def test_synthetic_dataset_is_the_same_bytes_for_the_same_seed_whatever_the_processes(synth_root, tmp_path):
+    again = data.make_synth(tmp_path / "again", SYNTH, workers=2)
+    files = sorted(p.relative_to(synth_root) for p in synth_root.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
+    assert all((synth_root / f).read_bytes() == (again / f).read_bytes() for f in files)
+    other = data.make_synth(tmp_path / "other", data.SynthConfig(pairs=5, seed=4))
+    name = "images/CLEVR_default_000000.png"
+    assert (other / name).read_bytes() != (synth_root / name).read_bytes()
+
+
+WORD_ATTRIBUTE = {w: (attribute, value) for attribute, table in (
+    ("size", data.SIZE_WORDS), ("material", data.MATERIAL_WORDS), ("shape", data.SHAPE_WORDS))
+    for value, words in table.items() for w in words} | {c: ("color", c) for c in data.COLORS}
+
+
+def named_objects(expression, scene):
+    """The objects of scene that a referring expression like 'the tiny red shiny block' fits."""
+    words = expression.split()
+    assert words[0] == "the" and (words[-1] in data.NOUN_WORDS or WORD_ATTRIBUTE[words[-1]][0] == "shape")
+    wanted = dict(WORD_ATTRIBUTE[w] for w in words[1:] if w not in data.NOUN_WORDS)
+    return [i for i, obj in enumerate(scene) if all(obj[a] == v for a, v in wanted.items())]
+
+
+def split_caption(caption, kind):
+    """A change caption -> (referring expression, the verb phrase's new attribute value or None)."""
+    for phrase in data.VERB_PHRASES[kind]:
+        head = phrase.split(" {new}")[0]
+        if f" {head}" in caption:
+            expression, rest = caption.split(f" {head}", 1)
+            return expression, WORD_ATTRIBUTE[rest.split()[-1]][1] if "{new}" in phrase else None
+    raise AssertionError(f"no {kind} verb phrase in {caption!r}")
+
+
+def test_synthetic_captions_name_exactly_the_changed_object_of_the_drawn_scene(synth_root):
+    scenes = json.loads((synth_root / data.SYNTH_SCENES_FILE).read_text())["scenes"]
+    captions = json.loads((synth_root / "change_captions.json").read_text())
+    no_change = json.loads((synth_root / "no_change_captions.json").read_text())
+    for name, scene in scenes.items():
+        kind = scene["type"]
+        assert len(set(captions[name])) == SYNTH.captions_per_pair
+        assert set(no_change[name]) <= set(data.NO_CHANGE_SENTENCES)
+        named_in = "after" if kind == "add" else "before"
+        for sentence in captions[name]:
+            expression, new_value = split_caption(sentence, kind)
+            assert named_objects(expression, scene[named_in]) == [scene["changed"][named_in]], sentence
+            if kind in ("color", "material"):
+                assert scene["after"][scene["changed"]["after"]][kind] == new_value != \
+                    scene["before"][scene["changed"]["before"]][kind]
+        count = {"add": 1, "drop": -1}.get(kind, 0)
+        assert len(scene["after"]) == len(scene["before"]) + count
+
+
+def test_synthetic_changes_stay_visible_after_the_224_resize(synth_root):
+    scenes = json.loads((synth_root / data.SYNTH_SCENES_FILE).read_text())["scenes"]
+    for pair in data.load_split("synth", "test", synth_root):
+        scene = scenes[f"CLEVR_default_{pair.id}"]
+        before = data.preprocess_uint8(pair.before, 224).astype(int)
+        after = data.preprocess_uint8(pair.after, 224).astype(int)
+        changed = np.abs(before - after).max(-1)  # (224, 224)
+        named_in = "after" if pair.change_type == "add" else "before"
+        obj = scene[named_in][scene["changed"][named_in]]
+        r = 0.8 * data.SIZE_RADIUS[obj["size"]]  # the object's box, in the 224 x 224 image
+        box = changed[round((obj["y"] - r) * 224 / 320):round((obj["y"] + r) * 224 / 320) + 1,
+                      round((obj["x"] - r) * 224 / 480):round((obj["x"] + r) * 224 / 480) + 1]
+        assert box.max() > 40, (pair.id, pair.change_type)
+        assert (changed > 40).mean() < 0.15  # the rest of the scene is the same
+
+
+def test_the_synthetic_vocabulary_makes_every_grammar_word_one_token(synth_tokenizer, synth_root):
+    lines = gzip.open(synth_root / data.SYNTH_BPE_FILE, "rt").read().split("\n")
+    assert lines[0] == "#version: 0.2" and synth_tokenizer.vocab_size == 512 + len(lines) - 1 + 2
+    for word in sorted(data.grammar_words()):
+        assert len(synth_tokenizer.encode(word)) == 1, word
+    for sentence in data.load_split("synth", "train", synth_root)[0].captions + list(data.NO_CHANGE_SENTENCES):
+        ids = synth_tokenizer.encode(sentence)
+        assert len(ids) == len(sentence.split())
+        assert synth_tokenizer.decode(ids).strip() == sentence
+
+
+def test_learn_bpe_merges_the_most_frequent_pair_first_and_breaks_ties_by_order():
+    assert data.learn_bpe({"ab": 3, "cb": 1}) == [("a", "b</w>"), ("c", "b</w>")]
+    assert data.learn_bpe({"cb": 2, "ab": 2}) == [("a", "b</w>"), ("c", "b</w>")]
+
+
+def test_ensure_synth_refuses_a_folder_drawn_with_other_settings(synth_root):
+    assert data.ensure_synth(synth_root, SYNTH) == synth_root
+    with pytest.raises(data.DataError, match=r"drawn with other settings .*'pairs': \(40, 41\)"):
+        data.ensure_synth(synth_root, data.SynthConfig(pairs=41, seed=3))
+
+
+# --- tokens ---
+
+def test_text_tokens_are_sot_ids_eot_then_pad(synth_tokenizer):
+    tokens = data.text_tokens(synth_tokenizer, "nothing has changed", max_words=6)
+    ids = synth_tokenizer.encode("nothing has changed")
+    assert tokens.tolist() == [synth_tokenizer.sot_id, *ids, synth_tokenizer.eot_id, clip.PAD_ID]
+
+
+def test_a_long_caption_is_cut_and_still_ends_with_eot(synth_tokenizer):
+    tokens = data.text_tokens(synth_tokenizer, "the small red metal cube has been newly placed", max_words=5)
+    assert tokens.tolist() == [synth_tokenizer.sot_id, *synth_tokenizer.encode("the small red")[:3],
+                               synth_tokenizer.eot_id]
+
+
+def test_caption_tokens_shift_the_target_by_one(synth_tokenizer):
+    tokens = data.caption_tokens(synth_tokenizer, "nothing has changed", max_words=6)
+    ids = synth_tokenizer.encode("nothing has changed")
+    assert tokens["caption_in"].tolist() == [synth_tokenizer.sot_id, *ids, clip.PAD_ID, clip.PAD_ID]
+    assert tokens["caption_out"].tolist() == [*ids, synth_tokenizer.eot_id, clip.PAD_ID, clip.PAD_ID]
+
+
+# --- samples ---
+
+def test_stage_1_has_one_sample_per_caption_and_swaps_the_before_image_only_in_training(clevr_root, synth_tokenizer):
+    pairs = data.read_clevr_change(clevr_root, "train")
+    images = data.ImageReader(32)
+    train = data.AdaptationSamples(pairs, synth_tokenizer, train=True, images=images)
+    assert len(train) == 6 and [train.samples[i] for i in (0, 1, 2)] == [(0, 0), (0, 1), (1, 0)]
+    torch.manual_seed(0)
+    swaps = [train[i % 6]["swapped"] for i in range(200)]
+    assert 70 < sum(swaps) < 130
+    swapped = next(sample for sample in (train[0] for _ in range(50)) if sample["swapped"])
+    assert torch.equal(swapped["before"], images(pairs[0].distractor))
+    evaluation = data.AdaptationSamples(pairs, synth_tokenizer, train=False, images=images)
+    assert not any(evaluation[i % 6]["swapped"] for i in range(60))
+    assert torch.equal(evaluation[0]["before"], images(pairs[0].before))
+
+
+def test_stage_1_batches_are_dicts_of_stacked_tensors(clevr_root, synth_tokenizer):
+    samples = data.AdaptationSamples(data.read_clevr_change(clevr_root, "train"), synth_tokenizer, train=True,
+                                     images=data.ImageReader(32), max_words=12)
+    batch = next(iter(torch.utils.data.DataLoader(samples, batch_size=4)))
+    assert (batch["before"].shape, batch["after"].shape, batch["caption"].shape) == \
+        ((4, 3, 32, 32), (4, 3, 32, 32), (4, 12))
+    assert batch["pair_index"].tolist() == [0, 0, 1, 1]
+
+
+def test_stage_2_has_one_item_per_pair_with_its_no_change_pair(clevr_root, synth_tokenizer):
+    pairs = data.read_clevr_change(clevr_root, "train")
+    items = data.CaptionItems(pairs, synth_tokenizer, use_no_change_pair=True, images=data.ImageReader(32))
+    assert len(items) == 3
+    item = items[1]
+    assert (item["row"], item["no_change_row"]) == (1, 4)
+    assert data.evaluation_pairs(pairs, True)[item["no_change_row"]].id == "000000.png_n"
+    assert item["caption_in"][0] == synth_tokenizer.sot_id and synth_tokenizer.eot_id in item["caption_out"]
+    assert torch.equal(item["distractor"], data.ImageReader(32)(pairs[1].distractor))
+    features_only = data.CaptionItems(pairs, synth_tokenizer, use_no_change_pair=False)[1]
+    assert sorted(features_only) == ["caption_in", "caption_out", "row"]
+
+
+def test_the_no_change_pair_needs_a_distractor(tmp_path, synth_tokenizer):
+    pair = data.ImagePair(id="9.png", before=tmp_path / "9.png", after=tmp_path / "9_2.png", captions=["x"])
+    with pytest.raises(data.DataError, match="pair 9.png has no distractor image"):
+        data.CaptionItems([pair], synth_tokenizer, use_no_change_pair=True)
+
+
+def test_pair_images_give_every_evaluation_pair_once_with_its_row(clevr_root):
+    pairs = data.evaluation_pairs(data.read_clevr_change(clevr_root, "train"), use_no_change_pair=True)
+    dataset = data.PairImages(pairs, data.ImageReader(32))
+    assert len(dataset) == 6
+    assert dataset[4]["row"] == 4 and torch.equal(dataset[4]["after"], data.ImageReader(32)(pairs[1].after))
+
+
+def test_retrieval_texts_point_to_their_pairs(clevr_root):
+    texts, text_to_pair = data.retrieval_texts(data.read_clevr_change(clevr_root, "train"))
+    assert len(texts) == 6 and text_to_pair == [0, 0, 1, 1, 2, 2]
+
+
+def test_the_image_cache_gives_the_decoded_pixels_and_is_rebuilt_when_a_file_changes(clevr_root, tmp_path):
+    pairs = data.read_clevr_change(clevr_root, "train")
+    cache = data.image_cache(pairs, tmp_path / "cache", "train", image_size=32)
+    assert len(cache.row) == 9
+    assert np.array_equal(cache[pairs[2].after], data.preprocess_uint8(pairs[2].after, 32))
+    write_png(pairs[2].after, (255, 255, 255))
+    rebuilt = data.image_cache(pairs, tmp_path / "cache", "train", image_size=32)
+    assert rebuilt[pairs[2].after].min() == 255
+    assert torch.equal(data.ImageReader(32, rebuilt)(pairs[0].before), data.ImageReader(32)(pairs[0].before))
+
+
+# ======== metrics.py ========
+
+CORPORA = ["edge_cases", "clevr_style_public", "spot_public"]
+
+
+def load_corpus(name):
+    """(raw items, the toolkit's output) of one corpus in ../shared/metrics_vectors."""
+    raw = json.loads(shared("metrics_vectors", f"{name}.json").read_text(encoding="utf-8"))
+    coco = json.loads(shared("metrics_vectors", f"{name}.coco.json").read_text(encoding="utf-8"))
+    return raw["items"], coco
+
+
+def tokenized(coco):
+    """Predictions and references exactly as every toolkit scorer saw them (after its PTB tokenizer)."""
+    return ({item["id"]: item["candidate_tok"] for item in coco["items"]},
+            {item["id"]: item["references_tok"] for item in coco["items"]})
+
+
+def needs_meteor_data():
+    if metrics.load_meteor_resources() is None:
+        message = "the METEOR 1.5 data is missing: pip install --no-deps pycocoevalcap==1.2"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def scored():
+    """Each corpus scored from the toolkit's tokens with BLEU, ROUGE-L and CIDEr, once for all tests."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            _, coco = load_corpus(name)
+            cache[name] = (metrics.score_captions(*tokenized(coco), metrics=("BLEU", "ROUGE_L", "CIDEr"),
+                                                  tokenize=False), coco)
+        return cache[name]
+    return get
+
+
+# --- the PTB tokenizer ---
+
+@pytest.mark.parametrize("name", CORPORA)
+def test_ptb_tokenizer_gives_the_toolkits_tokens_for_every_raw_caption(name):
+    items, coco = load_corpus(name)
+    for item, expected in zip(items, coco["items"]):
+        assert metrics.ptb_tokenize(item["candidate"]) == expected["candidate_tok"], item["id"]
+        assert [metrics.ptb_tokenize(r) for r in item["references"]] == expected["references_tok"], item["id"]
+
+
+def test_ptb_tokenizer_splits_contractions_keeps_brackets_and_drops_punctuation():
+    assert metrics.ptb_tokenize("It's the car's door, can't you see?") == "it 's the car 's door ca n't you see"
+    assert metrics.ptb_tokenize("The cube cannot move!!!") == "the cube can not move !!!"
+    assert metrics.ptb_tokenize("the (big) cube [red]") == "the -lrb- big -rrb- cube -lsb- red -rsb-"
+    assert metrics.ptb_tokenize("10% of $5 costs #1 \u2014 a*b") == "10 % of $ 5 costs # 1 a * b"
+    assert metrics.ptb_tokenize("the U.S. cube, e.g. the red one\u2026") == "the u.s. cube e.g. the red one"
+    assert metrics.ptb_tokenize("the cube \U0001F642 moved") == "the cube moved"          # emoji are dropped
+    assert metrics.ptb_tokenize("the small red cube\r\nmoved") == "the small red cube moved"
+    assert metrics.ptb_tokenize("   \t ") == ""
+
+
+# --- BLEU, ROUGE-L and CIDEr-D, from the toolkit's tokens ---
+
+@pytest.mark.parametrize("name", CORPORA)
+def test_bleu_rouge_and_cider_equal_the_toolkit_per_item_and_per_corpus(name, scored):
+    result, coco = scored(name)
+    for metric, value in result["corpus"].items():
+        assert value == pytest.approx(coco["corpus"][metric], abs=1e-6), metric
+    for expected in coco["items"]:
+        mine = result["items"][expected["id"]]
+        for metric, value in mine.items():
+            assert value == pytest.approx(expected[metric], abs=1e-6), (expected["id"], metric)
+
+
+def test_bleu_counts_equal_the_toolkits_summed_statistics():
+    _, coco = load_corpus("clevr_style_public")
+    scorer = metrics.CaptionScorer(*tokenized(coco), metrics=("BLEU",), tokenize=False)
+    total = coco["corpus_bleu_stats"]
+    assert sum(s["testlen"] for s in scorer.bleu_stats.values()) == total["testlen"]
+    assert sum(s["reflen"] for s in scorer.bleu_stats.values()) == total["reflen"]
+    assert [sum(s["correct"][k] for s in scorer.bleu_stats.values()) for k in range(4)] == total["correct"]
+    assert [sum(s["guess"][k] for s in scorer.bleu_stats.values()) for k in range(4)] == total["guess"]
+
+
+def test_bleu_of_an_exact_match_is_not_quite_one_because_of_the_toolkits_epsilons():
+    result = metrics.score_captions({1: "the red cube moved", 2: "a blue ball"},
+                                    {1: ["the red cube moved"], 2: ["a blue ball"]}, metrics=("BLEU",))
+    assert result["items"][1]["BLEU_1"] == pytest.approx(0.9999999995, abs=1e-12)
+    assert result["items"][2]["BLEU_4"] == pytest.approx(0.0316, abs=1e-4)     # three words: no 4-gram at all
+
+
+def test_bleu_takes_the_closest_reference_length_and_the_shorter_on_a_tie():
+    stats = metrics.bleu_item_stats(metrics._ngram_counts("a b c d e", 4), 5,
+                                    [metrics._ngram_counts("a b c d", 4), metrics._ngram_counts("a b c d e f", 4)],
+                                    [4, 6])
+    assert stats["reflen"] == 4
+
+
+def test_rouge_takes_best_precision_and_best_recall_from_different_references():
+    # "a b" against ["a b c d" (P 1, R 0.5), "a" (P 0.5, R 1)]: P = 1 and R = 1 although no reference gives both.
+    assert metrics.rouge_l("a b", ["a b c d", "a"]) == pytest.approx(1.0)
+    assert metrics.rouge_l("", ["", "the cube moved"]) == 1.0       # split(" ") makes "" one empty token
+
+
+def test_bit_parallel_lcs_equals_dynamic_programming():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        a = list(rng.integers(0, 5, rng.integers(0, 12)))
+        b = list(rng.integers(0, 5, rng.integers(0, 12)))
+        table = np.zeros((len(a) + 1, len(b) + 1), int)
+        for i in range(len(a)):
+            for j in range(len(b)):
+                table[i + 1, j + 1] = table[i, j] + 1 if a[i] == b[j] else max(table[i, j + 1], table[i + 1, j])
+        assert metrics.lcs_length(a, b) == table[-1, -1]
+
+
+def test_cider_is_ten_for_a_perfect_match_and_zero_for_a_one_item_corpus():
+    result = metrics.score_captions({1: "the red cube moved", 2: "a ball appeared"},
+                                    {1: ["the red cube moved"] * 3, 2: ["the blue sphere is gone"]}, metrics=("CIDEr",))
+    assert result["items"][1]["CIDEr"] == pytest.approx(10.0)
+    alone = metrics.score_captions({1: "the red cube moved"}, {1: ["the red cube moved"]}, metrics=("CIDEr",))
+    assert alone["corpus"]["CIDEr"] == 0.0
+
+
+def test_a_subset_is_rescored_on_its_own_so_its_cider_differs_from_its_items_inside_the_full_set():
+    _, coco = load_corpus("clevr_style_public")
+    predictions, references = tokenized(coco)
+    first_100 = list(predictions)[:100]
+    result = metrics.score_subsets(predictions, references, {"first 100": first_100, "all": list(predictions)},
+                                   metrics=("CIDEr", "BLEU"), tokenize=False)
+    assert result["first 100"]["corpus"]["CIDEr"] == pytest.approx(1.535, abs=5e-4)        # README of the vectors
+    assert np.mean([result["all"]["items"][i]["CIDEr"] for i in first_100]) == pytest.approx(1.567, abs=5e-4)
+    assert result["all"]["corpus"]["CIDEr"] == pytest.approx(coco["corpus"]["CIDEr"], abs=1e-6)
+
+
+# --- METEOR ---
+
+def test_snowball_stemmer_gives_the_english_stems():
+    # Checked against org.tartarus.snowball.ext.englishStemmer of meteor-1.5.jar, which agrees on 168,703 words.
+    examples = {"generously": "generous", "running": "run", "skies": "sky", "cubes": "cube", "moved": "move",
+                "dying": "die", "hopped": "hop", "hoping": "hope", "agreed": "agre", "feed": "feed", "bus": "bus",
+                "gaps": "gap", "communication": "communic", "spheres": "sphere", "metallic": "metal",
+                "shiny": "shini", "largest": "largest", "disappeared": "disappear"}
+    assert {word: metrics.snowball_stem(word) for word in examples} == examples
+
+
+def test_meteor_normaliser_joins_hyphens_splits_apostrophes_and_keeps_abbreviations():
+    # Checked against edu.cmu.meteor.util.Normalizer of meteor-1.5.jar, which agrees on 25,470 lines.
+    assert metrics.meteor_normalize("the café-coloured cube") == ["the", "café", "coloured", "cube"]
+    assert metrics.meteor_normalize("it 's red") == ["it", "'", "s", "red"]
+    assert metrics.meteor_normalize("the u.s. cube") == ["the", "us", "cube"]
+    assert metrics.meteor_normalize("mr. smith moved") == ["mr.", "smith", "moved"]
+    assert metrics.meteor_normalize("the end .") == ["the", "end", "."]
+
+
+@pytest.mark.parametrize("name", CORPORA)
+def test_meteor_with_its_data_equals_the_toolkit(name):
+    needs_meteor_data()
+    _, coco = load_corpus(name)
+    result = metrics.score_captions(*tokenized(coco), metrics=("METEOR",), tokenize=False)
+    assert result["info"]["meteor_modules"] == "exact+stem+synonym+paraphrase"
+    assert result["corpus"]["METEOR"] == pytest.approx(coco["corpus"]["METEOR"], abs=1e-3)
+    close = [abs(result["items"][e["id"]]["METEOR"] - e["METEOR"]) <= 0.01 for e in coco["items"]]
+    assert np.mean(close) >= 0.99
+    assert all(result["items"][e["id"]]["METEOR"] == pytest.approx(e["METEOR"], abs=1e-12) for e in coco["items"])
+
+
+@pytest.mark.parametrize("name, modules, toolkit", [
+    ("clevr_style_public", ("exact",), 0.3379), ("clevr_style_public", ("exact", "stem"), 0.3414),
+    ("spot_public", ("exact",), 0.1663), ("spot_public", ("exact", "stem"), 0.1685)])
+def test_meteor_without_its_data_lands_on_the_toolkits_own_exact_and_stem_scores(name, modules, toolkit):
+    # The vectors' README gives the toolkit's corpus METEOR run with `-m exact` and `-m "exact stem"`.
+    _, coco = load_corpus(name)
+    result = metrics.score_captions(*tokenized(coco), metrics=("METEOR",), tokenize=False, meteor_modules=modules)
+    assert round(result["corpus"]["METEOR"], 4) == toolkit
+    assert result["info"]["meteor_modules"] == "+".join(modules)
+    assert "meteor_note" in result["info"]
+
+
+@pytest.fixture
+def no_meteor_data(monkeypatch, tmp_path):
+    monkeypatch.setenv(metrics.METEOR_DATA_ENV, str(tmp_path))        # a folder without the jar
+    metrics.load_meteor_resources.cache_clear()
+    yield
+    metrics.load_meteor_resources.cache_clear()
+
+
+def test_without_the_meteor_data_scoring_falls_back_to_exact_and_stem_and_says_so(no_meteor_data):
+    result = metrics.score_captions({1: "the cubes moved"}, {1: ["the cube has moved"]}, metrics=("METEOR",))
+    assert result["info"]["meteor_modules"] == "exact+stem"
+    assert "the METEOR 1.5 data was not found" in result["info"]["meteor_note"]
+    with pytest.raises(metrics.CaptionInputError, match="pip install --no-deps pycocoevalcap"):
+        metrics.score_captions({1: "a"}, {1: ["a"]}, metrics=("METEOR",), meteor_modules=metrics.METEOR_MODULES)
+
+
+def test_meteor_builtin_word_lists_equal_the_jars_files():
+    needs_meteor_data()
+    jar = metrics._find_meteor_files()[0]
+    with zipfile.ZipFile(jar) as archive:
+        words = archive.read("function/english.words").decode("utf-8").split("\n")
+        prefixes = archive.read("nonbreaking/english.prefixes").decode("utf-8").split("\n")
+    assert metrics.METEOR_FUNCTION_WORDS == {w for w in words if w}
+    table = {}
+    for line in prefixes:
+        parts = line.split()
+        if parts and not parts[0].startswith("#"):
+            table[parts[0]] = 2 if parts[1:2] == ["#NUMERIC_ONLY#"] else 1
+    assert metrics.METEOR_NONBREAKING == table
+
+
+def test_batched_beam_search_chooses_the_same_alignments_as_the_readable_one():
+    needs_meteor_data()
+    items, _ = load_corpus("clevr_style_public")
+    meteor = metrics.Meteor(resources=metrics.load_meteor_resources())
+    pairs = [(metrics.ptb_tokenize(it["candidate"]), metrics.ptb_tokenize(r)) for it in items[:300]
+             for r in it["references"]]
+    meteor.prepare([text for pair in pairs for text in pair])
+    problems, readable = [], []
+    for hypothesis, reference in pairs:
+        cands, cover1, cover2 = meteor._candidates(meteor.sentence(hypothesis), meteor.sentence(reference))
+        fixed, used1, used2, open_choice = metrics._fixed_matches(cands, cover1, cover2)
+        if open_choice:
+            problems.append((cands, fixed, used1, used2))
+            readable.append(meteor._resolve(cands, cover1, cover2, len(cands)))
+            meteor._structures.clear()
+    assert len(problems) > 100
+    assert meteor._resolve_batch(problems) == readable
+
+
+def test_paraphrase_index_is_built_once_and_keeps_the_tables_order(tmp_path, monkeypatch):
+    table = tmp_path / "paraphrase-en.gz"
+    triples = [("0.1", "the cube", "the block"), ("0.2", "cube", "block"), ("0.3", "cube", "dice"),
+               ("0.4", "red", "crimson"), ("0.5", "the cube", "this cube")]
+    table.write_bytes(gzip.compress("".join(f"{p}\n{a}\n{b}\n" for p, a, b in triples).encode()))
+    monkeypatch.setenv(metrics.METEOR_CACHE_ENV, str(tmp_path / "cache"))
+    resources = metrics.MeteorResources({}, {}, table, str(tmp_path))
+    vocabulary = {"the", "cube", "block", "dice", "this"}
+    expected = {("the", "cube"): [("the", "block"), ("this", "cube")], ("cube",): [("block",), ("dice",)]}
+    assert metrics.load_paraphrases(resources, vocabulary) == expected         # "red" -> "crimson" cannot match
+    assert any((tmp_path / "cache").iterdir())
+    assert metrics.load_paraphrases(resources, vocabulary) == expected         # now read from the cache
+
+
+def test_a_forked_meteor_worker_gives_the_same_numbers():
+    needs_meteor_data()
+    _, coco = load_corpus("clevr_style_public")                               # 2,000 items: above the threshold
+    one = metrics.score_captions(*tokenized(coco), tokenize=False, processes=1)
+    two = metrics.score_captions(*tokenized(coco), tokenize=False, processes=2)
+    assert one["corpus"] == two["corpus"] and one["items"] == two["items"]
+
+
+def test_end_to_end_from_raw_text_gives_the_toolkits_numbers():
+    needs_meteor_data()
+    items, coco = load_corpus("edge_cases")
+    result = metrics.score_captions({it["id"]: it["candidate"] for it in items},
+                                    {it["id"]: it["references"] for it in items})
+    for metric, value in coco["corpus"].items():
+        assert result["corpus"][metric] == pytest.approx(value, abs=1e-6), metric
+
+
+# --- retrieval metrics ---
+
+def test_retrieval_ranks_each_caption_against_all_pairs_and_each_pair_against_caption_groups():
+    # 3 pairs, 5 captions (2, 2 and 1 per pair). Text ranks: 0, 1, 2, 0, 1.
+    sim = np.array([[0.9, 0.1, 0.2],
+                    [0.3, 0.8, 0.1],
+                    [0.5, 0.4, 0.6],
+                    [0.1, 0.7, 0.2],
+                    [0.2, 0.3, 0.25]])
+    result = metrics.retrieval_metrics(sim, [0, 0, 1, 1, 2])
+    assert result["text_to_pair"] == {"R1": 40.0, "R5": 100.0, "R10": 100.0, "MedianR": 2.0, "MeanR": 1.8}
+    # A group scores by its best caption: pair 0 -> [0.9, 0.5, 0.2], pair 1 -> [0.8, 0.7, 0.3], pair 2 ->
+    # [0.2, 0.6, 0.25]. Pair ranks: 0, 1, 1.
+    assert result["pair_to_text"]["R1"] == pytest.approx(100 / 3)
+    assert result["pair_to_text"]["MedianR"] == 2.0
+    assert result["pair_to_text"]["MeanR"] == pytest.approx(5 / 3)
+
+
+def test_retrieval_medians_are_torch_lower_median_for_texts_and_numpy_median_for_pairs():
+    sim = np.array([[0.9, 0.1, 0.1, 0.1],         # symmetric: both directions have ranks 0, 1, 2, 3
+                    [0.1, 0.5, 0.8, 0.2],
+                    [0.1, 0.8, 0.3, 0.6],
+                    [0.1, 0.2, 0.6, 0.05]])
+    result = metrics.retrieval_metrics(sim, [0, 1, 2, 3])
+    assert result["text_to_pair"]["MedianR"] == 2.0      # lower of 2 and 3
+    assert result["pair_to_text"]["MedianR"] == 2.5      # mean of 2 and 3
+    assert result["text_to_pair"]["MeanR"] == result["pair_to_text"]["MeanR"] == 2.5
+    assert result["text_to_pair"]["R1"] == 25.0
+
+
+def test_retrieval_ties_count_against_the_true_match_unless_asked_otherwise():
+    constant = np.full((4, 4), 0.5)
+    pessimistic = metrics.retrieval_metrics(constant, [0, 1, 2, 3])
+    assert pessimistic["text_to_pair"] == {"R1": 0.0, "R5": 100.0, "R10": 100.0, "MedianR": 4.0, "MeanR": 4.0}
+    optimistic = metrics.retrieval_metrics(constant, [0, 1, 2, 3], ties="optimistic")
+    assert optimistic["text_to_pair"]["R1"] == 100.0 and optimistic["pair_to_text"]["MedianR"] == 1.0
+    one_tie = metrics.retrieval_metrics(np.array([[0.5, 0.5, 0.2], [0.1, 0.9, 0.3], [0.0, 0.1, 0.7]]), [0, 1, 2])
+    assert one_tie["text_to_pair"]["R1"] == pytest.approx(200 / 3)
+
+
+def test_retrieval_refuses_a_pair_without_captions():
+    with pytest.raises(metrics.CaptionInputError, match="no caption"):
+        metrics.retrieval_metrics(np.eye(3), [0, 1, 1])
+
+
+# --- inputs and the command line ---
+
+def write(path, data):
+    path.write_text(data if isinstance(data, str) else json.dumps(data), encoding="utf-8")
+    return str(path)
+
+
+def test_command_line_reads_coco_results_and_ground_truth(tmp_path, capsys):
+    results = write(tmp_path / "res.json", [{"image_id": 7, "caption": "the red cube moved"},
+                                            {"image_id": 8, "caption": "nothing changed"}])
+    truth = write(tmp_path / "gt.json", {"images": [{"id": 7}, {"id": 8}], "annotations": [
+        {"image_id": 7, "caption": "the red cube has moved", "id": 0},
+        {"image_id": 8, "caption": "there is no change", "id": 1},
+        {"image_id": 8, "caption": "nothing has changed", "id": 2}]})
+    assert metrics.main([results, truth, "--json", "--meteor-modules", "exact,stem", "--processes", "1"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    expected = metrics.score_captions({7: "the red cube moved", 8: "nothing changed"},
+                                      {7: ["the red cube has moved"], 8: ["there is no change", "nothing has changed"]},
+                                      meteor_modules=("exact", "stem"))
+    assert printed["corpus"] == pytest.approx(expected["corpus"])
+    assert set(printed["items"]) == {"7", "8"}
+
+
+def test_command_line_reports_malformed_json_with_file_and_position(tmp_path, capsys):
+    broken = write(tmp_path / "broken.json", '[{"image_id": 1, "caption": "a cube"},\n {"image_id": 2 "caption"}]')
+    assert metrics.main([broken, broken]) == 2
+    error = capsys.readouterr().err
+    assert "broken.json" in error and "line 2, column 17" in error
+
+
+def test_duplicate_prediction_ids_are_refused():
+    with pytest.raises(metrics.CaptionInputError, match="duplicate prediction for image_id 3"):
+        metrics.read_predictions([{"image_id": 3, "caption": "a"}, {"image_id": 3, "caption": "b"}], "res.json")
+
+
+def test_a_prediction_without_references_is_refused_with_a_hint_about_id_types():
+    with pytest.raises(metrics.CaptionInputError, match="have no references.*same type"):
+        metrics.score_captions({5: "a cube"}, {"5": ["a cube"]})
+
+
+def test_an_empty_reference_list_is_refused():
+    with pytest.raises(metrics.CaptionInputError, match="empty list of references"):
+        metrics.score_captions({"a": "a cube"}, {"a": []})
+
+
+# ======== adapt.py ========
+
+TINY_ADAPT = ["--data", "synth", "--synth_pairs", "40", "--scratch_width", "64", "--scratch_layers", "2",
+        "--intra_layers", "1", "--scratch_text_width", "64", "--scratch_text_layers", "1",
+        "--scratch_embed_dim", "32", "--batch_size", "8", "--eval_batch_size", "16", "--log_every", "1"]
+
+
+def run_adapt(*args, env=None, torchrun=False, **kwargs):
+    command = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun
+               else [sys.executable]) + [str(HERE / "adapt.py"), *TINY_ADAPT, *map(str, args)]
+    return subprocess.run(command, cwd=HERE, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def synth40_root(tmp_path_factory):
+    """A 40-pair synthetic dataset, drawn once for this file's tests."""
+    root = tmp_path_factory.mktemp("adapt") / "synth"
+    data.ensure_synth(root, data.SynthConfig(pairs=40))
+    return root
+
+
+def test_config_flags_follow_the_dataset_preset_then_the_command_line():
+    config = runtime.parse_config(adapt.Config, adapt.PRESETS, ["--data", "spot", "--lr", "3e-4"])
+    assert (config.epochs, config.lr, config.clip_lr_scale) == (20, 3e-4, 1e-3)
+    with pytest.raises(SystemExit):
+        runtime.parse_config(adapt.Config, adapt.PRESETS, ["--data", "spot", "--learning_rate", "3e-4"])
+
+
+def test_learning_rate_warms_up_linearly_then_follows_the_reference_cosine():
+    config = adapt.Config(lr=1e-4, warmup=0.1)
+    assert adapt.get_lr(0, 100, config) == 0
+    assert adapt.get_lr(5, 100, config) == pytest.approx(0.5e-4)
+    # the reference's warmup_cosine is not rescaled after warmup: 0.5(1 + cos(0.1 pi)) = 0.9755
+    assert adapt.get_lr(10, 100, config) == pytest.approx(1e-4 * 0.97553, rel=1e-4)
+    assert adapt.get_lr(100, 100, config) == pytest.approx(0, abs=1e-12)
+
+
+def test_adaptation_on_tiny_synth_writes_checkpoints_that_load_without_code(synth40_root, tmp_path):
+    out = tmp_path / "run"
+    result = run_adapt("--data_root", synth40_root, "--out_dir", out, "--epochs", "2")
+    assert result.returncode == 0, result.stderr
+    for name in ("ckpt_last.pt", "ckpt_best.pt"):
+        state = torch.load(out / name, weights_only=True)
+        assert {"model", "optimizer", "config", "clip_config", "step", "rng"} <= set(state)
+    scores = json.loads((out / "test_retrieval.json").read_text())
+    assert 0 <= scores["text_to_pair_R1"] <= 100 and "pair_to_text_R1" in scores
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["split"] for r in records if "split" in r] == ["val", "val", "test"]
+
+
+def test_an_existing_run_is_not_overwritten_without_resume(synth40_root, tmp_path):
+    out = tmp_path / "run"
+    assert run_adapt("--data_root", synth40_root, "--out_dir", out, "--epochs", "1").returncode == 0
+    again = run_adapt("--data_root", synth40_root, "--out_dir", out, "--epochs", "1")
+    assert again.returncode == 1 and "--resume" in again.stderr
+
+
+def test_resume_refuses_a_checkpoint_of_another_model_config(synth40_root, tmp_path):
+    out = tmp_path / "run"
+    assert run_adapt("--data_root", synth40_root, "--out_dir", out, "--epochs", "1").returncode == 0
+    other = run_adapt("--data_root", synth40_root, "--out_dir", out, "--epochs", "2", "--resume",
+                      "--scratch_width", "128")
+    assert other.returncode == 1 and "scratch_width" in other.stderr
+
+
+def test_torchrun_with_two_cpu_processes_trains_and_only_rank_0_writes(synth40_root, tmp_path):
+    out = tmp_path / "ddp"
+    result = run_adapt("--data_root", synth40_root, "--out_dir", out, "--epochs", "1", torchrun=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "8 = 4 x 2 processes" in result.stdout  # the global batch is split over the two processes
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt_best.pt", "ckpt_last.pt", "config.json", "log.jsonl",
+                                                   "test_retrieval.json"]
+    assert torch.load(out / "ckpt_last.pt", weights_only=True)["step"] > 0
+
+
+def test_a_run_killed_mid_epoch_resumes_and_finishes_with_intact_checkpoints(synth40_root, tmp_path):
+    out = tmp_path / "run"
+    args = ["--data_root", synth40_root, "--out_dir", out, "--epochs", "3", "--save_every", "2"]
+    command = [sys.executable, str(HERE / "adapt.py"), *TINY_ADAPT, *map(str, args)]
+    process = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # wait until the first epoch is over (ckpt_best.pt) and a later mid-epoch save happened, then SIGKILL
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        log = out / "log.jsonl"
+        lines = log.read_text().splitlines() if log.exists() else []
+        steps = [json.loads(line)["step"] for line in lines if "split" not in json.loads(line)]
+        if (out / "ckpt_best.pt").exists() and steps and steps[-1] >= 5 and steps[-1] % 4 != 0:
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    killed_at = torch.load(out / "ckpt_last.pt", weights_only=True)["step"]
+    best_before = torch.load(out / "ckpt_best.pt", weights_only=True)
+    result = run_adapt(*args, "--resume")
+    assert result.returncode == 0, result.stderr
+    assert f"resumed {out / 'ckpt_last.pt'} at step {killed_at}" in result.stdout
+    last = torch.load(out / "ckpt_last.pt", weights_only=True)
+    total = last["step"]
+    assert total > killed_at and total % 3 == 0  # 3 epochs of equal length were completed
+    assert len(last["history"]) == 3  # one validation per epoch, none lost or repeated
+    best = torch.load(out / "ckpt_best.pt", weights_only=True)
+    assert best["best_epoch"] >= best_before["best_epoch"]
+    assert not list(out.glob(".*.tmp*"))  # no half-written file left behind
+
+
+# ======== caption.py ========
+
+TINY_CLIP = ["--synth_pairs", "40", "--scratch_width", "64", "--scratch_layers", "2", "--intra_layers", "1",
+             "--scratch_text_width", "64", "--scratch_text_layers", "1", "--scratch_embed_dim", "64"]
+TINY_DECODER = ["--synth_pairs", "40", "--decoder_layers", "1", "--decoder_heads", "2", "--decoder_ffn", "128",
+                "--batch_size", "8", "--eval_batch_size", "32", "--log_every", "1"]
+
+
+def run(script, *args, **kwargs):
+    return subprocess.run([sys.executable, str(HERE / script), "--data", "synth", *map(str, args)], cwd=HERE,
+                          capture_output=True, text=True, timeout=300, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def stage1(tmp_path_factory):
+    """A 40-pair synthetic dataset and a tiny stage-1 checkpoint, made once for this file's tests."""
+    base = tmp_path_factory.mktemp("caption")
+    result = run("adapt.py", *TINY_CLIP, "--data_root", base / "synth", "--out_dir", base / "adapt", "--epochs", "1",
+                 "--batch_size", "8")
+    assert result.returncode == 0, result.stderr
+    return {"root": base / "synth", "encoder": base / "adapt" / "ckpt_best.pt"}
+
+
+def stage2(stage1, out, *args, **kwargs):
+    return run("caption.py", *TINY_DECODER, "--data_root", stage1["root"], "--encoder_ckpt", stage1["encoder"],
+               "--out_dir", out, *args, **kwargs)
+
+
+def test_warmup_linear_schedule_matches_the_reference():
+    config = caption.Config(lr=1e-4, warmup=0.1)
+    assert caption.get_lr(5, 100, config) == pytest.approx(0.5e-4)
+    assert caption.get_lr(10, 100, config) == pytest.approx(1e-4)
+    assert caption.get_lr(55, 100, config) == pytest.approx(0.5e-4)
+    assert caption.get_lr(100, 100, config) == 0.0
+
+
+def test_training_on_cached_features_then_eval_writes_predictions_scores_and_grid(stage1, tmp_path):
+    out = tmp_path / "cap"
+    result = stage2(stage1, out, "--epochs", "2")
+    assert result.returncode == 0, result.stderr
+    assert len(list((out / "features").glob("*.npy"))) == 3  # train, val, test, each encoded once
+    evaluated = stage2(stage1, out, "--eval")
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert "encoding" not in evaluated.stdout  # the cached test features were reused
+    predictions = json.loads((out / "test_predictions.json").read_text())
+    ids = {p["image_id"] for p in predictions}
+    assert any(i.endswith("_n") for i in ids) and any(not i.endswith("_n") for i in ids)  # change + distractor
+    table = json.loads((out / "test_scores.json").read_text())
+    assert {"total", "semantic change", "distractor"} <= set(table["scores"])
+    assert set(table["scores"]["total"]) >= {"BLEU_4", "METEOR", "ROUGE_L", "CIDEr"}
+    assert (out / "test_grid.png").stat().st_size > 10_000
+    state = torch.load(out / "ckpt_best.pt", weights_only=True)  # loads without running code
+    assert state["encoder_sha256"] == caption.sha256_file(stage1["encoder"])
+
+
+def test_pair_prints_a_caption_and_rejects_missing_or_non_image_files(stage1, tmp_path):
+    out = tmp_path / "cap"
+    assert stage2(stage1, out, "--epochs", "1").returncode == 0
+    before = next((stage1["root"] / "images").iterdir())
+    after = stage1["root"] / "sc_images" / before.name.replace("default", "semantic")
+    result = stage2(stage1, out, "--pair", before, after)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()  # one caption, whatever a 1-epoch model says
+    missing = stage2(stage1, out, "--pair", before, tmp_path / "nothing.png")
+    assert missing.returncode == 1 and "nothing.png" in missing.stderr and "missing" in missing.stderr
+    text = tmp_path / "notes.png"
+    text.write_text("not an image")
+    not_image = stage2(stage1, out, "--pair", before, text)
+    assert not_image.returncode == 1 and "notes.png" in not_image.stderr and "not an image" in not_image.stderr
+
+
+def test_a_corrupt_captioner_checkpoint_is_named_in_the_error(stage1, tmp_path):
+    out = tmp_path / "cap"
+    assert stage2(stage1, out, "--epochs", "1").returncode == 0
+    best = out / "ckpt_best.pt"
+    best.write_bytes(best.read_bytes()[:1000])
+    result = stage2(stage1, out, "--eval")
+    assert result.returncode == 1 and str(best) in result.stderr and "corrupt" in result.stderr
+
+
+def test_a_run_killed_during_training_resumes_and_keeps_every_checkpoint_loadable(stage1, tmp_path):
+    out = tmp_path / "cap"
+    args = ["--epochs", "4", "--save_every", "2", "--batch_size", "4"]
+    command = [sys.executable, str(HERE / "caption.py"), "--data", "synth", *TINY_DECODER,
+               "--data_root", str(stage1["root"]), "--encoder_ckpt", str(stage1["encoder"]), "--out_dir", str(out),
+               *args]
+    process = subprocess.Popen(command, cwd=HERE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline:  # wait for the first epoch's checkpoints and a later step, then SIGKILL
+        log = out / "log.jsonl"
+        records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        if (out / "ckpt_best.pt").exists() and records and "split" not in records[-1] and records[-1]["step"] % 2:
+            break
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    killed_at = torch.load(out / "ckpt_last.pt", weights_only=True)["step"]
+    result = stage2(stage1, out, *args, "--resume")
+    assert result.returncode == 0, result.stderr
+    assert f"at step {killed_at}" in result.stdout
+    last = torch.load(out / "ckpt_last.pt", weights_only=True)
+    assert last["step"] > killed_at and len(last["history"]) + last["bad_epochs"] >= 1
+    assert [h["epoch"] for h in last["history"]] == list(range(len(last["history"])))  # no epoch lost or repeated
+    for name in ("ckpt_best.pt", "ckpt_last.pt"):
+        runtime.load_checkpoint(out / name)
+    assert not list(out.glob(".*.tmp*"))
+
+
+def test_resuming_with_another_decoder_config_is_refused(stage1, tmp_path):
+    out = tmp_path / "cap"
+    assert stage2(stage1, out, "--epochs", "1").returncode == 0
+    result = stage2(stage1, out, "--epochs", "2", "--resume", "--decoder_ffn", "256")
+    assert result.returncode == 1 and "decoder_ffn" in result.stderr
