@@ -108,8 +108,9 @@ PRESETS = {
     "spot": dict(epochs=20, batch_size=128, lr=1e-4, clip_lr_scale=1e-3),
     "ier": dict(epochs=20, batch_size=128, lr=1e-4, clip_lr_scale=1e-3),
     "pairs": dict(epochs=12, batch_size=64, lr=1e-4, clip_lr_scale=1e-3),
-    "synth": dict(clip_model="scratch", intra_layers=4, epochs=6, batch_size=64, lr=5e-4, clip_lr_scale=1.0,
-                  weight_decay=0.05, freeze=False, num_workers=0, image_cache=True, log_every=5),
+    "synth": dict(clip_model="scratch", intra_layers=4, scratch_width=128, scratch_text_width=128, scratch_text_layers=2,
+                  scratch_embed_dim=128, epochs=4, batch_size=128, lr=1e-3, clip_lr_scale=1.0, weight_decay=0.05,
+                  freeze=False, num_workers=0, image_cache=True, log_every=5),
 }
 
 

@@ -115,8 +115,8 @@ PRESETS = {
     "spot": dict(epochs=50, batch_size=16, lr=1e-4, use_no_change_pair=False, train_word_embedding=True),
     "ier": dict(epochs=50, batch_size=16, lr=1e-4, use_no_change_pair=False, train_word_embedding=True),
     "pairs": dict(epochs=50, batch_size=16, lr=1e-4, use_no_change_pair=False, train_word_embedding=True),
-    "synth": dict(epochs=12, patience=4, batch_size=32, lr=5e-4, clip_lr_scale=1.0, train_word_embedding=True,
-                  decoder_heads=4, decoder_ffn=1024, num_workers=0, image_cache=True, log_every=10,
+    "synth": dict(epochs=10, patience=10, batch_size=32, lr=1e-3, clip_lr_scale=1.0, train_word_embedding=True,
+                  decoder_heads=4, decoder_ffn=512, num_workers=0, image_cache=True, log_every=10,
                   eval_batch_size=128),
 }
 

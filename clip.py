@@ -756,7 +756,7 @@ def load(name_or_path: str | os.PathLike = "ViT-B/32", device: str | torch.devic
                 f"CLIP weights {name_or_path} ({root / filename}) are missing and could not be downloaded from "
                 f"{url} ({error}). Get them on a machine with internet access:\n  curl -L -o {filename} {url}\n"
                 f"  sha256sum {filename}   # must print {sha256}\nthen put the file in {root} (or set CLIP_CACHE "
-                f"to its folder), or pass its path to load()") from error
+                f"to its folder), or pass the file's path instead of the name (adapt.py --clip_model PATH)") from error
     else:
         raise FileNotFoundError(f"{name_or_path} is neither a file nor a known model name {list(MODEL_URLS)}")
     # differs from reference: no jit=True mode; the archive is only read for its tensors (see "What is trusted")
