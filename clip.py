@@ -587,6 +587,19 @@ def find_bpe_vocabulary(bpe_path: str | os.PathLike | None = None) -> Path:
             f"its folder), or point CLIP_BPE_PATH at it") from error
 
 
+def merge_pair(symbols, pair: tuple[str, str]) -> list[str]:
+    """symbols with every occurrence of the adjacent pair merged into one symbol, left to right."""
+    merged, i = [], 0
+    while i < len(symbols):
+        if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == pair:
+            merged.append(symbols[i] + symbols[i + 1])
+            i += 2
+        else:
+            merged.append(symbols[i])
+            i += 1
+    return merged
+
+
 class SimpleTokenizer:
     """CLIP's byte-level BPE: clean, lower-case, pre-tokenize, turn bytes into symbols, merge, look up ids."""
 
@@ -616,15 +629,7 @@ class SimpleTokenizer:
             best = min(pairs, key=lambda pair: self.bpe_ranks.get(pair, math.inf))
             if best not in self.bpe_ranks:
                 break
-            merged, i = [], 0
-            while i < len(word):  # merge every occurrence of the best pair, left to right
-                if i + 1 < len(word) and (word[i], word[i + 1]) == best:
-                    merged.append(word[i] + word[i + 1])
-                    i += 2
-                else:
-                    merged.append(word[i])
-                    i += 1
-            word = merged
+            word = merge_pair(word, best)
         self.cache[token] = ids = [self.encoder[symbol] for symbol in word]
         return ids
 

@@ -730,15 +730,7 @@ def learn_bpe(word_counts: dict[str, int]) -> list[tuple[str, str]]:
         merges.append(best)
         merged_words = {}
         for symbols, count in words.items():
-            out, i = [], 0
-            while i < len(symbols):
-                if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == best:
-                    out.append(symbols[i] + symbols[i + 1])
-                    i += 2
-                else:
-                    out.append(symbols[i])
-                    i += 1
-            merged_words[tuple(out)] = count
+            merged_words[tuple(clip.merge_pair(symbols, best))] = count  # the tokenizer's own merge step
         words = merged_words
 
 
