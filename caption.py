@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 import clip
 import data
@@ -547,15 +547,8 @@ def main(argv=None):
     model = DDP(captioner, device_ids=[dist_.local_rank] if device.type == "cuda" else None) if dist_.ddp else captioner
 
     # --- batches ---
-    per_step = dist_.world_size * config.grad_accum
-    if config.batch_size % per_step:
-        raise ValueError(f"--batch_size {config.batch_size} is not divisible by processes x grad_accum = {per_step}")
-    micro = config.batch_size // per_step
-    sampler = DistributedSampler(train_set, num_replicas=dist_.world_size, rank=dist_.rank, shuffle=True,
-                                 seed=config.seed, drop_last=True)
-    steps_per_epoch = len(sampler) // (micro * config.grad_accum)
-    if steps_per_epoch == 0:
-        raise ValueError(f"{len(train_set)} training pairs are fewer than one global batch of {config.batch_size}")
+    micro, sampler, steps_per_epoch = runtime.batch_plan(train_set, config.batch_size, config.grad_accum, dist_,
+                                                         config.seed, what="training pairs")
     total_steps = config.epochs * steps_per_epoch
     log = runtime.JsonlLog(out_dir / "log.jsonl", enabled=master)
     if master:
@@ -580,12 +573,9 @@ def main(argv=None):
     model.train()
     while step < total_steps and bad_epochs <= config.patience:
         epoch = step // steps_per_epoch
-        sampler.set_epoch(epoch)
         done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
-        loader = DataLoader(train_set, batch_size=micro, drop_last=True, num_workers=config.num_workers,
-                            sampler=runtime.SkipSampler(sampler, done_in_epoch * micro * config.grad_accum),
-                            pin_memory=device.type == "cuda")
-        batches = iter(loader)
+        batches = runtime.epoch_batches(train_set, sampler, epoch, done_in_epoch, micro, config.grad_accum,
+                                        config.num_workers, device)
         for _ in range(done_in_epoch, steps_per_epoch):
             for group in optimizer.param_groups:
                 group["lr"] = get_lr(step, total_steps, config) * group["lr_scale"]

@@ -13,7 +13,8 @@ you can read top to bottom:
   rename), read back with `torch.load(weights_only=True)` so a checkpoint can never run code.
 - `rng_state` / `set_rng_state`: Python, NumPy and torch generators as plain tensors and lists, so that a
   resumed run draws the same numbers it would have drawn.
-- `SkipSampler`: resumes a `DistributedSampler` epoch part-way through.
+- `batch_plan`, `epoch_batches`, `SkipSampler`: the global batch split over processes and accumulation, and one
+  epoch's micro-batches, resumed part-way through when a run was interrupted.
 - `Progress` and `JsonlLog`: one progress line with an ETA, and a JSON-lines log of every logged step.
 
 Run `python runtime.py` for a demo of the config parser and the progress line.
@@ -287,6 +288,32 @@ class SkipSampler(torch.utils.data.Sampler):
 
     def __len__(self):
         return max(0, len(self.sampler) - self.skip)
+
+
+def batch_plan(dataset, batch_size: int, grad_accum: int, dist_, seed: int, what: str = "training samples"):
+    """Split a global batch over processes and accumulation steps: (micro-batch size, sampler, steps per epoch).
+
+    The sampler is a DistributedSampler (shuffled, same order on every process for a seed and epoch)."""
+    per_step = dist_.world_size * grad_accum  # micro-batches per optimizer step, over all processes
+    if batch_size % per_step:
+        raise ValueError(f"--batch_size {batch_size} is not divisible by processes x grad_accum = {per_step}")
+    micro = batch_size // per_step
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=dist_.world_size, rank=dist_.rank,
+                                                  shuffle=True, seed=seed, drop_last=True)
+    steps_per_epoch = len(sampler) // (micro * grad_accum)
+    if steps_per_epoch == 0:
+        raise ValueError(f"{len(dataset)} {what} are fewer than one global batch of {batch_size}")
+    return micro, sampler, steps_per_epoch
+
+
+def epoch_batches(dataset, sampler, epoch: int, done_steps: int, micro: int, grad_accum: int, num_workers: int,
+                  device: torch.device):
+    """An iterator over one epoch's micro-batches, skipping the first `done_steps` optimizer steps (resuming)."""
+    sampler.set_epoch(epoch)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=micro, drop_last=True, num_workers=num_workers,
+                                         sampler=SkipSampler(sampler, done_steps * micro * grad_accum),
+                                         pin_memory=device.type == "cuda")
+    return iter(loader)
 
 
 # -----------------------------------------------------------------------------
