@@ -1180,11 +1180,16 @@ class Meteor:
         return (len(hyp.words), len(ref.words), sum(hyp.functional), sum(ref.functional),
                 tuple(content1), tuple(content2), tuple(function1), tuple(function2), chunks, matched1, matched2)
 
+    def prepare_items(self, items):
+        """prepare() the texts of (hypothesis, references) items as Meteor reads them; returns those texts."""
+        fields = [_meteor_fields(hypothesis, references) for hypothesis, references in items]
+        self.prepare([text for hypothesis, references in fields for text in [hypothesis, *references]])
+        return fields
+
     def item_stats_many(self, items):
         """item_stats for many (hypothesis, references) at once: the alignments that need a search are solved
         together by _resolve_batch (same result as _resolve, much faster)."""
-        fields = [_meteor_fields(hypothesis, references) for hypothesis, references in items]
-        self.prepare([text for hypothesis, references in fields for text in [hypothesis, *references]])
+        fields = self.prepare_items(items)
         pending, problems = {}, {}
         for hypothesis, references in fields:
             hyp = self.sentence(hypothesis)
@@ -1436,19 +1441,29 @@ def _check_inputs(predictions, references):
 
 
 PARALLEL_MIN_ITEMS = 1000     # below this a worker process costs more than it saves
-METEOR_WORKER_SHARE = 0.7     # the METEOR worker's share of the items, while this process computes BLEU, ROUGE-L,
-#                               CIDEr and the rest: on CLEVR-style text (METEOR ~2/3 of the work) both get about half
+METEOR_CHUNK_ITEMS = 250      # with a worker, METEOR's items are shared out in chunks of this many
 
 
-def _meteor_item_stats(config, modules, items):
-    """METEOR statistics of (hypothesis, references) items, in a worker process."""
-    return Meteor(config, modules, load_meteor_resources()).item_stats_many(items)
+_worker_meteor = None   # in a forked worker: the parent's Meteor, its vocabulary already prepared
+
+
+def _adopt_meteor(meteor):
+    """The worker's initializer. The worker is forked, so `meteor` is the parent's object, copied, not pickled."""
+    global _worker_meteor
+    _worker_meteor = meteor
+
+
+def _meteor_chunk(items):
+    """METEOR statistics of a chunk of (hypothesis, references) items, in the worker process."""
+    return _worker_meteor.item_stats_many(items)
 
 
 @contextlib.contextmanager
 def _collector_paused():
     """Scoring allocates millions of small tuples and dicts and leaves no reference cycles. Python's cyclic garbage
-    collector would scan them again and again (about 40% of the run time here), so it is paused meanwhile."""
+    collector would scan them again and again (about 40% of the run time here), so it is paused meanwhile. Its
+    first pass after the pause still scans all the survivors once (0.3 s on a CLEVR-sized corpus): the functions
+    below and the command line therefore hold one pause around all their steps (an inner pause changes nothing)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -1499,17 +1514,22 @@ class CaptionScorer:
         self.items = {i: {} for i in self.ids}
         self._counts = {}
         ngrams = self._ngrams
-        # METEOR is the slow metric. With processes > 1 a forked worker aligns a share of the items meanwhile.
-        worker = None
+        # METEOR is the slow metric. With processes > 1 a forked worker starts on it, chunk by chunk, while this
+        # process computes the other metrics; then this process takes the chunks the worker has not begun.
+        worker, self.meteor_worker_items = None, 0
         if "METEOR" in self.metrics:
             started = time.perf_counter()
             meteor_items = [(self.candidates[i], self.references[i]) for i in self.ids]
-            cut = 0
+            chunks = [meteor_items]
             if processes > 1 and len(meteor_items) >= PARALLEL_MIN_ITEMS and \
                     "fork" in multiprocessing.get_all_start_methods():
-                cut = round(len(meteor_items) * (0.5 if self.metrics == ("METEOR",) else METEOR_WORKER_SHARE))
-                worker = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"))
-                future = worker.submit(_meteor_item_stats, self.config, self.meteor_modules, meteor_items[:cut])
+                # every word registered before the fork: the worker inherits them and never prepares again
+                self.meteor.prepare_items(meteor_items)
+                chunks = [meteor_items[k:k + METEOR_CHUNK_ITEMS]
+                          for k in range(0, len(meteor_items), METEOR_CHUNK_ITEMS)]
+                worker = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"),
+                                                                initializer=_adopt_meteor, initargs=(self.meteor,))
+                futures = [worker.submit(_meteor_chunk, chunk) for chunk in chunks]
             meteor_started = time.perf_counter() - started
         if "BLEU" in self.metrics:
             started = time.perf_counter()
@@ -1535,12 +1555,16 @@ class CaptionScorer:
             self.timing["CIDEr"] = time.perf_counter() - started
         if "METEOR" in self.metrics:
             started = time.perf_counter()
-            all_stats = self.meteor.item_stats_many(meteor_items[cut:])
-            self.meteor.forget()                              # the per-item statistics are all we keep
+            stats = [None] * len(chunks)
+            for k in reversed(range(len(chunks))):           # from the last chunk back, those the worker has not
+                if worker is None or futures[k].cancel():     # begun (cancel() fails once it has)
+                    stats[k] = self.meteor.item_stats_many(chunks[k])
             if worker is not None:
-                all_stats = future.result() + all_stats
+                self.meteor_worker_items = sum(len(chunk) for chunk, s in zip(chunks, stats) if s is None)
+                stats = [s if s is not None else future.result() for s, future in zip(stats, futures)]
                 worker.shutdown()
-            self.meteor_stats = dict(zip(self.ids, all_stats))
+            self.meteor.forget()                              # the per-item statistics are all we keep
+            self.meteor_stats = dict(zip(self.ids, itertools.chain.from_iterable(stats)))
             for i, stats in self.meteor_stats.items():
                 self.items[i]["METEOR"] = self.meteor.score(stats)
             self.timing["METEOR"] = meteor_started + time.perf_counter() - started
@@ -1599,6 +1623,7 @@ class CaptionScorer:
                 "timing_s": {k: round(v, 3) for k, v in self.timing.items()}}
         if self.meteor_modules is not None:
             info["meteor_modules"] = "+".join(self.meteor_modules)
+            info["meteor_items_in_worker"] = self.meteor_worker_items     # of all the items (0: no worker)
             if self.meteor_modules != METEOR_MODULES:
                 why = ("the METEOR 1.5 data was not found (pip install --no-deps pycocoevalcap==1.2, or set "
                        f"{METEOR_DATA_ENV})" if self.meteor.resources is None else "as asked")
@@ -1616,14 +1641,16 @@ def score_captions(predictions, references, metrics=METRICS, tokenize=True, mete
     data is found (exact + stem otherwise), or e.g. ("exact", "stem"). processes=2 lets a forked worker compute
     part of METEOR (same numbers, about 1.7x faster on 2 cores; not advisable inside a process using CUDA).
     """
-    return CaptionScorer(predictions, references, metrics, tokenize, meteor_modules, config, processes).score()
+    with _collector_paused():
+        return CaptionScorer(predictions, references, metrics, tokenize, meteor_modules, config, processes).score()
 
 
 def score_subsets(predictions, references, subsets, metrics=METRICS, tokenize=True, meteor_modules=None,
                   config=None, processes=1):
     """{name: result} for named subsets of ids, e.g. per change type; each subset is re-scored on its own."""
-    scorer = CaptionScorer(predictions, references, metrics, tokenize, meteor_modules, config, processes)
-    return {name: scorer.score(ids) for name, ids in subsets.items()}
+    with _collector_paused():
+        scorer = CaptionScorer(predictions, references, metrics, tokenize, meteor_modules, config, processes)
+        return {name: scorer.score(ids) for name, ids in subsets.items()}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1783,13 +1810,14 @@ def main(argv=None):
         references = read_references(load_json(ref_path) if args.references else load_json(args.predictions),
                                      ref_path)
         modules = tuple(args.meteor_modules.split(",")) if args.meteor_modules else None
-        result = score_captions(predictions, references, tuple(args.metrics.split(",")),
-                                tokenize=not args.pretokenized, meteor_modules=modules, processes=args.processes)
-        result["info"]["timing_s"]["total"] = round(time.perf_counter() - started, 3)
+        with _collector_paused():     # until the table is written: then the process ends, nothing left to scan
+            result = score_captions(predictions, references, tuple(args.metrics.split(",")),
+                                    tokenize=not args.pretokenized, meteor_modules=modules, processes=args.processes)
+            result["info"]["timing_s"]["total"] = round(time.perf_counter() - started, 3)
+            print(json.dumps(result, ensure_ascii=False) if args.json else format_table(result))
     except CaptionInputError as e:
         print(f"metrics.py: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result, ensure_ascii=False) if args.json else format_table(result))
     return 0
 
 

@@ -1521,6 +1521,12 @@ def test_a_forked_meteor_worker_gives_the_same_numbers():
     one = metrics.score_captions(*tokenized(coco), tokenize=False, processes=1)
     two = metrics.score_captions(*tokenized(coco), tokenize=False, processes=2)
     assert one["corpus"] == two["corpus"] and one["items"] == two["items"]
+    assert one["info"]["meteor_items_in_worker"] == 0 and two["info"]["meteor_items_in_worker"] > 0
+    # METEOR alone: this process has nothing else to do, so it takes chunks from the end at once
+    alone = metrics.score_captions(*tokenized(coco), metrics=("METEOR",), tokenize=False, processes=2)
+    assert alone["corpus"]["METEOR"] == one["corpus"]["METEOR"]
+    assert all(alone["items"][i]["METEOR"] == one["items"][i]["METEOR"] for i in one["items"])
+    assert 0 < alone["info"]["meteor_items_in_worker"] < len(coco["items"])
 
 
 def test_end_to_end_from_raw_text_gives_the_toolkits_numbers():
