@@ -346,9 +346,17 @@ def ptb_tokenize(text):
 # N-gram counts shared by BLEU and CIDEr (both split on whitespace with str.split(), as bleu_scorer / cider_scorer)
 # ---------------------------------------------------------------------------------------------------------------
 def _ngram_counts(sentence, n):
-    """[Counter of 1-grams (words), 2-grams (tuples), ..., n-grams], each in order of first occurrence."""
+    """[Counter of 1-grams (words), 2-grams, ..., n-grams], each in order of first occurrence.
+
+    An n-gram is its words joined by spaces (the toolkit uses tuples): a str keeps its hash once computed, a tuple
+    hashes all its words again at every lookup, and the scorers look each n-gram up many times.
+    """
     words = sentence.split()
-    return [Counter(words)] + [Counter(zip(*(words[k:] for k in range(order)))) for order in range(2, n + 1)]
+    counts, grams = [Counter(words)], words
+    for order in range(2, n + 1):
+        grams = [gram + " " + word for gram, word in zip(grams, words[order - 1:])]   # extend each by one word
+        counts.append(Counter(grams))
+    return counts
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -442,10 +450,12 @@ def cider_scores(candidate_counts, reference_counts, n=4, sigma=6.0):
     log_n = math.log(float(len(reference_counts)))
     idf = {gram: log_n - math.log(float(df)) for gram, df in document_frequency.items()}   # unseen: log N
 
+    weight_of = idf.get
+
     def to_vector(counts):
         vec, norm = [], []
         for k in range(n):
-            weights = {gram: float(tf) * idf.get(gram, log_n) for gram, tf in counts[k].items()}
+            weights = {gram: tf * weight_of(gram, log_n) for gram, tf in counts[k].items()}   # int * float
             vec.append(weights)
             total = 0.0
             for w in weights.values():
@@ -454,14 +464,18 @@ def cider_scores(candidate_counts, reference_counts, n=4, sigma=6.0):
         # The toolkit's "length" counts bigrams (it adds term frequencies where len(ngram) - 1 == 1).
         return vec, norm, (sum(counts[1].values()) if n > 1 else 0)
 
-    vectors, scores = {}, []
+    vectors, scores = {}, []       # by id(): equal captions share one counts object (CaptionScorer._ngrams)
+
+    def vector(counts):
+        if id(counts) not in vectors:
+            vectors[id(counts)] = (counts, to_vector(counts))        # (keeps counts alive, so its id stays unique)
+        return vectors[id(counts)][1]
+
     for cand, refs in zip(candidate_counts, reference_counts):
-        vec_c, norm_c, len_c = to_vector(cand)
+        vec_c, norm_c, len_c = vector(cand)
         total = [0.0] * n
         for ref in refs:
-            if id(ref) not in vectors:
-                vectors[id(ref)] = (ref, to_vector(ref))             # (keeps ref alive, so its id stays unique)
-            vec_r, norm_r, len_r = vectors[id(ref)][1]
+            vec_r, norm_r, len_r = vector(ref)
             penalty = math.e ** (-(float(len_c - len_r) ** 2) / (2 * sigma ** 2))
             for k in range(n):
                 cand_k, ref_k, value = vec_c[k], vec_r[k], 0.0
