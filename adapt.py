@@ -34,7 +34,6 @@ Shape letters: B pairs in a batch, R image side (224), T caption tokens (32), E 
 import dataclasses
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -320,22 +319,10 @@ def main(argv=None):
     optimizer = build_optimizer(model, config, device)
     step, best, best_epoch, history = 0, -1.0, -1, []
     ckpt_path = out_dir / "ckpt_last.pt"
-    if master:
-        runtime.remove_partial_files(out_dir)
-    if config.resume:
-        state = runtime.load_checkpoint(ckpt_path)
-        runtime.check_config(state["config"], dataclasses.asdict(config), MODEL_KEYS, ckpt_path)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
+    state = runtime.start_or_resume(ckpt_path, config, MODEL_KEYS, dist_, model, optimizer, scaler)
+    if state is not None:
         step, best, best_epoch, history = state["step"], state["best_metric"], state["best_epoch"], state["history"]
-        if master:
-            runtime.set_rng_state(state["rng"])
-        else:
-            runtime.seed_everything(config.seed + dist_.rank + step)
         say(f"resumed {ckpt_path} at step {step}")
-    elif master and ckpt_path.exists():
-        raise FileExistsError(f"{ckpt_path} exists: pass --resume to continue that run, or choose another --out_dir")
     raw_model = model
     if config.compile:
         model = torch.compile(model)
@@ -415,8 +402,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (data.DataError, FileNotFoundError, FileExistsError, ValueError, RuntimeError) as error:
-        print(f"adapt.py: error: {error}", file=sys.stderr)
-        sys.exit(1)
+    runtime.run(main, "adapt.py")

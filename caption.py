@@ -38,7 +38,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -524,25 +523,13 @@ def main(argv=None):
     optimizer = build_optimizer(captioner, config)
     step, best_cider, best_epoch, bad_epochs, history = 0, -1.0, -1, 0, []
     ckpt_path = out_dir / "ckpt_last.pt"
-    if master:
-        runtime.remove_partial_files(out_dir)
-    if config.resume:
-        state = runtime.load_checkpoint(ckpt_path)
-        runtime.check_config(state["config"], dataclasses.asdict(config), MODEL_KEYS, ckpt_path)
+    state = runtime.start_or_resume(ckpt_path, config, MODEL_KEYS, dist_, captioner, optimizer, scaler)
+    if state is not None:
         if state["encoder_sha256"] != encoder_sha:
             raise ValueError(f"{ckpt_path} was trained on another stage-1 checkpoint than {encoder_path}")
-        captioner.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
         step, best_cider, best_epoch = state["step"], state["best_metric"], state["best_epoch"]
         bad_epochs, history = state["bad_epochs"], state["history"]
-        if master:
-            runtime.set_rng_state(state["rng"])
-        else:
-            runtime.seed_everything(config.seed + dist_.rank + step)
         say(f"resumed {ckpt_path} at step {step}")
-    elif master and ckpt_path.exists():
-        raise FileExistsError(f"{ckpt_path} exists: pass --resume to continue that run, or choose another --out_dir")
     raw = captioner
     model = DDP(captioner, device_ids=[dist_.local_rank] if device.type == "cuda" else None) if dist_.ddp else captioner
 
@@ -637,8 +624,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (data.DataError, FileNotFoundError, FileExistsError, ValueError, RuntimeError) as error:
-        print(f"caption.py: error: {error}", file=sys.stderr)
-        sys.exit(1)
+    runtime.run(main, "caption.py")

@@ -10,7 +10,9 @@ you can read top to bottom:
   nccl on CUDA and gloo on CPU; one process and no process group otherwise.
 - `autocast`: the precision context (bf16, or fp16 with a GradScaler, on CUDA; float32 on CPU unless asked).
 - `save_checkpoint` / `load_checkpoint`: one dict per checkpoint, written atomically (temporary file, fsync,
-  rename), read back with `torch.load(weights_only=True)` so a checkpoint can never run code.
+  rename), read back with `torch.load(weights_only=True)` so a checkpoint can never run code;
+  `start_or_resume` begins a run or continues one from its last checkpoint.
+- `run`: a script's main(), with the errors a user can fix printed as one line instead of a traceback.
 - `rng_state` / `set_rng_state`: Python, NumPy and torch generators as plain tensors and lists, so that a
   resumed run draws the same numbers it would have drawn.
 - `batch_plan`, `epoch_batches`, `SkipSampler`: the global batch split over processes and accumulation, and one
@@ -110,6 +112,16 @@ def check_config(saved: dict, current: dict, keys, path) -> None:
     if different:
         raise ValueError(f"{path} was written by a run with another configuration ("
                          + "; ".join(different) + "). Use the same flags, or a new --out_dir.")
+
+
+def run(main, program: str) -> None:
+    """Call a script's main(). The errors a user can fix (missing or bad files, bad settings or data: DataError is
+    a ValueError) end the process with one line on stderr and exit status 1, not a traceback."""
+    try:
+        main()
+    except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as error:
+        print(f"{program}: error: {error}", file=sys.stderr)
+        sys.exit(1)
 
 
 # -----------------------------------------------------------------------------
@@ -241,6 +253,32 @@ def remove_partial_files(folder) -> None:
     """Delete the temporary files of saves that a killed run left behind (never a finished checkpoint)."""
     for partial in Path(folder).glob(".*.tmp*"):
         partial.unlink(missing_ok=True)
+
+
+def start_or_resume(path, config, model_keys, dist_, model, optimizer, scaler) -> dict | None:
+    """The start of a run whose last checkpoint is `path`: None for a new run; with --resume, the checkpoint,
+    after restoring the model, optimizer, scaler and random generators from it.
+
+    The half-written files of a killed save are removed first. A new run never overwrites a finished one, and a
+    checkpoint whose model-shaping settings (`model_keys`) differ from this run's is refused.
+    """
+    path = Path(path)
+    if dist_.master:
+        remove_partial_files(path.parent)
+    if not config.resume:
+        if dist_.master and path.exists():
+            raise FileExistsError(f"{path} exists: pass --resume to continue that run, or choose another --out_dir")
+        return None
+    state = load_checkpoint(path)
+    check_config(state["config"], dataclasses.asdict(config), model_keys, path)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scaler.load_state_dict(state["scaler"])
+    if dist_.master:              # the master draws what it would have drawn; the others only need new numbers
+        set_rng_state(state["rng"])
+    else:
+        seed_everything(config.seed + dist_.rank + state["step"])
+    return state
 
 
 def load_checkpoint(path, required=("model", "config")) -> dict:
