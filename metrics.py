@@ -37,8 +37,11 @@ Differences from the toolkit (each is marked `# differs from reference:` below):
 Run:   python metrics.py                                   # demo: one candidate against two references
        python metrics.py PREDICTIONS.json REFERENCES.json  # a table; --json for machines
        python metrics.py ../shared/metrics_vectors/edge_cases.json   # items with candidate and references
-The command line lets a second process compute part of METEOR (--processes, default 2 on a multi-core machine);
-the library functions use one process unless asked (forking inside a process that uses CUDA is best avoided).
+The command line lets a second process compute part of METEOR (--processes, default 2 on a multi-core machine):
+a forked worker aligns METEOR's items chunk by chunk while this process computes BLEU, ROUGE-L and CIDEr, then
+this process takes back the chunks the worker has not begun, from the last one, so both end together whatever
+the machine's load. The library functions use one process unless asked (forking inside a process that uses CUDA
+is best avoided).
 
 Shape letters: T texts (captions), P image pairs.
 """
