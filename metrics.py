@@ -1572,16 +1572,16 @@ class CaptionScorer:
             self.timing["CIDEr"] = time.perf_counter() - started
         if "METEOR" in self.metrics:
             started = time.perf_counter()
-            stats = [None] * len(chunks)
+            per_chunk = [None] * len(chunks)
             for k in reversed(range(len(chunks))):           # from the last chunk back, those the worker has not
                 if worker is None or futures[k].cancel():     # begun (cancel() fails once it has)
-                    stats[k] = self.meteor.item_stats_many(chunks[k])
+                    per_chunk[k] = self.meteor.item_stats_many(chunks[k])
             if worker is not None:
-                self.meteor_worker_items = sum(len(chunk) for chunk, s in zip(chunks, stats) if s is None)
-                stats = [s if s is not None else future.result() for s, future in zip(stats, futures)]
+                self.meteor_worker_items = sum(len(chunk) for chunk, s in zip(chunks, per_chunk) if s is None)
+                per_chunk = [s if s is not None else future.result() for s, future in zip(per_chunk, futures)]
                 worker.shutdown()
             self.meteor.forget()                              # the per-item statistics are all we keep
-            self.meteor_stats = dict(zip(self.ids, itertools.chain.from_iterable(stats)))
+            self.meteor_stats = dict(zip(self.ids, itertools.chain.from_iterable(per_chunk)))
             for i, stats in self.meteor_stats.items():
                 self.items[i]["METEOR"] = self.meteor.score(stats)
             self.timing["METEOR"] = meteor_started + time.perf_counter() - started
