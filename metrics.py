@@ -1656,7 +1656,7 @@ def score_captions(predictions, references, metrics=METRICS, tokenize=True, mete
 
     tokenize=False takes the captions as already PTB-tokenized. meteor_modules: None for all four when the METEOR
     data is found (exact + stem otherwise), or e.g. ("exact", "stem"). processes=2 lets a forked worker compute
-    part of METEOR (same numbers, about 1.7x faster on 2 cores; not advisable inside a process using CUDA).
+    part of METEOR (same numbers, about 1.6x faster on 2 cores; not advisable inside a process using CUDA).
     """
     with _collector_paused():
         return CaptionScorer(predictions, references, metrics, tokenize, meteor_modules, config, processes).score()
