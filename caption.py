@@ -464,6 +464,11 @@ def main(argv=None):
 
     # --- the stage-1 encoder, the tokenizer it was trained with, the captioner ---
     root = data.dataset_root(config.data, config.data_root or None)
+    if config.data == "synth" and not config.pair:  # drawn first: the tokenizer reads its vocabulary file
+        if master:
+            data.ensure_synth(root, data.SynthConfig(pairs=config.synth_pairs))
+        if dist_.ddp:
+            dist.barrier()
     encoder_path = Path(config.encoder_ckpt or f"runs/adapt_{config.data}/ckpt_best.pt")
     encoder, encoder_state = load_encoder(encoder_path)
     encoder_sha = sha256_file(encoder_path)
@@ -490,11 +495,6 @@ def main(argv=None):
         return
 
     # --- data, and the cached pair tokens of every split (written by the master, read by all) ---
-    if config.data == "synth":
-        if master:
-            data.ensure_synth(root, data.SynthConfig(pairs=config.synth_pairs))
-        if dist_.ddp:
-            dist.barrier()
     splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
     if config.image_cache:
         every_pair = [p for s in splits.values() for p in s]

@@ -1789,6 +1789,14 @@ def test_training_on_cached_features_then_eval_writes_predictions_scores_and_gri
     assert state["encoder_sha256"] == caption.sha256_file(stage1["encoder"])
 
 
+def test_stage_2_draws_a_missing_synthetic_dataset_before_reading_its_vocabulary(stage1, tmp_path):
+    root = tmp_path / "fresh"  # a stage-1 checkpoint exists but its data folder was removed or never made here
+    result = run("caption.py", *TINY_DECODER, "--data_root", root, "--synth_pairs", 40, "--encoder_ckpt",
+                 stage1["encoder"], "--out_dir", tmp_path / "cap", "--epochs", 1)
+    assert result.returncode == 0, result.stderr
+    assert (root / "splits.json").exists() and (root / "bpe_synth_vocab.txt.gz").exists()
+
+
 def test_pair_prints_a_caption_and_rejects_missing_or_non_image_files(stage1, tmp_path):
     out = tmp_path / "cap"
     assert stage2(stage1, out, "--epochs", "1").returncode == 0
