@@ -280,6 +280,7 @@ def benchmark(threads: int = 2, batch_size: int = 16, steps: int = 3, compile: b
 
 def main(argv=None):
     config = runtime.parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
+    runtime.keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
     if config.bench:
         print(json.dumps(benchmark(compile=config.compile), indent=2))
         return

@@ -445,6 +445,7 @@ def split_features(captioner: Captioner, feature_path: dict, split: str, pairs, 
 
 def main(argv=None):
     config = runtime.parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
+    runtime.keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
     if config.bench:
         print(json.dumps(benchmark(), indent=2))
         return

@@ -1650,6 +1650,36 @@ def synth40_root(tmp_path_factory):
     return root
 
 
+KEEP_FREED_MEMORY_PROBE = """
+import resource, sys, torch, runtime
+kept = sys.argv[1] == "keep" and runtime.keep_freed_memory()
+def step():  # a training step's pattern: many large blocks alive at once, then all freed
+    blocks = [torch.ones(5_000_000) for _ in range(12)]  # 12 x 20 MB
+faults = []
+for _ in range(4):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    step()
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(kept, faults[-1])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's (Linux)")
+def test_keep_freed_memory_lets_a_repeated_step_reuse_its_pages():
+    def faults(mode):
+        result = subprocess.run([sys.executable, "-c", KEEP_FREED_MEMORY_PROBE, mode], cwd=HERE, capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        kept, count = result.stdout.split()
+        return kept == "True", int(count)
+    kept, with_call = faults("keep")
+    if not kept:
+        pytest.skip("this C library has no mallopt (not glibc)")
+    _, without_call = faults("default")
+    assert without_call > 3_000  # by default glibc returns memory to the kernel and faults it in again (4,883 here)
+    assert with_call < 500       # the same pages again (0 here)
+
+
 def test_config_flags_follow_the_dataset_preset_then_the_command_line():
     config = runtime.parse_config(adapt.Config, adapt.PRESETS, ["--data", "spot", "--lr", "3e-4"])
     assert (config.epochs, config.lr, config.clip_lr_scale) == (20, 3e-4, 1e-3)
