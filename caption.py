@@ -24,10 +24,7 @@ Differs from reference (REFERENCE.md section 3):
   - the output layer runs only at caption positions that are not padding, and batches are cut to their
     longest caption: the same loss, less work;
   - float32 weights with optional autocast, torch's AdamW instead of BertAdam, LayerNorms not decayed;
-  - the unused CLIP text tower is frozen when finetuning (the reference runs it on a dummy caption);
-  - the synth preset's decoder reads [before, after - before] tokens (--visual_difference, decoder.py), which
-    the reference does not do: a small model from scratch does not learn to compare in a few minutes
-    (README, "The synthetic run"); --no-visual_difference gives the reference's decoder.
+  - the unused CLIP text tower is frozen when finetuning (the reference runs it on a dummy caption).
 
 Run:  python caption.py --data synth                  train on the synthetic set (after adapt.py --data synth)
       python caption.py --data synth --eval           decode and score the test split with the best checkpoint
@@ -61,7 +58,7 @@ from encoder import FROZEN_IN_REFERENCE, EncoderConfig, PairEncoder
 from losses import caption_loss
 
 MODEL_KEYS = ("data", "max_words", "finetune_encoder", "use_no_change_pair", "train_word_embedding",
-              "decoder_layers", "decoder_heads", "decoder_ffn", "visual_difference")
+              "decoder_layers", "decoder_heads", "decoder_ffn")
 SEMANTIC = "semantic change"  # the papers' "SC" row: change pairs only, no distractors
 
 
@@ -81,7 +78,6 @@ class Config:
     decoder_layers: int = 3        # visual self-attention layers, and as many decoder layers
     decoder_heads: int = 8         # attention heads of the decoder
     decoder_ffn: int = 2048        # feed-forward width of the decoder
-    visual_difference: bool = False  # the decoder reads [before, after - before] tokens: told to compare (not CLIP4IDC)
     dropout: float = 0.1           # dropout on the decoder's hidden states and attention probabilities
     train_word_embedding: bool = False  # the word embedding (tied to CLIP's) trains at lr x clip_lr_scale; else frozen
     # optimisation
@@ -113,19 +109,16 @@ class Config:
 
 # Dataset presets (REFERENCE 3.4). Spot-the-Diff, IER and your own pairs have no distractor images, and on
 # Spot-the-Diff the reference trains the tied word embedding (at lr x clip_lr_scale); CLEVR freezes it.
-# synth: a decoder of width 128 on 1,600 pairs of features from a stage 1 trained from scratch does not learn
-# to compare before and after in the steps that 15 minutes allow (README, "The synthetic run": test CIDEr-D 0.87,
-# and "added" for almost every kind of change), so it is told to compare (visual_difference; not the reference:
-# test CIDEr-D 1.87). It gets as many steps as the budget leaves (20 epochs = 1,000 steps) and no dropout, which
-# learnt faster in our runs.
+# synth: a decoder of width 128 on 1,600 pairs of features, as many steps as the 15-minute budget leaves (20
+# epochs = 1,000 steps) and no dropout, which learnt faster in our runs (README, "The synthetic run").
 PRESETS = {
     "clevr": dict(epochs=50, batch_size=16, lr=1e-4, use_no_change_pair=True, train_word_embedding=False),
     "spot": dict(epochs=50, batch_size=16, lr=1e-4, use_no_change_pair=False, train_word_embedding=True),
     "ier": dict(epochs=50, batch_size=16, lr=1e-4, use_no_change_pair=False, train_word_embedding=True),
     "pairs": dict(epochs=50, batch_size=16, lr=1e-4, use_no_change_pair=False, train_word_embedding=True),
     "synth": dict(epochs=20, patience=20, batch_size=32, lr=1e-3, clip_lr_scale=1.0, train_word_embedding=True,
-                  decoder_heads=4, decoder_ffn=512, dropout=0.0, visual_difference=True, num_workers=0,
-                  image_cache=True, log_every=10, eval_batch_size=128),
+                  decoder_heads=4, decoder_ffn=512, dropout=0.0, num_workers=0, image_cache=True, log_every=10,
+                  eval_batch_size=128),
 }
 
 
@@ -199,8 +192,7 @@ def build_captioner(config: Config, encoder: PairEncoder, clip_config: dict) -> 
     decoder_config = DecoderConfig(hidden=embed, heads=config.decoder_heads, ffn=config.decoder_ffn,
                                    layers=config.decoder_layers, dropout=config.dropout,
                                    attention_dropout=config.dropout, vocab_size=token_embedding.shape[0],
-                                   max_positions=positions.shape[0], visual_tokens=2 * (encoder.n_patches + 1),
-                                   visual_difference=config.visual_difference)
+                                   max_positions=positions.shape[0], visual_tokens=2 * (encoder.n_patches + 1))
     if config.finetune_encoder:
         # the very Parameters of CLIP (REFERENCE 3.1): they train or stay frozen with CLIP's settings
         decoder = CaptionDecoder(decoder_config, token_embedding, positions)
@@ -459,9 +451,8 @@ def main(argv=None):
     inference = config.eval or bool(config.pair)
     if inference:  # the trained captioner decides the model settings and names the encoder it was trained on
         best = runtime.load_checkpoint(out_dir / "ckpt_best.pt", required=("model", "config", "encoder_sha256"))
-        saved = {"visual_difference": False, **best["config"]}  # a checkpoint from before that option: off
         config = dataclasses.replace(config, encoder_ckpt=best["encoder_ckpt"],
-                                     **{k: saved[k] for k in MODEL_KEYS if k != "data"})
+                                     **{k: best["config"][k] for k in MODEL_KEYS if k != "data"})
     dist_ = runtime.setup_distributed(config.device)
     device, master = dist_.device, dist_.master
     dtype = runtime.resolve_dtype(config.dtype, device)

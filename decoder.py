@@ -25,9 +25,7 @@ What differs from the reference (each marked `# differs from reference:` below):
 - decoding stops per caption at EOT and ends when every caption has stopped, after at most `max_len` steps;
   the reference always runs `max_words` = 32 steps;
 - attention masks are boolean (a masked key gets -inf) instead of an additive -10000;
-- attention runs through torch's scaled_dot_product_attention instead of an explicit softmax;
-- optionally (`visual_difference`, on in caption.py's synth preset only) the visual layers read the before
-  tokens and the after-minus-before tokens instead of the before and after tokens.
+- attention runs through torch's scaled_dot_product_attention instead of an explicit softmax.
 
 Use (caption.py):
     decoder = CaptionDecoder(DecoderConfig(vocab_size=V), clip.token_embedding.weight, clip.positional_embedding)
@@ -71,7 +69,6 @@ class DecoderConfig:
     visual_tokens: int = 100     # M: tokens per pair from the pair encoder, 2 x (49 patches + CLS) for ViT-B/32
     layer_norm_eps: float = 1e-12  # the reference's TF-style LayerNorm: the same formula as nn.LayerNorm
     init_std: float = 0.02       # std of the normal init of weights and fresh embeddings
-    visual_difference: bool = False  # read [before, after - before] instead of [before, after] (not CLIP4IDC)
 
     def __post_init__(self):
         if self.hidden % self.heads != 0:
@@ -238,13 +235,6 @@ class CaptionDecoder(nn.Module):
 
     def encode_visual(self, visual: torch.Tensor) -> list[torch.Tensor]:
         """The visual self-attention layers; returns every layer's output, L x (B, M, E)."""
-        if self.config.visual_difference:
-            # differs from reference: the decoder is told to compare. The pair encoder lays out the before
-            # image's tokens, then the after image's, position for position; each after token is replaced by
-            # its difference from the before token at the same position (CLS with CLS, patch with patch).
-            # CLIP4IDC leaves the comparison to stage 1's inter-image layers and to these visual layers.
-            before, after = visual.chunk(2, dim=1)  # (B, M/2, E) each
-            visual = torch.cat([before, after - before], dim=1)  # (B, M, E)
         outputs = []
         for layer in self.visual_layers:
             visual = layer(visual)  # (B, M, E)

@@ -5,7 +5,6 @@ Run them with:  python -m pytest test_all.py -q
 Tests that compare against known answers in ../shared (OpenAI's own CLIP outputs, the coco-caption
 toolkit's scores) skip with the reason when that folder is missing, and fail instead under CI=true.
 """
-import dataclasses
 import functools
 import gzip
 import hashlib
@@ -606,6 +605,21 @@ def test_swapping_before_and_after_changes_the_pair_embedding():
     assert (forward - swapped).abs().max() > 1e-3
 
 
+def test_join_difference_gives_the_inter_image_layers_after_minus_before():
+    plain = _tiny_encoder()
+    told = PairEncoder(plain.clip, EncoderConfig(intra_layers=3, join_difference=True)).eval()
+    told.load_state_dict(plain.state_dict())  # the same weights; only the join differs
+    before, after = _images(seed=1), _images(seed=2)
+    with torch.no_grad():
+        b, a = plain.intra_image(before), plain.intra_image(after)  # (B, N+1, D) each
+        torch.testing.assert_close(told.join(b, a), plain.join(b, a - b))
+        same = told.encode_pair(before, before)["pair_tokens"]
+        zeros = plain.project(plain.inter_image(plain.join(b, torch.zeros_like(b))))
+        torch.testing.assert_close(same, zeros)  # an unchanged pair: its after tokens enter as zeros
+        assert (told.encode_pair(before, after)["pair_embedding"]
+                - plain.encode_pair(before, after)["pair_embedding"]).abs().max() > 1e-3
+
+
 def test_inter_image_layers_let_the_before_image_see_the_after_image():
     before, after, other_after = _images(seed=1), _images(seed=2), _images(seed=3)
     for intra_layers, sees_after in [(3, True), (4, False)]:
@@ -812,21 +826,6 @@ def test_clip_embeddings_passed_in_are_shared_not_copied():
 def test_embeddings_of_the_wrong_shape_are_refused():
     with pytest.raises(ValueError, match="word_embedding has shape"):
         CaptionDecoder(TINY_DECODER_CONFIG, word_embedding=nn.Parameter(torch.zeros(TINY_DECODER_CONFIG.vocab_size + 1, TINY_DECODER_CONFIG.hidden)))
-
-
-def test_visual_difference_reads_before_then_after_minus_before_position_by_position():
-    compare = dataclasses.replace(TINY_DECODER_CONFIG, visual_difference=True)
-    told, plain = tiny_decoder(config=compare), tiny_decoder(config=TINY_DECODER_CONFIG)  # the same weights
-    visual = visual_tokens(2)  # (B, 6, E): 3 before tokens, then the 3 after tokens at the same positions
-    before, after = visual[:, :3], visual[:, 3:]
-    expected = plain.encode_visual(torch.cat([before, after - before], dim=1))
-    for got, want in zip(told.encode_visual(visual), expected):
-        torch.testing.assert_close(got, want)
-    # an unchanged pair reaches the visual layers as before tokens and zeros
-    same = told.encode_visual(torch.cat([before, before], dim=1))[0]
-    torch.testing.assert_close(same, plain.encode_visual(torch.cat([before, torch.zeros_like(before)], dim=1))[0])
-    caption_in = torch.randint(0, compare.vocab_size, (2, 5))
-    assert not torch.allclose(told(visual, caption_in), plain(visual, caption_in))  # the option is used end to end
 
 
 # --- greedy decoding ---
@@ -1833,7 +1832,7 @@ def test_training_on_cached_features_then_eval_writes_predictions_scores_and_gri
     assert (out / "test_grid.png").stat().st_size > 10_000
     state = torch.load(out / "ckpt_best.pt", weights_only=True)  # loads without running code
     assert state["encoder_sha256"] == caption.sha256_file(stage1["encoder"])
-    assert state["config"]["visual_difference"] is True  # the synth preset's decoder, which --eval rebuilds
+    assert caption.load_encoder(stage1["encoder"])[0].config.join_difference  # the synth preset's, rebuilt
 
 
 def test_stage_2_draws_a_missing_synthetic_dataset_before_reading_its_vocabulary(stage1, tmp_path):
