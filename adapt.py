@@ -55,8 +55,9 @@ from encoder import EncoderConfig, PairEncoder
 from losses import contrastive_loss
 
 MAX_LOGIT_SCALE = math.log(100)  # logit_scale is clamped to ln(100): a temperature of at least 0.01, as CLIP
-MODEL_KEYS = ("data", "clip_model", "intra_layers", "join_difference", "max_words", "scratch_width", "scratch_layers",
-              "scratch_patch", "scratch_text_width", "scratch_text_layers", "scratch_embed_dim", "synth_pairs")
+MODEL_KEYS = ("data", "clip_model", "intra_layers", "join_difference", "max_words", "scratch_width",
+              "scratch_layers", "scratch_patch", "scratch_text_width", "scratch_text_layers", "scratch_embed_dim",
+              "synth_pairs")
 
 
 @dataclass
@@ -112,9 +113,10 @@ PRESETS = {
     "spot": dict(epochs=20, batch_size=128, lr=1e-4, clip_lr_scale=1e-3),
     "ier": dict(epochs=20, batch_size=128, lr=1e-4, clip_lr_scale=1e-3),
     "pairs": dict(epochs=12, batch_size=64, lr=1e-4, clip_lr_scale=1e-3),
-    "synth": dict(clip_model="scratch", intra_layers=4, join_difference=True, scratch_width=128, scratch_text_width=128, scratch_text_layers=2,
-                  scratch_embed_dim=128, epochs=4, batch_size=128, lr=1e-3, clip_lr_scale=1.0, weight_decay=0.05,
-                  freeze=False, num_workers=0, image_cache=True, log_every=5),
+    "synth": dict(clip_model="scratch", intra_layers=4, join_difference=True, scratch_width=128,
+                  scratch_text_width=128, scratch_text_layers=2, scratch_embed_dim=128, epochs=4, batch_size=128,
+                  lr=1e-3, clip_lr_scale=1.0, weight_decay=0.05, freeze=False, num_workers=0, image_cache=True,
+                  log_every=5),
 }
 
 
