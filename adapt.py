@@ -35,6 +35,7 @@ Run:  python adapt.py --data synth            small CLIP-shaped model from scrat
 Shape letters: B pairs in a batch, R image side (224), T caption tokens (32), E joint embedding width.
 """
 import dataclasses
+import itertools
 import json
 import math
 import time
@@ -43,6 +44,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils import flop_counter
 from torch.utils.data import DataLoader
@@ -55,7 +58,7 @@ from encoder import EncoderConfig, PairEncoder
 from losses import contrastive_loss
 
 MAX_LOGIT_SCALE = math.log(100)  # logit_scale is clamped to ln(100): a temperature of at least 0.01, as CLIP
-MODEL_KEYS = ("data", "clip_model", "intra_layers", "join_difference", "max_words", "scratch_width",
+MODEL_KEYS = ("data", "pretrain", "clip_model", "intra_layers", "join_difference", "max_words", "scratch_width",
               "scratch_layers", "scratch_patch", "scratch_text_width", "scratch_text_layers", "scratch_embed_dim",
               "synth_pairs")
 
@@ -63,14 +66,15 @@ MODEL_KEYS = ("data", "clip_model", "intra_layers", "join_difference", "max_word
 @dataclass
 class Config:
     # data
-    data: str = "clevr"            # dataset preset: clevr, spot, ier, pairs or synth
+    data: str = "clevr"            # dataset preset: clevr, spot, ier, pairs, synth, or scenes (stage 0)
     data_root: str = ""            # the dataset's folder ("" = data/<dataset>, see data.py)
     synth_pairs: int = 2000        # synth only: scenes drawn on first use
     max_words: int = 32            # caption length in tokens, start and end tokens included
     image_cache: bool = False      # keep preprocessed 224x224 pixels in .npy files (skips PNG decoding)
     num_workers: int = 4           # DataLoader worker processes per training process
     # model
-    clip_model: str = "ViT-B/32"   # OpenAI model name or weights file, or "scratch" (the scratch_* sizes)
+    pretrain: bool = False         # stage 0: train CLIP itself on single synthetic scenes (the scenes preset)
+    clip_model: str = "ViT-B/32"   # model name (clip.MODELS) or weights file, or "scratch" (the scratch_* sizes)
     intra_layers: int = 9          # vision blocks that see each image alone; the rest see the pair
     join_difference: bool = False  # the after tokens enter the inter-image blocks as after - before (not CLIP4IDC)
     scratch_width: int = 256       # scratch model: vision width
@@ -113,10 +117,11 @@ PRESETS = {
     "spot": dict(epochs=20, batch_size=128, lr=1e-4, clip_lr_scale=1e-3),
     "ier": dict(epochs=20, batch_size=128, lr=1e-4, clip_lr_scale=1e-3),
     "pairs": dict(epochs=12, batch_size=64, lr=1e-4, clip_lr_scale=1e-3),
-    "synth": dict(clip_model="scratch", intra_layers=4, join_difference=True, scratch_width=128,
-                  scratch_text_width=128, scratch_text_layers=2, scratch_embed_dim=128, epochs=4, batch_size=128,
-                  lr=1e-3, clip_lr_scale=1.0, weight_decay=0.05, freeze=False, num_workers=0, image_cache=True,
-                  log_every=5),
+    "synth": dict(clip_model="synth-ViT/32", intra_layers=4, epochs=4, batch_size=128, lr=1e-3, clip_lr_scale=0.1,
+                  num_workers=0, image_cache=True, log_every=5),
+    "scenes": dict(pretrain=True, clip_model="scratch", scratch_width=128, scratch_text_width=128,
+                   scratch_text_layers=2, scratch_embed_dim=128, epochs=8, batch_size=128, lr=1e-3, clip_lr_scale=1.0,
+                   weight_decay=0.1, freeze=False, num_workers=0, log_every=20, eval_batch_size=250),
 }
 
 
@@ -124,9 +129,32 @@ PRESETS = {
 # Model, optimizer and schedule
 
 
-def build_encoder(config: Config, vocab_size: int) -> tuple[PairEncoder, dict]:
-    """The pair encoder, and the CLIP sizes a checkpoint needs to rebuild it (caption.py reads them)."""
-    encoder_config = EncoderConfig(intra_layers=config.intra_layers, join_difference=config.join_difference)
+class SceneCLIP(nn.Module):
+    """Stage 0: CLIP itself on one image and its description, as OpenAI pretrained it (CLIP paper, 2.3).
+
+    forward returns what train_step and evaluate read, as PairEncoder's does for a pair; the parameter
+    groups follow PairEncoder's rule (here every parameter is CLIP's; no decay on biases and norms).
+    """
+
+    def __init__(self, clip_model: clip.CLIP):
+        super().__init__()
+        self.clip = clip_model
+
+    def forward(self, image: torch.Tensor, text: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        out = {"image_embedding": self.clip.encode_image(image), "logit_scale": self.clip.logit_scale}  # (B, E)
+        if text is not None:
+            out["text_embedding"] = self.clip.encode_text(text)  # (B, E)
+        return out
+
+    def encode_text(self, text: torch.Tensor) -> torch.Tensor:
+        return self.clip.encode_text(text)  # (B, T) -> (B, E)
+
+    no_decay_names = PairEncoder.no_decay_names
+    optimizer_groups = PairEncoder.optimizer_groups
+
+
+def build_encoder(config: Config, vocab_size: int) -> tuple[nn.Module, dict]:
+    """The pair encoder (stage 1) or CLIP alone (stage 0), and the CLIP sizes a checkpoint needs to rebuild it."""
     if config.clip_model == "scratch":
         clip_config = clip.CLIPConfig(
             embed_dim=config.scratch_embed_dim, image_resolution=data.IMAGE_SIZE,
@@ -134,19 +162,23 @@ def build_encoder(config: Config, vocab_size: int) -> tuple[PairEncoder, dict]:
             vision_patch_size=config.scratch_patch, context_length=config.max_words, vocab_size=vocab_size,
             transformer_width=config.scratch_text_width, transformer_heads=max(1, config.scratch_text_width // 64),
             transformer_layers=config.scratch_text_layers)
-        model = PairEncoder(clip.CLIP(clip_config), encoder_config)
+        clip_model = clip.CLIP(clip_config)
     else:
-        model = PairEncoder.from_pretrained(config.clip_model, encoder_config)
-        clip_config = model.clip.config
+        clip_model, _ = clip.load(config.clip_model)  # OpenAI's ViT-B/32, the synthetic CLIP, or a file
+        clip_config = clip_model.config
         if clip_config.vocab_size != vocab_size:
             raise ValueError(f"{config.clip_model} has a vocabulary of {clip_config.vocab_size} tokens but the "
-                             f"{config.data} dataset's tokenizer has {vocab_size}; use CLIP's vocabulary file")
+                             f"{config.data} dataset's tokenizer has {vocab_size}; use the model's vocabulary file")
+    if config.pretrain:
+        model = SceneCLIP(clip_model)
+    else:
+        model = PairEncoder(clip_model, EncoderConfig(config.intra_layers, config.join_difference))
     if config.freeze:
         model.freeze()
     return model, dataclasses.asdict(clip_config)
 
 
-def build_optimizer(model: PairEncoder, config: Config, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, config: Config, device: torch.device) -> torch.optim.AdamW:
     # new joint parameters at lr, CLIP at lr x clip_lr_scale; no decay on biases and norms (encoder.py)
     groups = model.optimizer_groups(config.lr, config.clip_lr_scale, config.weight_decay)
     # differs from reference: AdamW with bias correction; the reference's BertAdam has none
@@ -161,6 +193,11 @@ def get_lr(step: int, total_steps: int, config: Config) -> float:
     return config.lr * 0.5 * (1 + math.cos(math.pi * x))
 
 
+def visual_embedding(out: dict) -> torch.Tensor:
+    """The embedding the captions are contrasted with: a pair's (stage 1) or an image's (stage 0), (B, E)."""
+    return out["pair_embedding"] if "pair_embedding" in out else out["image_embedding"]
+
+
 def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp: bool,
                logit_scale: torch.nn.Parameter) -> torch.Tensor:
     """One optimizer step over grad_accum micro-batches; returns the mean loss (a tensor, not synced)."""
@@ -168,11 +205,12 @@ def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp
     for i, batch in enumerate(micro_batches):
         if ddp:  # all-reduce the gradients only after the last micro-batch
             model.require_backward_grad_sync = i == len(micro_batches) - 1
+        images = [batch[k] for k in ("before", "after", "image") if k in batch]  # a pair, or one image (stage 0)
         with ctx:
-            out = model(batch["before"], batch["after"], batch["caption"])
+            out = model(*images, batch["caption"])
             # the all-gather inside the loss sees one micro-batch per process: accumulation shrinks the
             # set of contrastive negatives to micro-batch x processes, it does not grow it
-            loss = contrastive_loss(out["text_embedding"], out["pair_embedding"], out["logit_scale"])
+            loss = contrastive_loss(out["text_embedding"], visual_embedding(out), out["logit_scale"])
             loss = loss / len(micro_batches)
         scaler.scale(loss).backward()
         total = total + loss.detach()
@@ -187,21 +225,30 @@ def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp
 
 
 # -----------------------------------------------------------------------------
-# Evaluation: rank every caption of a split against every pair (REFERENCE 2.6)
+# Evaluation: rank every caption of a split against every pair (REFERENCE 2.6), or every description against
+# every scene (stage 0)
+
+
+def retrieval_set(split, images):
+    """(images to embed, texts, text -> row): a split's pairs and change captions, or stage-0 scenes and descriptions."""
+    if isinstance(split, data.SceneSamples):
+        return split, [split.description(i) for i in range(len(split))], list(range(len(split)))
+    return data.PairImages(split, images), *data.retrieval_texts(split)
 
 
 @torch.no_grad()
-def evaluate(model: PairEncoder, pairs, tokenizer, images, config: Config, device, ctx) -> dict:
+def evaluate(model: nn.Module, split, tokenizer, images, config: Config, device, ctx) -> dict:
     was_training = model.training
     model.eval()
-    loader = DataLoader(data.PairImages(pairs, images), batch_size=config.eval_batch_size,
-                        num_workers=config.num_workers)
+    visual_set, texts, text_to_pair = retrieval_set(split, images)
+    # a generator of its own: evaluating must not draw from the global one that training's random choices use
+    loader = DataLoader(visual_set, batch_size=config.eval_batch_size, num_workers=config.num_workers,
+                        generator=torch.Generator())
     pair_embeddings = []
     for batch in loader:
         with ctx:
-            out = model.encode_pair(batch["before"].to(device), batch["after"].to(device))
-        pair_embeddings.append(out["pair_embedding"].float())  # (B, E)
-    texts, text_to_pair = data.retrieval_texts(pairs)
+            out = model(*[batch[k].to(device) for k in ("before", "after", "image") if k in batch])
+        pair_embeddings.append(visual_embedding(out).float())  # (B, E)
     text_embeddings = []
     for start in range(0, len(texts), config.eval_batch_size):
         tokens = torch.stack([data.text_tokens(tokenizer, t, config.max_words)
@@ -213,6 +260,42 @@ def evaluate(model: PairEncoder, pairs, tokenizer, images, config: Config, devic
     model.train(was_training)
     scores = metrics.retrieval_metrics((text_e @ pair_e.T).cpu().numpy(), text_to_pair)
     return {f"{direction}_{name}": value for direction, by_name in scores.items() for name, value in by_name.items()}
+
+
+ZERO_SHOT_SCENES = 240        # stage 0's zero-shot check: held-out scenes of one object each
+ZERO_SHOT_FIRST = 1_000_000   # their indices, after every scene of data.SCENE_SPLITS
+SYNTH_CLIP_FILE = "synth-ViT-32.pt"  # stage 0's product, shipped in assets/ as the model clip.load calls "synth-ViT/32"
+
+
+@torch.no_grad()
+def zero_shot_attributes(model: SceneCLIP, tokenizer, config: Config, device, ctx) -> dict:
+    """CLIP's zero-shot classification, in the synthetic world: each held-out scene of one object against the
+    descriptions of all 96 objects (2 sizes x 8 colours x 2 materials x 3 shapes). Accuracy in %, of the
+    whole object and of each attribute (chance: 1.0, 50, 12.5, 50, 33.3)."""
+    cfg = data.SynthConfig()
+    indices = list(range(ZERO_SHOT_FIRST, ZERO_SHOT_FIRST + ZERO_SHOT_SCENES))
+    truth = [data.pretrain_objects(i, cfg, n_objects=1)[0] for i in indices]
+    images = clip.normalize(data.draw_scene_pixels(indices, cfg, n_objects=1)).to(device)  # (S, 3, R, R)
+    classes = [dict(zip(data.ATTRIBUTE_ORDER, values))
+               for values in itertools.product(data.SIZES, data.COLORS, data.MATERIALS, data.SHAPES)]
+    prompts = torch.stack([data.text_tokens(tokenizer, data.describe_scene([c]), config.max_words)
+                           for c in classes]).to(device)  # (96, T)
+    was_training = model.training
+    model.eval()
+    with ctx:
+        image_e = F.normalize(model(images)["image_embedding"].float(), dim=-1)  # (S, E)
+        text_e = F.normalize(model.encode_text(prompts).float(), dim=-1)  # (96, E)
+    model.train(was_training)
+    predicted = [classes[j] for j in (image_e @ text_e.T).argmax(dim=1).tolist()]
+    right = {a: [p[a] == t[a] for p, t in zip(predicted, truth)] for a in data.ATTRIBUTE_ORDER}
+    right = {"object": [all(r) for r in zip(*right.values())], **right}
+    return {name: 100 * sum(r) / len(r) for name, r in right.items()}
+
+
+def export_clip(model: clip.CLIP, path: Path) -> Path:
+    """CLIP's weights as OpenAI ships them: OpenAI's parameter names, float16; written atomically."""
+    runtime.save_checkpoint({k: v.detach().to("cpu", torch.float16) for k, v in model.state_dict().items()}, path)
+    return path
 
 
 def summary(scores: dict) -> str:
@@ -285,6 +368,27 @@ def benchmark(threads: int = 2, batch_size: int = 16, steps: int = 3, compile: b
 # The run
 
 
+def read_pairs(config: Config, dist_) -> tuple[dict, clip.SimpleTokenizer, data.ImageReader]:
+    """The dataset's splits of image pairs, its tokenizer and image reader (the synthetic set drawn if missing)."""
+    root = data.dataset_root(config.data, config.data_root or None)
+    if config.data == "synth":  # drawn once, by the master, while the other processes wait
+        if dist_.master:
+            data.ensure_synth(root, data.SynthConfig(pairs=config.synth_pairs))
+        if dist_.ddp:
+            dist.barrier()
+    splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
+    tokenizer = clip.get_tokenizer(data.bpe_path(config.data, root))
+    images = data.ImageReader()
+    if config.image_cache:
+        cache_dir = root / ".cache"
+        if dist_.master:
+            data.image_cache([p for s in splits.values() for p in s], cache_dir, "all")
+        if dist_.ddp:
+            dist.barrier()
+        images = data.ImageReader(cache=data.image_cache([p for s in splits.values() for p in s], cache_dir, "all"))
+    return splits, tokenizer, images
+
+
 def main(argv=None):
     config = runtime.parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
     runtime.keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
@@ -302,24 +406,20 @@ def main(argv=None):
     say = print if master else (lambda *a, **k: None)
 
     # --- data ---
-    root = data.dataset_root(config.data, config.data_root or None)
-    if config.data == "synth":  # drawn once, by the master, while the other processes wait
+    if config.pretrain:  # stage 0: single synthetic scenes, drawn once by the master while the others wait
+        root = Path(config.data_root or data.SCENES_ROOT)
         if master:
-            data.ensure_synth(root, data.SynthConfig(pairs=config.synth_pairs))
+            data.ensure_scenes(root)
         if dist_.ddp:
             dist.barrier()
-    splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
-    tokenizer = clip.get_tokenizer(data.bpe_path(config.data, root))
-    images = data.ImageReader()
-    if config.image_cache:
-        cache_dir = root / ".cache"
-        if master:
-            data.image_cache([p for s in splits.values() for p in s], cache_dir, "all")
-        if dist_.ddp:
-            dist.barrier()
-        images = data.ImageReader(cache=data.image_cache([p for s in splits.values() for p in s], cache_dir, "all"))
-    train_set = data.AdaptationSamples(splits["train"], tokenizer, train=True, images=images,
-                                       max_words=config.max_words)
+        tokenizer = clip.get_tokenizer(root / data.SYNTH_BPE_FILE)
+        splits = {s: data.SceneSamples(root, s, tokenizer, train=s == "train", max_words=config.max_words)
+                  for s in data.SPLITS}
+        train_set, images = splits["train"], None
+    else:
+        splits, tokenizer, images = read_pairs(config, dist_)
+        train_set = data.AdaptationSamples(splits["train"], tokenizer, train=True, images=images,
+                                           max_words=config.max_words)
 
     # --- model, optimizer, resume ---
     model, clip_config = build_encoder(config, tokenizer.vocab_size)
@@ -353,7 +453,8 @@ def main(argv=None):
         runtime.save_checkpoint({
             "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
             "config": dataclasses.asdict(config), "clip_config": clip_config,
-            "encoder_config": dataclasses.asdict(raw_model.config), "bpe_path": str(tokenizer.bpe_path),
+            "encoder_config": None if config.pretrain else dataclasses.asdict(raw_model.config),
+            "bpe_path": str(tokenizer.bpe_path),
             "epoch": epoch, "step": step, "best_metric": best, "best_epoch": best_epoch, "history": history,
             "rng": runtime.rng_state()}, path)
 
@@ -369,7 +470,7 @@ def main(argv=None):
             for group in optimizer.param_groups:
                 group["lr"] = get_lr(step, total_steps, config) * group["lr_scale"]
             micro_batches = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()
-                              if k in ("before", "after", "caption")} for _ in range(config.grad_accum)]
+                              if k in ("before", "after", "image", "caption")} for _ in range(config.grad_accum)]
             loss = train_step(model, optimizer, scaler, micro_batches, ctx, config, dist_.ddp,
                               raw_model.clip.logit_scale)
             step += 1
@@ -406,6 +507,13 @@ def main(argv=None):
                           out_dir / "test_retrieval.json")
         say(f"test retrieval of the best epoch ({best_epoch + 1}, chosen on validation):")
         say("\n".join(f"  {k:<18} {v:8.2f}" for k, v in scores.items()))
+        if config.pretrain:  # stage 0's product: the best epoch's CLIP as a weights file in OpenAI's names
+            accuracy = zero_shot_attributes(raw_model, tokenizer, config, device, ctx)
+            runtime.save_json(accuracy, out_dir / "zero_shot.json")
+            say("zero-shot attributes of held-out single-object scenes, CLIP-style (prompts of all 96 objects): "
+                + ", ".join(f"{k} {v:.1f}%" for k, v in accuracy.items()))
+            path = export_clip(raw_model.clip, out_dir / SYNTH_CLIP_FILE)
+            say(f"wrote {path}, sha256 {clip.sha256_of(path)}")
     runtime.cleanup_distributed(dist_)
 
 

@@ -244,8 +244,10 @@ def get_lr(step: int, total_steps: int, config: Config) -> float:
 def encode_pairs(encoder: PairEncoder, pairs, images, out: np.ndarray, config: Config, device, ctx,
                  what: str, master: bool = True) -> np.ndarray:
     """Fill out (rows, M, E) with the pair tokens of every pair (row i = pairs[i]), float16, with progress."""
+    # a generator of its own: computing the cache (first run) or not (later runs) must not change the
+    # global generator that training's random choices use
     loader = DataLoader(data.PairImages(pairs, images), batch_size=config.eval_batch_size,
-                        num_workers=config.num_workers)
+                        num_workers=config.num_workers, generator=torch.Generator())
     progress, done = runtime.Progress(len(loader)), 0
     with torch.no_grad():
         for step, batch in enumerate(loader, 1):

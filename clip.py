@@ -71,10 +71,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 from PIL import Image
 
-# OpenAI's published weights; the folder name in each URL is the file's sha256 (openai/CLIP clip/clip.py).
-MODEL_URLS = {
-    "ViT-B/32": "https://openaipublic.azureedge.net/clip/models/"
-                "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
+# The named models: where each weights file comes from, and its sha256, checked on download and on every load.
+# OpenAI's published weights: the folder name in the URL is the file's sha256 (openai/CLIP clip/clip.py).
+# "synth-ViT/32" is this project's CLIP of the synthetic world (width 128, 6 + 2 blocks, 32-pixel patches),
+# pretrained like OpenAI's but on single synthetic scenes (`python adapt.py --data scenes`, stage 0) and
+# shipped in assets/; it reaches the cache through the same download-and-check path as OpenAI's file.
+MODELS = {
+    "ViT-B/32": ("https://openaipublic.azureedge.net/clip/models/"
+                 "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
+                 "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af"),
+    "synth-ViT/32": ((Path(__file__).resolve().parent / "assets" / "synth-ViT-32.pt").as_uri(),
+                     "0000000000000000000000000000000000000000000000000000000000000000"),
 }
 BPE_URL = "https://raw.githubusercontent.com/openai/CLIP/main/clip/bpe_simple_vocab_16e6.txt.gz"
 BPE_SHA256 = "924691ac288e54409236115652ad4aa250f48203de50a9e4722a6ecd48d6804a"
@@ -743,16 +750,15 @@ def pair_transform(n_px: int = 224):
 
 def load(name_or_path: str | os.PathLike = "ViT-B/32", device: str | torch.device = "cpu",
          download_root: str | os.PathLike | None = None):
-    """(model, preprocess) for a model name in MODEL_URLS or a path to a weights file.
+    """(model, preprocess) for a model name in MODELS or a path to a weights file.
 
     A name is looked up in the cache (download_root, else $CLIP_CACHE, else ~/.cache/clip) and downloaded
     there with its checksum if missing. A path is used as is.
     """
     if os.path.isfile(name_or_path):
         path = Path(name_or_path)
-    elif name_or_path in MODEL_URLS:
-        url, root = MODEL_URLS[name_or_path], cache_dir(download_root)
-        sha256 = url.split("/")[-2]  # OpenAI's URLs embed the file's sha256
+    elif name_or_path in MODELS:
+        (url, sha256), root = MODELS[name_or_path], cache_dir(download_root)
         filename = Path(urllib.parse.urlparse(url).path).name
         try:
             path = download(url, root, sha256)
@@ -763,7 +769,7 @@ def load(name_or_path: str | os.PathLike = "ViT-B/32", device: str | torch.devic
                 f"  sha256sum {filename}   # must print {sha256}\nthen put the file in {root} (or set CLIP_CACHE "
                 f"to its folder), or pass the file's path instead of the name (adapt.py --clip_model PATH)") from error
     else:
-        raise FileNotFoundError(f"{name_or_path} is neither a file nor a known model name {list(MODEL_URLS)}")
+        raise FileNotFoundError(f"{name_or_path} is neither a file nor a known model name {list(MODELS)}")
     # differs from reference: no jit=True mode; the archive is only read for its tensors (see "What is trusted")
     model = build_model(load_state_dict(path)).to(device)
     return model, transform(model.visual.input_resolution)

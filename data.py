@@ -741,14 +741,13 @@ def write_bpe(path: Path, merges: list[tuple[str, str]]) -> None:
         f.write(text.encode("utf-8"))
 
 
-def synth_vocabulary(scenes: list[dict]) -> list[tuple[str, str]]:
-    """Merges learned from the captions, with every grammar word counted once more so that all are single tokens."""
-    counts = Counter(grammar_words())
-    for scene in scenes:
-        for caption in scene["captions"] + scene["no_change_captions"]:
-            assert set(caption) <= CAPTION_CHARACTERS, caption  # CLIP's pre-tokenizer then splits at spaces only
-            counts.update(caption.split())
-    return learn_bpe(dict(sorted(counts.items())))
+def synth_vocabulary() -> list[tuple[str, str]]:
+    """Merges learned from every word of the grammar, each counted once, so that every word is one token.
+
+    It depends on the grammar alone, not on the scenes drawn: like OpenAI's vocabulary it belongs to the
+    (synthetic) CLIP, which stage 0 pretrains with it, and every dataset drawn here shares it.
+    """
+    return learn_bpe({word: 1 for word in sorted(grammar_words() | {DESCRIPTION_JOIN})})
 
 
 # --- writing the dataset ----------------------------------------------------------------------------
@@ -789,7 +788,10 @@ def make_synth(root: str | os.PathLike, cfg: SynthConfig | None = None, workers:
                 for n, s in zip(names, scenes)}}}
         for name, content in files.items():
             (building / name).write_text(json.dumps(content), encoding="utf-8")
-        write_bpe(building / SYNTH_BPE_FILE, synth_vocabulary(scenes))
+        for scene in scenes:  # CLIP's pre-tokenizer then splits at spaces only, and every word is one token
+            for caption in scene["captions"] + scene["no_change_captions"]:
+                assert set(caption) <= CAPTION_CHARACTERS and set(caption.split()) <= grammar_words(), caption
+        write_bpe(building / SYNTH_BPE_FILE, synth_vocabulary())
         try:
             os.rename(building, root)
         except OSError:
@@ -818,6 +820,9 @@ def ensure_synth(root: str | os.PathLike, cfg: SynthConfig | None = None, worker
     if not (root / "splits.json").is_file() or not scenes_file.is_file():
         raise DataError(f"{root} exists but is not a complete synthetic dataset (no splits.json or "
                         f"{SYNTH_SCENES_FILE}); remove it and it will be drawn again")
+    if clip.read_merges(root / SYNTH_BPE_FILE) != synth_vocabulary():
+        raise DataError(f"the synthetic dataset in {root} has another vocabulary than the synthetic CLIP's (it was "
+                        f"drawn by an older data.py); remove the folder and it will be drawn again")
     if cfg is not None:
         stored = json.loads(scenes_file.read_text(encoding="utf-8"))["config"]
         wanted = json.loads(json.dumps(asdict(cfg)))  # tuples become lists, as in the stored file
@@ -825,6 +830,103 @@ def ensure_synth(root: str | os.PathLike, cfg: SynthConfig | None = None, worker
             differences = {k: (stored.get(k), v) for k, v in wanted.items() if stored.get(k) != v}
             raise DataError(f"the synthetic dataset in {root} was drawn with other settings "
                             f"(stored, wanted: {differences}); remove the folder to draw it again, or use another root")
+    return root
+
+
+# --- stage 0: single scenes described object by object, to pretrain the synthetic CLIP --------------
+# CLIP4IDC starts from OpenAI's CLIP, pretrained on 400M (image, text) pairs of the web, whose blocks already
+# know objects and their attributes; adaptation (stage 1) then teaches them to compare. This world has no
+# such CLIP, so adapt.py's stage 0 (`--data scenes`) makes one the way OpenAI did: CLIP's contrastive loss on
+# single images and sentences about them. The scenes come from their own seed stream (no IDC scene, of any
+# split, is ever seen) and the sentence names every object, in a random order, with random synonyms:
+# "big shiny ball and small red rubber cube and ...". With at most 6 objects it fits CLIP's 32 tokens.
+
+SCENE_SPLITS = {"train": 20_000, "val": 500, "test": 500}  # scenes of each split, consecutive indices
+SCENE_OBJECTS = (1, 6)           # objects per scene, fewest and most
+DESCRIPTION_JOIN = "and"         # the word between two objects of a description
+SCENES_FILE = "scenes.json"
+SCENES_ROOT = "data/synth_scenes"
+PRETRAIN_STREAM = 3              # seeds [seed, stream, index]: apart from SCENE_STREAM's IDC pairs
+
+
+def pretrain_objects(index: int, cfg: SynthConfig, n_objects: int | None = None) -> list[dict]:
+    """The objects of stage-0 scene `index`: 1 to 6 (or n_objects) placed as in an IDC scene."""
+    rng = np.random.default_rng([cfg.seed, PRETRAIN_STREAM, index])
+    while True:
+        n = n_objects or int(rng.integers(SCENE_OBJECTS[0], SCENE_OBJECTS[1] + 1))
+        objects = sample_objects(rng, n, cfg)
+        if objects is not None:
+            return objects
+
+
+def describe_scene(objects: list[dict], choose: Callable[[int], int] = lambda n: 0) -> str:
+    """Every object by its four attributes, joined by "and"; choose(n) picks the order and the synonyms.
+
+    The default choice (always the first) gives the canonical description: objects in drawing order,
+    first words ("small red metal cube and large blue rubber sphere").
+    """
+    remaining, parts = list(objects), []
+    while remaining:
+        words = words_of(remaining.pop(choose(len(remaining))))
+        parts.append(" ".join(words[a][choose(len(words[a]))] for a in ATTRIBUTE_ORDER))
+    return f" {DESCRIPTION_JOIN} ".join(parts)
+
+
+def draw_scene_pixels(indices: list[int], cfg: SynthConfig, image_size: int = IMAGE_SIZE,
+                      n_objects: int | None = None) -> np.ndarray:
+    """Render stage-0 scenes and preprocess them as a PNG of them would be -> uint8 (n, R, R, 3)."""
+    return np.stack([clip.resize_to_uint8(Image.fromarray(render(pretrain_objects(i, cfg, n_objects), cfg)),
+                                          image_size) for i in indices])
+
+
+def make_scenes(root: str | os.PathLike, cfg: SynthConfig | None = None, workers: int = 1,
+                image_size: int = IMAGE_SIZE, splits: dict[str, int] = SCENE_SPLITS) -> Path:
+    """Draw the stage-0 scenes into root: pixels_<R>.npy (n, R, R, 3) uint8, scenes.json, the BPE vocabulary.
+
+    Written in a temporary folder renamed to root at the end, like make_synth. The pixels are stored
+    preprocessed (150 KB a scene at 224; 3.2 GB for the 21,000 scenes) instead of as PNGs: nothing but
+    stage 0 reads them. The bytes depend on cfg and image_size alone.
+    """
+    root, cfg = Path(root), cfg or SynthConfig()
+    if root.exists():
+        raise DataError(f"{root} already exists; remove it to draw the stage-0 scenes again")
+    root.parent.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=f".{root.name}.partial-", dir=root.parent))
+    try:
+        total = sum(splits.values())
+        pixels = np.lib.format.open_memmap(building / f"pixels_{image_size}.npy", mode="w+", dtype=np.uint8,
+                                           shape=(total, image_size, image_size, 3))  # (n, R, R, 3)
+        chunks = [list(range(a, min(a + 250, total))) for a in range(0, total, 250)]
+        with ProcessPoolExecutor(workers) as pool:
+            for done, (chunk, part) in enumerate(zip(chunks, pool.map(draw_scene_pixels, chunks,
+                                                                      [cfg] * len(chunks),
+                                                                      [image_size] * len(chunks))), 1):
+                pixels[chunk[0]:chunk[-1] + 1] = part
+                print(f"\rdata.py: stage-0 scenes {chunk[-1] + 1}/{total}", end="", file=sys.stderr, flush=True)
+        print(file=sys.stderr)
+        pixels.flush()
+        del pixels
+        bounds = np.cumsum([0, *splits.values()])
+        scenes = {"config": asdict(cfg), "image_size": image_size,
+                  "splits": {s: [int(a), int(b)] for s, a, b in zip(splits, bounds, bounds[1:])},
+                  "objects": [pretrain_objects(i, cfg) for i in range(total)]}
+        (building / SCENES_FILE).write_text(json.dumps(scenes), encoding="utf-8")
+        write_bpe(building / SYNTH_BPE_FILE, synth_vocabulary())
+        os.rename(building, root)
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+    return root
+
+
+def ensure_scenes(root: str | os.PathLike, cfg: SynthConfig | None = None) -> Path:
+    """root holding the stage-0 scenes, drawn now (a minute or two) if it does not exist."""
+    root = Path(root)
+    if not (root / SCENES_FILE).is_file():
+        if root.exists():
+            raise DataError(f"{root} exists but holds no {SCENES_FILE}; remove it and it will be drawn again")
+        print(f"data.py: drawing {sum(SCENE_SPLITS.values())} stage-0 scenes into {root} "
+              f"with {usable_cpus()} processes", file=sys.stderr)
+        make_scenes(root, cfg, usable_cpus())
     return root
 
 
@@ -911,7 +1013,10 @@ def image_cache(pairs: list[ImagePair], cache_dir: str | os.PathLike, name: str,
     partial = array_path.with_suffix(f".partial-{os.getpid()}.npy")
     pixels = np.lib.format.open_memmap(partial, mode="w+", dtype=np.uint8,
                                        shape=(len(paths), image_size, image_size, 3))  # (n, R, R, 3)
-    loader = DataLoader(_Preprocess(paths, image_size), batch_size=64, num_workers=workers)
+    # a generator of its own: iterating a DataLoader draws a seed from the global generator, so building the
+    # cache (first run) or not (later runs) would otherwise change every random number of the training after it
+    loader = DataLoader(_Preprocess(paths, image_size), batch_size=64, num_workers=workers,
+                        generator=torch.Generator())
     row = 0
     for batch in loader:
         pixels[row:row + len(batch)] = batch.numpy()  # (b, R, R, 3)
@@ -994,6 +1099,39 @@ class AdaptationSamples(Dataset):
                 "after": self.images(pair.after),
                 "caption": text_tokens(self.tokenizer, pair.captions[c], self.max_words),
                 "pair_index": p, "swapped": swapped}
+
+
+class SceneSamples(Dataset):
+    """Stage 0: one sample per single scene of a split of make_scenes: {"image": (3, R, R), "caption": (T,)}.
+
+    In training each sample describes its scene anew, objects in a random order with random synonyms
+    (torch's generator); otherwise the description is the canonical one (describe_scene's default).
+    """
+
+    def __init__(self, root: str | os.PathLike, split: str, tokenizer: clip.SimpleTokenizer, train: bool,
+                 max_words: int = MAX_WORDS):
+        root = Path(root)
+        scenes = read_json(root / SCENES_FILE, "the stage-0 scenes")
+        first, stop = scenes["splits"][split]
+        self.objects, self.first = scenes["objects"][first:stop], first
+        self.array_path = root / f"pixels_{scenes['image_size']}.npy"
+        self.tokenizer, self.train, self.max_words = tokenizer, train, max_words
+        self.pixels = None
+
+    def __len__(self):
+        return len(self.objects)
+
+    def description(self, i: int) -> str:
+        return describe_scene(self.objects[i], random_index if self.train else (lambda n: 0))
+
+    def __getitem__(self, i: int) -> dict:
+        if self.pixels is None:  # opened in each DataLoader worker, memory-mapped
+            self.pixels = np.load(self.array_path, mmap_mode="r")  # (n, R, R, 3) uint8
+        return {"image": clip.normalize(np.array(self.pixels[self.first + i])),
+                "caption": text_tokens(self.tokenizer, self.description(i), self.max_words)}
+
+    def __getstate__(self):  # a worker opens its own memory map
+        return {**self.__dict__, "pixels": None}
 
 
 def evaluation_pairs(pairs: list[ImagePair], use_no_change_pair: bool) -> list[ImagePair]:

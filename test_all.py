@@ -5,10 +5,12 @@ Run them with:  python -m pytest test_all.py -q
 Tests that compare against known answers in ../shared (OpenAI's own CLIP outputs, the coco-caption
 toolkit's scores) skip with the reason when that folder is missing, and fail instead under CI=true.
 """
+import contextlib
 import functools
 import gzip
 import hashlib
 import http.server
+import itertools
 import json
 import math
 import os
@@ -317,7 +319,7 @@ def test_a_truncated_or_corrupt_weights_file_gives_a_clear_error(filename, damag
 
 def test_a_named_model_offline_fails_fast_naming_the_missing_file(tmp_path, monkeypatch):
     url = (tmp_path / "offline" / ("0" * 64) / "ViT-B-32.pt").as_uri()
-    monkeypatch.setitem(clip.MODEL_URLS, "ViT-B/32", url)
+    monkeypatch.setitem(clip.MODELS, "ViT-B/32", (url, "0" * 64))
     with pytest.raises(FileNotFoundError) as error:
         clip.load("ViT-B/32", download_root=tmp_path / "cache")
     assert str(tmp_path / "cache" / "ViT-B-32.pt") in str(error.value) and "curl" in str(error.value)
@@ -329,7 +331,7 @@ def test_load_downloads_a_named_model_into_the_cache_once_its_checksum_matches(t
     sha256 = hashlib.sha256(source.read_bytes()).hexdigest()
     (tmp_path / "server" / sha256).mkdir(parents=True)  # OpenAI's URLs embed the sha256 the same way
     shutil.copy(source, tmp_path / "server" / sha256 / "tiny.pt")
-    monkeypatch.setitem(clip.MODEL_URLS, "tiny", (tmp_path / "server" / sha256 / "tiny.pt").as_uri())
+    monkeypatch.setitem(clip.MODELS, "tiny", ((tmp_path / "server" / sha256 / "tiny.pt").as_uri(), sha256))
     monkeypatch.setenv("CLIP_CACHE", str(tmp_path / "cache"))
     model, _ = clip.load("tiny")
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["tiny.pt"]
@@ -429,6 +431,36 @@ def test_layer_norm_computes_in_float32_and_returns_the_input_dtype():
     out = norm(x.bfloat16())
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, norm(x.bfloat16().float()).bfloat16(), rtol=0, atol=0)
+
+
+# --- the synthetic CLIP, shipped in assets/ and loaded by name like OpenAI's ---
+
+def test_the_synthetic_clip_loads_by_name_through_the_checksummed_download_path(tmp_path):
+    url, sha256 = clip.MODELS["synth-ViT/32"]
+    model, preprocess = clip.load("synth-ViT/32", download_root=tmp_path)  # "downloaded" from assets/ into the cache
+    cached = tmp_path / "synth-ViT-32.pt"
+    assert clip.sha256_of(cached) == sha256 == clip.sha256_of(HERE / "assets" / "synth-ViT-32.pt")
+    assert url.startswith("file:") and model.visual.input_resolution == data.IMAGE_SIZE
+    assert model.config.vocab_size == 2 * 256 + len(data.synth_vocabulary()) + 2  # bytes, merges, SOT and EOT
+    state = torch.load(HERE / "assets" / "synth-ViT-32.pt", weights_only=True)
+    assert all(v.dtype == torch.float16 for v in state.values())  # stored as OpenAI stores its weights
+    assert set(state) == set(model.state_dict())  # OpenAI's parameter names, loaded strictly
+
+
+def test_a_corrupted_synthetic_clip_is_refused_and_a_corrupted_cached_copy_replaced(tmp_path, monkeypatch):
+    shipped = HERE / "assets" / "synth-ViT-32.pt"
+    damaged = tmp_path / "source" / "synth-ViT-32.pt"
+    damaged.parent.mkdir()
+    damaged.write_bytes(shipped.read_bytes()[:-100] + bytes(100))
+    monkeypatch.setitem(clip.MODELS, "synth-ViT/32", (damaged.as_uri(), clip.MODELS["synth-ViT/32"][1]))
+    with pytest.raises(RuntimeError, match="has sha256 .*, expected .*it was deleted"):
+        clip.load("synth-ViT/32", download_root=tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == []
+    monkeypatch.undo()
+    (tmp_path / "cache" / "synth-ViT-32.pt").write_bytes(damaged.read_bytes())  # a damaged copy in the cache
+    with pytest.warns(UserWarning, match="sha256 is not"):
+        clip.load("synth-ViT/32", download_root=tmp_path / "cache")
+    assert (tmp_path / "cache" / "synth-ViT-32.pt").read_bytes() == shipped.read_bytes()
 
 
 # ======== encoder.py and losses.py ========
@@ -1287,6 +1319,51 @@ def test_the_image_cache_gives_the_decoded_pixels_and_is_rebuilt_when_a_file_cha
     assert torch.equal(data.ImageReader(32, rebuilt)(pairs[0].before), data.ImageReader(32)(pairs[0].before))
 
 
+# --- stage 0's single scenes ---
+
+def test_stage_0_scenes_are_drawn_apart_from_every_idc_scene():
+    cfg = data.SynthConfig()
+    for i in range(20):
+        objects = data.pretrain_objects(i, cfg)
+        assert data.SCENE_OBJECTS[0] <= len(objects) <= data.SCENE_OBJECTS[1]
+        assert objects != data.synth_scene(i, cfg)["before"]  # another seed stream than the IDC pairs'
+    assert data.pretrain_objects(3, cfg) == data.pretrain_objects(3, cfg)
+
+
+def test_a_scene_description_names_every_object_and_fits_clips_32_tokens(synth_tokenizer):
+    longest = {"size": "small", "color": "yellow", "material": "metal", "shape": "cylinder"}
+    objects = [{**longest, "x": i} for i in range(data.SCENE_OBJECTS[1])]
+    description = data.describe_scene(objects, lambda n: n - 1)  # the last order and the last synonyms
+    assert description.count(" and ") == len(objects) - 1 and description.count("metallic cylinder") == 6
+    assert len(synth_tokenizer.encode(description)) + 2 <= data.MAX_WORDS  # with SOT and EOT
+    red = {"size": "large", "color": "red", "material": "rubber", "shape": "cube"}
+    assert data.describe_scene([red, longest]) == "large red rubber cube and small yellow metal cylinder"
+
+
+def test_stage_0_samples_hold_the_scene_pixels_and_a_description_of_them(tmp_path, synth_tokenizer):
+    root = data.make_scenes(tmp_path / "scenes", splits={"train": 6, "val": 2, "test": 2})
+    train = data.SceneSamples(root, "train", synth_tokenizer, train=True)
+    val = data.SceneSamples(root, "val", synth_tokenizer, train=False)
+    assert (len(train), len(val)) == (6, 2)
+    sample = val[1]
+    expected = data.draw_scene_pixels([7], data.SynthConfig())[0]  # val starts after the 6 training scenes
+    torch.testing.assert_close(sample["image"], clip.normalize(expected))
+    assert synth_tokenizer.decode(sample["caption"][1:sample["caption"].argmax()].tolist()).strip() == \
+        data.describe_scene(data.pretrain_objects(7, data.SynthConfig()))
+    assert clip.read_merges(root / data.SYNTH_BPE_FILE) == data.synth_vocabulary()
+
+
+def test_building_the_image_cache_draws_nothing_from_the_global_generator(synth_root, tmp_path):
+    # a DataLoader draws a seed from the global generator when iterated; if the cache's did, a first run
+    # (which builds the cache) and a second run (which finds it) would initialise and train differently
+    pairs = data.load_split("synth", "test", synth_root)[:3]
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    data.image_cache(pairs, tmp_path / "cache", "test")
+    assert torch.equal(torch.rand(3), expected)
+
+
 # ======== metrics.py ========
 
 CORPORA = ["edge_cases", "clevr_style_public", "spot_public"]
@@ -1645,7 +1722,7 @@ def test_an_empty_reference_list_is_refused():
 
 # ======== adapt.py ========
 
-TINY_ADAPT = ["--data", "synth", "--synth_pairs", "40", "--scratch_width", "64", "--scratch_layers", "2",
+TINY_ADAPT = ["--data", "synth", "--clip_model", "scratch", "--synth_pairs", "40", "--scratch_width", "64", "--scratch_layers", "2",
         "--intra_layers", "1", "--scratch_text_width", "64", "--scratch_text_layers", "1",
         "--scratch_embed_dim", "32", "--batch_size", "8", "--eval_batch_size", "16", "--log_every", "1"]
 
@@ -1781,9 +1858,73 @@ def test_a_run_killed_mid_epoch_resumes_and_finishes_with_intact_checkpoints(syn
     assert not list(out.glob(".*.tmp*"))  # no half-written file left behind
 
 
+# --- stage 0: CLIP's own pretraining on single synthetic scenes ---
+
+TINY_SCENES = ["--data", "scenes", "--scratch_width", "64", "--scratch_layers", "2", "--scratch_text_width", "64",
+               "--scratch_text_layers", "1", "--scratch_embed_dim", "32", "--batch_size", "8", "--epochs", "2",
+               "--eval_batch_size", "16", "--log_every", "1"]
+
+
+@pytest.fixture(scope="module")
+def scenes_root(tmp_path_factory):
+    return data.make_scenes(tmp_path_factory.mktemp("scenes") / "scenes", splits={"train": 24, "val": 8, "test": 8})
+
+
+def test_stage_0_pretrains_clip_on_scenes_and_writes_openai_style_weights_the_same_every_time(scenes_root, tmp_path):
+    runs = []
+    for name in ("first", "second"):
+        command = [sys.executable, str(HERE / "adapt.py"), *TINY_SCENES, "--data_root", str(scenes_root),
+                   "--out_dir", str(tmp_path / name)]
+        runs.append(subprocess.run(command, cwd=HERE, capture_output=True, text=True, timeout=300,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"}))
+        assert runs[-1].returncode == 0, runs[-1].stderr
+    weights = tmp_path / "first" / adapt.SYNTH_CLIP_FILE
+    assert weights.read_bytes() == (tmp_path / "second" / adapt.SYNTH_CLIP_FILE).read_bytes()  # rebuilt bit for bit
+    assert f"sha256 {clip.sha256_of(weights)}" in runs[0].stdout
+    model, _ = clip.load(weights)  # OpenAI's names and format: clip.load reads it like ViT-B-32.pt
+    assert model.config.vision_width == 64 and model.config.vocab_size == 2 * 256 + len(data.synth_vocabulary()) + 2
+    zero_shot = json.loads((tmp_path / "first" / "zero_shot.json").read_text())
+    assert set(zero_shot) == {"object", *data.ATTRIBUTE_ORDER} and all(0 <= v <= 100 for v in zero_shot.values())
+    records = [json.loads(line) for line in (tmp_path / "first" / "log.jsonl").read_text().splitlines()]
+    assert [r["split"] for r in records if "split" in r] == ["val", "val", "test"]
+    assert records[0]["step"] == 1 and math.isfinite(records[0]["loss"])
+
+
+def test_zero_shot_attributes_scores_a_model_that_knows_the_answer_100_percent(synth_tokenizer):
+    class Oracle(nn.Module):  # embeds an image and a description alike: the object's attributes, one-hot
+        def forward(self, images):
+            return {"image_embedding": self.embedding(truth)}
+
+        def encode_text(self, prompts):
+            return self.embedding(classes)
+
+        @staticmethod
+        def embedding(objects):
+            values = [data.SIZES, list(data.COLORS), data.MATERIALS, data.SHAPES]
+            return torch.tensor([[float(o[a] == v) for a, vs in zip(data.ATTRIBUTE_ORDER, values) for v in vs]
+                                 for o in objects])
+    cfg = data.SynthConfig()
+    truth = [data.pretrain_objects(adapt.ZERO_SHOT_FIRST + i, cfg, n_objects=1)[0]
+             for i in range(adapt.ZERO_SHOT_SCENES)]
+    classes = [dict(zip(data.ATTRIBUTE_ORDER, v)) for v in itertools.product(data.SIZES, data.COLORS, data.MATERIALS,
+                                                                              data.SHAPES)]
+    config = adapt.Config()
+    accuracy = adapt.zero_shot_attributes(Oracle(), synth_tokenizer, config, torch.device("cpu"), contextlib.nullcontext())
+    assert accuracy == {"object": 100.0, "size": 100.0, "color": 100.0, "material": 100.0, "shape": 100.0}
+
+
+def test_the_synth_preset_is_clip4idcs_recipe_on_the_synthetic_clip():
+    config = runtime.parse_config(adapt.Config, adapt.PRESETS, ["--data", "synth"])
+    assert config.clip_model == "synth-ViT/32" and config.clip_model in clip.MODELS
+    assert not config.join_difference  # CLIP4IDC's join: before and after tokens as they are
+    assert config.freeze and config.clip_lr_scale < 1  # the reference's frozen set; CLIP slower than the new parts
+    stage_0 = runtime.parse_config(adapt.Config, adapt.PRESETS, ["--data", "scenes"])
+    assert stage_0.pretrain and stage_0.clip_model == "scratch"
+
+
 # ======== caption.py ========
 
-TINY_CLIP = ["--synth_pairs", "40", "--scratch_width", "64", "--scratch_layers", "2", "--intra_layers", "1",
+TINY_CLIP = ["--clip_model", "scratch", "--synth_pairs", "40", "--scratch_width", "64", "--scratch_layers", "2", "--intra_layers", "1",
              "--scratch_text_width", "64", "--scratch_text_layers", "1", "--scratch_embed_dim", "64"]
 TINY_DECODER = ["--synth_pairs", "40", "--decoder_layers", "1", "--decoder_heads", "2", "--decoder_ffn", "128",
                 "--batch_size", "8", "--eval_batch_size", "32", "--log_every", "1"]
@@ -1834,7 +1975,7 @@ def test_training_on_cached_features_then_eval_writes_predictions_scores_and_gri
     assert (out / "test_grid.png").stat().st_size > 10_000
     state = torch.load(out / "ckpt_best.pt", weights_only=True)  # loads without running code
     assert state["encoder_sha256"] == caption.sha256_file(stage1["encoder"])
-    assert caption.load_encoder(stage1["encoder"])[0].config.join_difference  # the synth preset's, rebuilt
+    assert caption.load_encoder(stage1["encoder"])[0].config.intra_layers == 1  # the stage-1 config, rebuilt
 
 
 def test_stage_2_draws_a_missing_synthetic_dataset_before_reading_its_vocabulary(stage1, tmp_path):
