@@ -9,7 +9,8 @@ It holds, top to bottom:
   1. ImagePair, the one record every reader returns, and the readers of the published layouts:
      CLEVR-Change, Spot-the-Diff, Image-Editing-Request (IER) and a simple JSON format for your own pairs;
   2. the synthetic dataset (`--data synth`, the project's default): CLEVR-Change-style scenes drawn here,
-     with their captions and their own BPE vocabulary, written in the CLEVR-Change layout;
+     with their captions and the synthetic CLIP's BPE vocabulary, written in the CLEVR-Change layout; and
+     stage 0's single scenes with sentences naming their objects, on which that CLIP was pretrained;
   3. images: loading with readable errors, CLIP4IDC's preprocessing, an opt-in cache of preprocessed pixels;
   4. caption token ids;
   5. the samples: stage 1 (one per pair and caption), stage 2 (one per pair, plus the no-change pair),
@@ -31,6 +32,8 @@ The layouts (REFERENCE.md section 5), under the default roots (a `root` argument
                      with paths relative to the JSON file's folder; "id" defaults to the item's position.
   data/synth         the CLEVR-Change layout, plus bpe_synth_vocab.txt.gz (its BPE merges, OpenAI's format)
                      and synth_scenes.json (what was drawn, for tests; not part of the official layout).
+  data/synth_scenes  stage 0 only: pixels_224.npy (every scene preprocessed, uint8), scenes.json (the objects
+                     of each scene, the splits), bpe_synth_vocab.txt.gz.
 
 What differs from the reference:
   - one reader per layout returns the same ImagePair records; the reference has a loader class per dataset
@@ -42,6 +45,7 @@ What differs from the reference:
   - images are float32 (the reference builds float64 arrays); an opt-in uint8 cache skips PNG decoding.
 
 Run:  python data.py                                   draw a tiny synthetic set in a temp folder, print a sample
+      python data.py --make-scenes DIR [--workers W]     draw stage 0's single scenes
       python data.py --make-synth DIR --pairs N [--seed S] [--workers W]
       python data.py --show [--data synth] [--split test] [--n 6] [--model-view] [--out sheet.png]
       python data.py --bench [--data synth] [--batch-size 16] [--batches 20]
@@ -1292,6 +1296,7 @@ def benchmark(pairs: list[ImagePair], tokenizer: clip.SimpleTokenizer, batch_siz
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--make-synth", metavar="DIR", help="draw the synthetic dataset into DIR")
+    parser.add_argument("--make-scenes", metavar="DIR", help="draw stage 0's single scenes into DIR")
     parser.add_argument("--pairs", type=int, default=SynthConfig.pairs)
     parser.add_argument("--seed", type=int, default=SynthConfig.seed)
     parser.add_argument("--workers", type=int, default=1, help="processes drawing pairs / DataLoader workers")
@@ -1316,6 +1321,11 @@ def main():
         print(f"{cfg.pairs} pairs in {args.make_synth} with {args.workers} process(es): {seconds:.1f} s, "
               f"{cfg.pairs / seconds:.1f} pairs/s; {cpu_seconds:.1f} CPU s, "
               f"{cfg.pairs / cpu_seconds:.1f} pairs per CPU second")
+    elif args.make_scenes:
+        start = time.perf_counter()
+        make_scenes(args.make_scenes, SynthConfig(seed=args.seed), args.workers)
+        print(f"{sum(SCENE_SPLITS.values())} scenes in {args.make_scenes} with {args.workers} process(es): "
+              f"{time.perf_counter() - start:.1f} s")
     elif args.show:
         root = dataset_root(args.data, args.root)
         pairs = load_split(args.data, args.split, root)[:args.n]
