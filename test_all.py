@@ -994,19 +994,22 @@ def test_a_split_id_without_captions_is_an_error_naming_the_id(clevr_root):
         data.read_clevr_change(clevr_root, "test")
 
 
-def test_an_empty_caption_is_an_error_naming_the_pair(clevr_root):
+def test_a_caption_that_is_not_text_is_an_error_naming_the_pair_and_the_file(clevr_root, tmp_path):
     captions = json.loads((clevr_root / "change_captions.json").read_text())
-    captions["CLEVR_default_000005.png"] = ["the cube moved", "  "]
+    captions["CLEVR_default_000005.png"] = ["the cube moved", 7]
     write_json(clevr_root / "change_captions.json", captions)
-    with pytest.raises(data.DataError, match="pair 000005.png: empty"):
+    with pytest.raises(data.DataError, match=r"pair 000005.png: caption 7 in .*change_captions.json is not text"):
         data.read_clevr_change(clevr_root, "test")
+    write_json(tmp_path / "spot" / "annotations" / "val.json", [{"img_id": "3", "sentences": "the car is gone"}])
+    with pytest.raises(data.DataError, match=r"val.json, item 0 \(img_id 3\): sentences should be a list"):
+        data.read_spot_the_diff(tmp_path / "spot", "val")
 
 
 def test_a_missing_image_is_an_error_naming_the_file(clevr_root):
     missing = clevr_root / "nsc_images" / "CLEVR_nonsemantic_000005.png"
     missing.unlink()
     with pytest.raises(data.DataError, match=f"image {missing} is missing"):
-        data.read_clevr_change(clevr_root, "test")
+        data.load_split("clevr", "test", clevr_root)
     with pytest.raises(data.DataError, match=f"image {missing} is missing"):
         data.load_image(missing)
 
@@ -1050,6 +1053,38 @@ def test_spot_the_diff_raw_annotations_are_merged_by_img_id(tmp_path):
     assert pairs[0].distractor is None and pairs[0].change_type is None
 
 
+def write_spot(root, split, items):
+    """Spot-the-Diff's raw annotations/<split>.json and a small PNG for every image they name."""
+    for img_id in {str(item["img_id"]) for item in items}:
+        write_png(root / "images" / f"{img_id}.png")
+        write_png(root / "images" / f"{img_id}_2.png", (30, 60, 120))
+    write_json(root / "annotations" / f"{split}.json", items)
+
+
+def test_spot_the_diff_empty_sentences_are_references_but_never_training_targets(tmp_path, synth_tokenizer, capsys):
+    root = tmp_path / "spot"
+    write_spot(root, "train", [  # as published: repeated ids, empty sentences, an id with nothing else ("3")
+        {"img_id": "3", "sentences": [""]}, {"img_id": "12", "sentences": ["the car is gone", ""]},
+        {"img_id": "3", "sentences": ["  "]}, {"img_id": "12", "sentences": ["a man appeared"]},
+        {"img_id": "7", "sentences": ["the door is open"]}])
+    pairs = data.load_split("spot", "train", root)
+    assert capsys.readouterr().out == ("Spot-the-Diff train: 3 pairs, 6 sentences, 3 empty (1 pairs without any) "
+                                       "left out of training; evaluation keeps them as references\n")
+    assert data.references(pairs) == {"3.png": ["", "  "], "12.png": ["the car is gone", "", "a man appeared"],
+                                      "7.png": ["the door is open"]}  # as the reference's ground truth holds them
+    assert data.AdaptationSamples(pairs, synth_tokenizer, train=True).samples == [(1, 0), (1, 2), (2, 0)]
+    items = data.CaptionItems(pairs, synth_tokenizer, use_no_change_pair=False)
+    assert len(items) == 2 and [items[k]["row"] for k in range(2)] == [1, 2]  # rows of the pairs' features
+    eot = synth_tokenizer.eot_id
+    drawn = {synth_tokenizer.decode([t for t in items[0]["caption_out"].tolist() if t not in (eot, clip.PAD_ID)])
+             .strip() for _ in range(30)}
+    assert drawn == {"the car is gone", "a man appeared"}
+    data.load_split("spot", "train", root)
+    write_spot(root, "val", [{"img_id": "5", "sentences": ["a van left"]}])
+    data.load_split("spot", "val", root)
+    assert capsys.readouterr().out.count("\n") == 1  # one line for train again, none for a split without empties
+
+
 def test_spot_the_diff_prefers_the_reformatted_file(tmp_path):
     root = tmp_path / "spot"
     write_png(root / "images" / "3.png")
@@ -1070,6 +1105,19 @@ def test_ier_reads_the_valid_file_for_val_and_keeps_mixed_case_requests(tmp_path
     assert pairs[0].id == "Reddit_1"
     assert pairs[0].captions[0] == "Make It Brighter"
     assert data.references(pairs) == {"Reddit_1": ["Make It Brighter", "increase brightness", "Brighten the photo"]}
+
+
+def test_ier_keeps_a_58_word_request_whole_as_a_reference_and_cuts_it_for_training(tmp_path, synth_tokenizer):
+    root = tmp_path / "ier"
+    for name in ("Zhopped.com_gc9hq_gc9hq.jpg", "Zhopped.com_gc9hq_cxyv8.jpg"):
+        write_png(root / "images" / name)
+    request = "Please " + " ".join(["remove the man on the left and"] * 8) + " Brighten"  # 58 words
+    write_json(root / "test.json", [{"img0": "Zhopped.com_gc9hq_gc9hq.jpg", "img1": "Zhopped.com_gc9hq_cxyv8.jpg",
+                                     "sents": [request, "brighten", "Remove the man"], "uid": "Zhopped_1004"}])
+    pairs = data.load_split("ier", "test", root)
+    assert len(request.split()) == 58 and data.references(pairs)["Zhopped_1004"][0] == request
+    tokens = data.caption_tokens(synth_tokenizer, request, max_words=32)["caption_out"]
+    assert tokens[31] == synth_tokenizer.eot_id and clip.PAD_ID not in tokens.tolist()
 
 
 def test_mixed_case_requests_tokenize_as_lower_case():
