@@ -1120,6 +1120,51 @@ def test_ier_keeps_a_58_word_request_whole_as_a_reference_and_cuts_it_for_traini
     assert tokens[31] == synth_tokenizer.eot_id and clip.PAD_ID not in tokens.tolist()
 
 
+def check_command(monkeypatch, *args) -> int:
+    """The exit status of `python data.py --check ...`, run in this process."""
+    monkeypatch.setattr(sys, "argv", ["data.py", "--check", *args])
+    with pytest.raises(SystemExit) as exit_:
+        data.main()
+    return exit_.value.code
+
+
+def test_check_says_a_complete_download_is_complete(clevr_root, synth_root, monkeypatch, capsys):
+    monkeypatch.setenv("CLIP_BPE_PATH", str(synth_root / data.SYNTH_BPE_FILE))  # no download in tests
+    monkeypatch.setitem(data.PUBLISHED, "clevr", {"train": (3, None), "val": (1, None), "test": (1, None)})
+    captions = json.loads((clevr_root / "change_captions.json").read_text())
+    write_json(clevr_root / "change_captions.json", {**captions, "CLEVR_default_000004.png": ["in no split"]})
+    assert check_command(monkeypatch, "--data", "clevr", "--data_root", str(clevr_root)) == 0
+    out = capsys.readouterr().out
+    assert "  train: 3 pairs (published: 3), 6 references" in out
+    assert "    images: 9, 0 missing, 0 unreadable" in out
+    assert "1 captioned ids are in no split and never used (the published files have 197)" in out
+    assert out.endswith("complete: every split reads, every image opens, the published counts\n")
+
+
+def test_check_names_a_missing_and_a_corrupt_image_and_fails(clevr_root, synth_root, monkeypatch, capsys):
+    shutil.copy(synth_root / data.SYNTH_BPE_FILE, clevr_root)  # --data synth tokenizes with the folder's vocabulary
+    missing = clevr_root / "sc_images" / "CLEVR_semantic_000001.png"
+    missing.unlink()
+    corrupt = clevr_root / "images" / "CLEVR_default_000005.png"
+    corrupt.write_bytes(corrupt.read_bytes()[:60])  # a half-downloaded PNG: its header, not its pixels
+    assert check_command(monkeypatch, "--data", "synth", "--data_root", str(clevr_root), "--max_words", "8") == 1
+    out = capsys.readouterr().out
+    assert f"      missing: {missing}\n" in out and f"      unreadable: {corrupt} (" in out
+    assert "  train: 3 pairs, 6 references\n    images: 9, 1 missing, 0 unreadable" in out
+    assert "longer than max_words 8" in out
+    assert out.endswith("INCOMPLETE: train: 1 image(s) missing; test: 1 image(s) unreadable\n")
+
+
+def test_check_reads_a_complete_png_and_jpeg_from_their_ends_and_decodes_the_others(tmp_path):
+    for name, kind, lost in (("a.png", "PNG", 12), ("b.jpg", "JPEG", 30), ("c.bmp", "BMP", 30)):
+        Image.new("RGB", (40, 30), (200, 10, 10)).save(tmp_path / name, kind)
+        assert data.image_problem(tmp_path / name) is None
+        (tmp_path / name).write_bytes((tmp_path / name).read_bytes()[:-lost])  # the last bytes lost
+    assert data.image_problem(tmp_path / "a.png") is None  # only the IEND chunk is gone: every pixel is there
+    assert data.image_problem(tmp_path / "b.jpg") is not None and data.image_problem(tmp_path / "c.bmp") is not None
+    assert data.image_problem(tmp_path / "d.png") == "missing"
+
+
 def test_mixed_case_requests_tokenize_as_lower_case():
     tokenizer = clip.get_tokenizer(shared("clip_vectors", "bpe_simple_vocab_16e6.txt.gz"))
     assert torch.equal(data.text_tokens(tokenizer, "Make It Brighter"), data.text_tokens(tokenizer, "make it brighter"))
