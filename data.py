@@ -37,6 +37,8 @@ What differs from the reference:
     and stage, and branches on the dataset's name; here "train on the no-change pair too" is the flag
     use_no_change_pair and the before/distractor swap happens wherever a pair has a distractor;
   - errors instead of asserts or skipping: a missing folder, file or image, an id without captions;
+  - empty and whitespace-only captions (the published Spot-the-Diff files have some) are never training
+    targets (the reference trains on them); they stay evaluation references, as in the reference's ground truth;
   - random choices (the 0.5 swap, the caption drawn in stage 2) use torch's generator, which DataLoader
     seeds per worker, instead of Python's random module;
   - images are float32 (the reference builds float64 arrays); an opt-in uint8 cache skips PNG decoding.
