@@ -122,7 +122,8 @@ def checked_captions(captions, pair_id: str, where: Path) -> list[str]:
     """A non-empty list of strings, or an error naming the pair.
 
     Empty and whitespace-only strings are kept: the published Spot-the-Diff files hold some, and the papers'
-    ground truth (C4I's gt/spot_total_change_captions_reformat.json) scores against them; training leaves them out (training_captions).
+    ground truth (C4I's gt/spot_total_change_captions_reformat.json) scores against them; training leaves
+    them out (training_captions).
     """
     if not isinstance(captions, list) or not captions:
         raise DataError(f"pair {pair_id}: no captions in {where} (got {captions!r})")
@@ -300,8 +301,8 @@ def load_split(data: str, split: str, root: str | os.PathLike | None = None,
 
 
 def empty_caption_note(what: str, pairs: list[ImagePair]) -> str | None:
-    """One line on the empty captions of a split, or None when it has none:
-    'Spot-the-Diff train: 8,566 pairs, 17,676 sentences, 53 empty (37 pairs without any) left out of training'."""
+    """One line on the empty captions of a split, or None when it has none: 'Spot-the-Diff train: 3 pairs,
+    6 sentences, 3 empty (1 pairs without any) left out of training; evaluation keeps them as references'."""
     captions = sum(len(pair.captions) for pair in pairs)
     empty = captions - sum(len(training_captions(pair.captions)) for pair in pairs)
     no_change_empty = sum(len(p.no_change_captions) - len(training_captions(p.no_change_captions)) for p in pairs)
@@ -1317,7 +1318,8 @@ def check_dataset(data: str, root: Path, tokenizer: clip.SimpleTokenizer | None,
     if problems:
         print(f"INCOMPLETE: {'; '.join(problems)}")
     else:
-        print("complete: every split reads, every image opens" + (", the published counts" if data in PUBLISHED else ""))
+        met = ", the published counts are met" if data in PUBLISHED else ""
+        print(f"complete: every split reads, every image opens{met}")
     return not problems
 
 

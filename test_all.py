@@ -1138,7 +1138,7 @@ def test_check_says_a_complete_download_is_complete(clevr_root, synth_root, monk
     assert "  train: 3 pairs (published: 3), 6 references" in out
     assert "    images: 9, 0 missing, 0 unreadable" in out
     assert "1 captioned ids are in no split and never used (the published files have 197)" in out
-    assert out.endswith("complete: every split reads, every image opens, the published counts\n")
+    assert out.endswith("complete: every split reads, every image opens, the published counts are met\n")
 
 
 def test_check_names_a_missing_and_a_corrupt_image_and_fails(clevr_root, synth_root, monkeypatch, capsys):
@@ -1736,7 +1736,8 @@ def test_a_prediction_without_references_is_refused_with_a_hint_about_id_types()
 # output (pycocoevalcap 1.2, OpenJDK 17: PTBTokenizer, Bleu(4), Meteor(), Rouge(), Cider()), BENCHMARKS.md section 7.
 EMPTY_REFERENCE_CORPUS = {
     "256.png": ("the person with the umbrella is gone",
-                ["person with umbrella is gone", "person with red coat is moved", "car up at top to left is now missing"]),
+                ["person with umbrella is gone", "person with red coat is moved",
+                 "car up at top to left is now missing"]),
     "294.png": ("there is a red car in the top left",
                 ["on the top left side of the right image there is a red car that is not in the left image"]),
     "187.png": ("there is no difference", ["i see no differences between the two images"]),
