@@ -1347,12 +1347,11 @@ def main():
     args = parser.parse_args()
 
     if args.check:
-        root = dataset_root(args.data, args.root)
+        root, tokenizer = dataset_root(args.data, args.root), None
         try:
-            tokenizer = clip.get_tokenizer(bpe_path(args.data, root))
+            tokenizer = clip.get_tokenizer(bpe_path(args.data, root)) if root.is_dir() else None
         except FileNotFoundError as error:
             print(f"{error}\nCaption lengths are counted in words instead of tokens until then.")
-            tokenizer = None
         sys.exit(0 if check_dataset(args.data, root, tokenizer, args.max_words) else 1)
     elif args.make_synth:
         cfg = SynthConfig(pairs=args.pairs, seed=args.seed)
