@@ -15,7 +15,7 @@ It holds, top to bottom:
   4. caption token ids;
   5. the samples: stage 1 (one per pair and caption), stage 2 (one per pair, plus the no-change pair),
      evaluation pairs with the scorer's ids and reference lists, ids per change type;
-  6. a contact sheet of pairs with their captions, a loading benchmark, the command line.
+  6. a contact sheet of pairs with their captions, a loading benchmark, a check of a download, the command line.
 
 The layouts (REFERENCE.md section 5), under the default roots (a `root` argument overrides them):
   data/clevr_change  images/CLEVR_default_XXXXXX.png, sc_images/CLEVR_semantic_XXXXXX.png,
@@ -40,6 +40,8 @@ What differs from the reference:
     and stage, and branches on the dataset's name; here "train on the no-change pair too" is the flag
     use_no_change_pair and the before/distractor swap happens wherever a pair has a distractor;
   - errors instead of asserts or skipping: a missing folder, file or image, an id without captions;
+  - empty and whitespace-only captions (the published Spot-the-Diff files have some) are never training
+    targets (the reference trains on them); they stay evaluation references, as in the reference's ground truth;
   - random choices (the 0.5 swap, the caption drawn in stage 2) use torch's generator, which DataLoader
     seeds per worker, instead of Python's random module;
   - images are float32 (the reference builds float64 arrays); an opt-in uint8 cache skips PNG decoding.
@@ -49,6 +51,7 @@ Run:  python data.py                                   draw a tiny synthetic set
       python data.py --make-synth DIR --pairs N [--seed S] [--workers W]
       python data.py --show [--data synth] [--split test] [--n 6] [--model-view] [--out sheet.png]
       python data.py --bench [--data synth] [--batch-size 16] [--batches 20]
+      python data.py --check --data clevr|spot|ier|pairs [--data_root DIR]   after downloading: is it complete?
 
 Shape letters: B pairs in a batch, R image side after preprocessing (224), T caption tokens (max_words, 32),
 H, W height and width of a stored image (320 x 480 for CLEVR-Change and the synthetic set).
@@ -120,13 +123,24 @@ def read_json(path: Path, what: str):
 
 
 def checked_captions(captions, pair_id: str, where: Path) -> list[str]:
-    """A non-empty list of non-empty strings, or an error naming the pair."""
+    """A non-empty list of strings, or an error naming the pair.
+
+    Empty and whitespace-only strings are kept: the published Spot-the-Diff files hold some, and the papers'
+    ground truth (C4I's gt/spot_total_change_captions_reformat.json) scores against them; training leaves
+    them out (training_captions).
+    """
     if not isinstance(captions, list) or not captions:
         raise DataError(f"pair {pair_id}: no captions in {where} (got {captions!r})")
     for caption in captions:
-        if not isinstance(caption, str) or not caption.strip():
-            raise DataError(f"pair {pair_id}: empty or non-text caption {caption!r} in {where}")
+        if not isinstance(caption, str):
+            raise DataError(f"pair {pair_id}: caption {caption!r} in {where} is not text; captions are strings")
     return captions
+
+
+def training_captions(captions: list[str]) -> list[str]:
+    """The captions a model may learn to write: all but the empty and whitespace-only ones."""
+    # differs from reference: C4I trains on Spot-the-Diff's empty sentences too ([SOT, EOT] as the target)
+    return [caption for caption in captions if caption.strip()]
 
 
 def checked_items(items, keys: tuple[str, ...], path: Path) -> list[dict]:
@@ -141,7 +155,7 @@ def checked_items(items, keys: tuple[str, ...], path: Path) -> list[dict]:
 
 
 def checked_files(pairs: list[ImagePair]) -> list[ImagePair]:
-    """Fail now, naming the file, rather than hours into training when a worker reaches it."""
+    """Fail now, naming the file, rather than hours into training when a worker reaches it (`--check` lists all)."""
     for pair in pairs:
         for path in (pair.before, pair.after, pair.distractor):
             if path is not None and not path.is_file():
@@ -178,7 +192,7 @@ def read_clevr_change(root: Path, split: str) -> list[ImagePair]:
             change_type=type_of[pair_id],
             distractor=root / "nsc_images" / f"CLEVR_nonsemantic_{number:06d}.png",
             no_change_captions=checked_captions(no_change[key], pair_id, root / "no_change_captions.json")))
-    return checked_files(pairs)
+    return pairs
 
 
 def read_spot_the_diff(root: Path, split: str) -> list[ImagePair]:
@@ -190,13 +204,15 @@ def read_spot_the_diff(root: Path, split: str) -> list[ImagePair]:
                         f"put CLIP4IDC's reformat_{split}.json or spot-the-diff's data/annotations/{split}.json there")
     items = checked_items(read_json(found[0], "Spot-the-Diff"), ("img_id", "sentences"), found[0])
     sentences: dict[str, list[str]] = {}  # img_id -> sentences; dicts keep first-seen order
-    for item in items:
+    for position, item in enumerate(items):
+        if not isinstance(item["sentences"], list):
+            raise DataError(f"{found[0]}, item {position} (img_id {item['img_id']}): sentences should be a list of "
+                            f"strings, got {item['sentences']!r}")
         sentences.setdefault(str(item["img_id"]), []).extend(item["sentences"])
-    return checked_files([
-        ImagePair(id=f"{img_id}.png", before=root / "images" / f"{img_id}.png",
-                  after=root / "images" / f"{img_id}_2.png",
-                  captions=checked_captions(texts, f"{img_id}.png", found[0]))
-        for img_id, texts in sentences.items()])
+    return [ImagePair(id=f"{img_id}.png", before=root / "images" / f"{img_id}.png",
+                      after=root / "images" / f"{img_id}_2.png",
+                      captions=checked_captions(texts, f"{img_id}.png", found[0]))
+            for img_id, texts in sentences.items()]
 
 
 def read_ier(root: Path, split: str) -> list[ImagePair]:
@@ -210,7 +226,7 @@ def read_ier(root: Path, split: str) -> list[ImagePair]:
         seen.add(uid)
         pairs.append(ImagePair(id=uid, before=root / "images" / datum["img0"], after=root / "images" / datum["img1"],
                                captions=checked_captions(datum["sents"], uid, path)))
-    return checked_files(pairs)
+    return pairs
 
 
 def read_user_pairs(root: Path, split: str) -> list[ImagePair]:
@@ -231,7 +247,7 @@ def read_user_pairs(root: Path, split: str) -> list[ImagePair]:
             distractor=root / distractor if distractor else None,
             no_change_captions=checked_captions(item["no_change_captions"], pair_id, path)
             if "no_change_captions" in item else []))
-    return checked_files(pairs)
+    return pairs
 
 
 @dataclass(frozen=True)
@@ -281,7 +297,25 @@ def load_split(data: str, split: str, root: str | os.PathLike | None = None,
         raise DataError(f"{SOURCES[data].name}: no folder {root}; {SOURCES[data].get_it} (or pass its path as root)")
     if split not in SPLITS:
         raise DataError(f"unknown split {split!r}; choose one of {SPLITS}")
-    return SOURCES[data].reader(root, split)
+    pairs = checked_files(SOURCES[data].reader(root, split))
+    note = empty_caption_note(f"{SOURCES[data].name} {split}", pairs)
+    if note and os.environ.get("RANK", "0") == "0":  # under torchrun every process reads; the first one says so
+        print(note)
+    return pairs
+
+
+def empty_caption_note(what: str, pairs: list[ImagePair]) -> str | None:
+    """One line on the empty captions of a split, or None when it has none: 'Spot-the-Diff train: 3 pairs,
+    6 sentences, 3 empty (1 pairs without any) left out of training; evaluation keeps them as references'."""
+    captions = sum(len(pair.captions) for pair in pairs)
+    empty = captions - sum(len(training_captions(pair.captions)) for pair in pairs)
+    no_change_empty = sum(len(p.no_change_captions) - len(training_captions(p.no_change_captions)) for p in pairs)
+    if not empty and not no_change_empty:
+        return None
+    without = sum(not training_captions(pair.captions) for pair in pairs)
+    also = f", and {no_change_empty:,} empty no-change captions" if no_change_empty else ""
+    return (f"{what}: {len(pairs):,} pairs, {captions:,} sentences, {empty:,} empty ({without:,} pairs without any)"
+            f"{also} left out of training; evaluation keeps them as references")
 
 
 def bpe_path(data: str, root: str | os.PathLike | None = None) -> Path | None:
@@ -1078,7 +1112,7 @@ def random_index(n: int) -> int:
 
 
 class AdaptationSamples(Dataset):
-    """Stage 1: one sample per (pair, change caption) (REFERENCE 2.3).
+    """Stage 1: one sample per (pair, change caption) (REFERENCE 2.3); empty captions give no sample.
 
     In training, with probability swap_prob the before image is replaced by the pair's distractor view
     (pairs without one, as in Spot-the-Diff, never swap); the caption stays the change caption.
@@ -1089,7 +1123,8 @@ class AdaptationSamples(Dataset):
                  images: ImageReader | None = None, max_words: int = MAX_WORDS, swap_prob: float = SWAP_PROB):
         self.pairs, self.tokenizer, self.train = pairs, tokenizer, train
         self.images, self.max_words, self.swap_prob = images or ImageReader(), max_words, swap_prob
-        self.samples = [(p, c) for p, pair in enumerate(pairs) for c in range(len(pair.captions))]
+        self.samples = [(p, c) for p, pair in enumerate(pairs)
+                        for c, caption in enumerate(pair.captions) if caption.strip()]  # see training_captions
 
     def __len__(self):
         return len(self.samples)
@@ -1170,7 +1205,10 @@ def ids_by_type(pairs: list[ImagePair]) -> dict[str, list[str]]:
 
 
 def retrieval_texts(pairs: list[ImagePair]) -> tuple[list[str], list[int]]:
-    """Stage 1 evaluation (REFERENCE 2.6): every change caption, and the index of the pair it belongs to."""
+    """Stage 1 evaluation (REFERENCE 2.6): every change caption, and the index of the pair it belongs to.
+
+    Empty captions are ranked too, as the reference does: some Spot-the-Diff pairs have no other.
+    """
     texts = [c for pair in pairs for c in pair.captions]
     text_to_pair = [p for p, pair in enumerate(pairs) for _ in pair.captions]
     return texts, text_to_pair
@@ -1196,6 +1234,8 @@ class PairImages(Dataset):
 class CaptionItems(Dataset):
     """Stage 2 training: one item per pair per epoch with a random change caption (REFERENCE 3.4).
 
+    Empty captions are never drawn, and a pair with no other caption is left out (see training_captions).
+
     With use_no_change_pair (CLEVR-Change, synth), the item also holds a random no-change caption for
     the pair (before, distractor); the reference sums the two losses. "row" and "no_change_row" index the
     rows of evaluation_pairs(pairs, use_no_change_pair), so cached pair features can stand in for images;
@@ -1209,19 +1249,22 @@ class CaptionItems(Dataset):
         evaluation_pairs(pairs, use_no_change_pair)  # checks that every pair has what the no-change pair needs
         self.pairs, self.tokenizer, self.use_no_change_pair = pairs, tokenizer, use_no_change_pair
         self.images, self.max_words = images, max_words
+        self.trained = [i for i, pair in enumerate(pairs) if training_captions(pair.captions)
+                        and (not use_no_change_pair or training_captions(pair.no_change_captions))]
 
     def __len__(self):
-        return len(self.pairs)
+        return len(self.trained)
 
-    def __getitem__(self, i: int) -> dict:
+    def __getitem__(self, k: int) -> dict:
+        i = self.trained[k]  # the pair's row, also when pairs without a usable caption are left out
         pair = self.pairs[i]
-        item = {"row": i, **caption_tokens(self.tokenizer, pair.captions[random_index(len(pair.captions))],
-                                          self.max_words)}
+        captions = training_captions(pair.captions)
+        item = {"row": i, **caption_tokens(self.tokenizer, captions[random_index(len(captions))], self.max_words)}
         if self.images is not None:
             item["before"], item["after"] = self.images(pair.before), self.images(pair.after)
         if self.use_no_change_pair:
-            no_change = caption_tokens(self.tokenizer,
-                                       pair.no_change_captions[random_index(len(pair.no_change_captions))],
+            no_change_captions = training_captions(pair.no_change_captions)
+            no_change = caption_tokens(self.tokenizer, no_change_captions[random_index(len(no_change_captions))],
                                        self.max_words)
             item["no_change_row"] = len(self.pairs) + i
             item["no_change_caption_in"] = no_change["caption_in"]
@@ -1293,6 +1336,135 @@ def benchmark(pairs: list[ImagePair], tokenizer: clip.SimpleTokenizer, batch_siz
     return {"wall": batches * batch_size / seconds, "cpu": (batches + 1) * batch_size / cpu_seconds}
 
 
+# --- checking a download ---
+
+PUBLISHED = {  # (pairs, references) per split as the datasets publish them; None where no count is published
+    "clevr": {"train": (33_830, None), "val": (1_988, None), "test": (3_985, None)},  # REFERENCE 5.1
+    "spot": {"train": (8_566, 17_676), "val": (1_493, 3_310), "test": (1_270, 2_107)},  # 5.2, unique img_ids
+    "ier": {"train": (3_061, 3_061), "val": (383, 1_149), "test": (495, 1_485)},        # 5.3
+}
+CLEVR_IDS_IN_NO_SPLIT = 197     # CLEVR-Change's captioned ids that its splits.json leaves out (REFERENCE 5.1)
+IMAGE_ENDS = {"PNG": b"IEND\xaeB`\x82", "JPEG": b"\xff\xd9"}  # how a complete file of each format ends
+SHOWN = 5                       # problems named one by one before the rest are only counted
+
+
+def image_problem(path: Path) -> str | None:
+    """What is wrong with an image file ("missing", or why it cannot be read), or None when it looks complete.
+
+    PNG and JPEG files are read as far as their header and their last bytes, where a complete file has its
+    end marker (a half-downloaded file has not); other formats, and files without the marker, are decoded.
+    """
+    try:
+        with Image.open(path) as image:
+            end = IMAGE_ENDS.get(image.format)
+            if end is not None:
+                with open(path, "rb") as file:
+                    file.seek(max(0, os.fstat(file.fileno()).st_size - 64))
+                    if file.read().rstrip(b"\0").endswith(end):  # some writers pad with zeros after the marker
+                        return None
+            image.load()
+    except FileNotFoundError:
+        return "missing"
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
+        return str(error) or type(error).__name__
+    return None
+
+
+def named(problems: list[str]) -> str:
+    more = f", and {len(problems) - SHOWN:,} more" if len(problems) > SHOWN else ""
+    return ", ".join(problems[:SHOWN]) + more
+
+
+def caption_lengths(pairs: list[ImagePair], tokenizer: clip.SimpleTokenizer | None, max_words: int) -> str:
+    """Length statistics of a split's non-empty captions, in tokens with SOT and EOT (in words without a tokenizer)."""
+    captions = [c for pair in pairs for c in training_captions(pair.captions)]
+    if not captions:
+        return "no non-empty captions"
+    if tokenizer is None:
+        lengths = np.array([len(c.split()) for c in captions])
+        return (f"caption length in words (no BPE vocabulary for tokens): min {lengths.min()}, "
+                f"median {np.median(lengths):g}, mean {lengths.mean():.1f}, max {lengths.max()}")
+    lengths = np.array([len(tokenizer.encode(c)) + 2 for c in captions])  # + SOT and EOT, as text_tokens counts
+    return (f"caption length in tokens with SOT and EOT: min {lengths.min()}, median {np.median(lengths):g}, "
+            f"mean {lengths.mean():.1f}, max {lengths.max()}; {(lengths > max_words).sum():,} longer than "
+            f"max_words {max_words} (cut there in training)")
+
+
+def beside_published(found: int, published: int | None, problems: list[str], what: str, split: str) -> str:
+    """'8,566 pairs (published: 8,566)'; a different count is also added to problems."""
+    if published is None:
+        return f"{found:,} {what}"
+    if found != published:
+        problems.append(f"{split}: {found:,} {what}, {published:,} published")
+        return f"{found:,} {what} (published: {published:,}; DIFFERENT)"
+    return f"{found:,} {what} (published: {published:,})"
+
+
+def check_dataset(data: str, root: Path, tokenizer: clip.SimpleTokenizer | None, max_words: int = MAX_WORDS) -> bool:
+    """Read every split of a downloaded dataset, open every image, print what is there and what is not.
+
+    True when nothing is missing: every split reads, every image opens, the published counts are met.
+    """
+    source = SOURCES[data]
+    print(f"{source.name} in {root}", flush=True)  # before the progress line on stderr
+    if not root.is_dir():
+        print(f"  no folder {root}; {source.get_it}")
+        return False
+    problems: list[str] = []
+    splits: dict[str, list[ImagePair]] = {}
+    for split in SPLITS:
+        try:
+            splits[split] = source.reader(root, split)
+        except DataError as error:
+            problems.append(f"{split}: {error}")
+            print(f"  {split}: cannot be read: {error}")
+    images = list(dict.fromkeys(path for pairs in splits.values() for pair in pairs
+                                for path in (pair.before, pair.after, pair.distractor) if path is not None))
+    bad = {}  # path -> what is wrong with it
+    start = last = time.perf_counter()
+    for done, path in enumerate(images, 1):
+        problem = image_problem(path)
+        if problem:
+            bad[path] = problem
+        now = time.perf_counter()
+        if now - last > 1 or done == len(images):
+            rate = done / max(now - start, 1e-9)
+            print(f"\r  images: {done:,}/{len(images):,}, {rate:,.0f}/s, eta {(len(images) - done) / rate:.0f} s ",
+                  end="\n" if done == len(images) else "", file=sys.stderr, flush=True)
+            last = now
+    for split, pairs in splits.items():
+        published = PUBLISHED.get(data, {}).get(split, (None, None))
+        references = sum(len(pair.captions) for pair in pairs)
+        print(f"  {split}: {beside_published(len(pairs), published[0], problems, 'pairs', split)}, "
+              f"{beside_published(references, published[1], problems, 'references', split)}")
+        empty = references - sum(len(training_captions(pair.captions)) for pair in pairs)
+        if empty:
+            without = sum(not training_captions(pair.captions) for pair in pairs)
+            print(f"    {empty:,} empty captions ({without:,} pairs without any other): "
+                  f"evaluation references, never training targets")
+        paths = list(dict.fromkeys(p for pair in pairs for p in (pair.before, pair.after, pair.distractor) if p))
+        missing = [str(p) for p in paths if bad.get(p) == "missing"]
+        unreadable = [f"{p} ({bad[p]})" for p in paths if p in bad and bad[p] != "missing"]
+        print(f"    images: {len(paths):,}, {len(missing):,} missing, {len(unreadable):,} unreadable")
+        for kind, listed in (("missing", missing), ("unreadable", unreadable)):
+            if listed:
+                problems.append(f"{split}: {len(listed):,} image(s) {kind}")
+                print(f"      {kind}: {named(listed)}")
+        print(f"    {caption_lengths(pairs, tokenizer, max_words)}")
+    if source.reader is read_clevr_change and splits:
+        in_splits = {int(n) for numbers in read_json(root / "splits.json", "splits").values() for n in numbers}
+        unused = [key for key in read_json(root / "change_captions.json", "captions")
+                  if int(key.removesuffix(".png").rsplit("_", 1)[1]) not in in_splits]
+        expected = f" (the published files have {CLEVR_IDS_IN_NO_SPLIT})" if data == "clevr" else ""
+        print(f"  {len(unused):,} captioned ids are in no split and never used{expected}")
+    if problems:
+        print(f"INCOMPLETE: {'; '.join(problems)}")
+    else:
+        met = ", the published counts are met" if data in PUBLISHED else ""
+        print(f"complete: every split reads, every image opens{met}")
+    return not problems
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--make-synth", metavar="DIR", help="draw the synthetic dataset into DIR")
@@ -1302,8 +1474,13 @@ def main():
     parser.add_argument("--workers", type=int, default=1, help="processes drawing pairs / DataLoader workers")
     parser.add_argument("--show", action="store_true", help="write a contact sheet of a few pairs")
     parser.add_argument("--bench", action="store_true", help="measure the stage-1 loading pipeline")
+    parser.add_argument("--check", action="store_true",
+                        help="after a download: read every split, open every image, compare with the published "
+                             "counts; exit status 1 when something is missing")
     parser.add_argument("--data", default="synth", choices=sorted(SOURCES))
-    parser.add_argument("--root", help="dataset folder (default: data/<name>)")
+    parser.add_argument("--root", "--data_root", help="dataset folder (default: data/<name>)")
+    parser.add_argument("--max_words", type=int, default=MAX_WORDS,
+                        help="--check: count the captions longer than this many tokens (the training scripts' flag)")
     parser.add_argument("--split", default="test", choices=SPLITS)
     parser.add_argument("--n", type=int, default=6, help="pairs on the contact sheet")
     parser.add_argument("--model-view", action="store_true", help="show the 224 x 224 images the model sees")
@@ -1312,7 +1489,14 @@ def main():
     parser.add_argument("--batches", type=int, default=20)
     args = parser.parse_args()
 
-    if args.make_synth:
+    if args.check:
+        root, tokenizer = dataset_root(args.data, args.root), None
+        try:
+            tokenizer = clip.get_tokenizer(bpe_path(args.data, root)) if root.is_dir() else None
+        except FileNotFoundError as error:
+            print(f"{error}\nCaption lengths are counted in words instead of tokens until then.")
+        sys.exit(0 if check_dataset(args.data, root, tokenizer, args.max_words) else 1)
+    elif args.make_synth:
         cfg = SynthConfig(pairs=args.pairs, seed=args.seed)
         start, cpu_start = time.perf_counter(), os.times()
         make_synth(args.make_synth, cfg, args.workers)

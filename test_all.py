@@ -1026,19 +1026,22 @@ def test_a_split_id_without_captions_is_an_error_naming_the_id(clevr_root):
         data.read_clevr_change(clevr_root, "test")
 
 
-def test_an_empty_caption_is_an_error_naming_the_pair(clevr_root):
+def test_a_caption_that_is_not_text_is_an_error_naming_the_pair_and_the_file(clevr_root, tmp_path):
     captions = json.loads((clevr_root / "change_captions.json").read_text())
-    captions["CLEVR_default_000005.png"] = ["the cube moved", "  "]
+    captions["CLEVR_default_000005.png"] = ["the cube moved", 7]
     write_json(clevr_root / "change_captions.json", captions)
-    with pytest.raises(data.DataError, match="pair 000005.png: empty"):
+    with pytest.raises(data.DataError, match=r"pair 000005.png: caption 7 in .*change_captions.json is not text"):
         data.read_clevr_change(clevr_root, "test")
+    write_json(tmp_path / "spot" / "annotations" / "val.json", [{"img_id": "3", "sentences": "the car is gone"}])
+    with pytest.raises(data.DataError, match=r"val.json, item 0 \(img_id 3\): sentences should be a list"):
+        data.read_spot_the_diff(tmp_path / "spot", "val")
 
 
 def test_a_missing_image_is_an_error_naming_the_file(clevr_root):
     missing = clevr_root / "nsc_images" / "CLEVR_nonsemantic_000005.png"
     missing.unlink()
     with pytest.raises(data.DataError, match=f"image {missing} is missing"):
-        data.read_clevr_change(clevr_root, "test")
+        data.load_split("clevr", "test", clevr_root)
     with pytest.raises(data.DataError, match=f"image {missing} is missing"):
         data.load_image(missing)
 
@@ -1082,6 +1085,38 @@ def test_spot_the_diff_raw_annotations_are_merged_by_img_id(tmp_path):
     assert pairs[0].distractor is None and pairs[0].change_type is None
 
 
+def write_spot(root, split, items):
+    """Spot-the-Diff's raw annotations/<split>.json and a small PNG for every image they name."""
+    for img_id in {str(item["img_id"]) for item in items}:
+        write_png(root / "images" / f"{img_id}.png")
+        write_png(root / "images" / f"{img_id}_2.png", (30, 60, 120))
+    write_json(root / "annotations" / f"{split}.json", items)
+
+
+def test_spot_the_diff_empty_sentences_are_references_but_never_training_targets(tmp_path, synth_tokenizer, capsys):
+    root = tmp_path / "spot"
+    write_spot(root, "train", [  # as published: repeated ids, empty sentences, an id with nothing else ("3")
+        {"img_id": "3", "sentences": [""]}, {"img_id": "12", "sentences": ["the car is gone", ""]},
+        {"img_id": "3", "sentences": ["  "]}, {"img_id": "12", "sentences": ["a man appeared"]},
+        {"img_id": "7", "sentences": ["the door is open"]}])
+    pairs = data.load_split("spot", "train", root)
+    assert capsys.readouterr().out == ("Spot-the-Diff train: 3 pairs, 6 sentences, 3 empty (1 pairs without any) "
+                                       "left out of training; evaluation keeps them as references\n")
+    assert data.references(pairs) == {"3.png": ["", "  "], "12.png": ["the car is gone", "", "a man appeared"],
+                                      "7.png": ["the door is open"]}  # as the reference's ground truth holds them
+    assert data.AdaptationSamples(pairs, synth_tokenizer, train=True).samples == [(1, 0), (1, 2), (2, 0)]
+    items = data.CaptionItems(pairs, synth_tokenizer, use_no_change_pair=False)
+    assert len(items) == 2 and [items[k]["row"] for k in range(2)] == [1, 2]  # rows of the pairs' features
+    eot = synth_tokenizer.eot_id
+    drawn = {synth_tokenizer.decode([t for t in items[0]["caption_out"].tolist() if t not in (eot, clip.PAD_ID)])
+             .strip() for _ in range(30)}
+    assert drawn == {"the car is gone", "a man appeared"}
+    data.load_split("spot", "train", root)
+    write_spot(root, "val", [{"img_id": "5", "sentences": ["a van left"]}])
+    data.load_split("spot", "val", root)
+    assert capsys.readouterr().out.count("\n") == 1  # one line for train again, none for a split without empties
+
+
 def test_spot_the_diff_prefers_the_reformatted_file(tmp_path):
     root = tmp_path / "spot"
     write_png(root / "images" / "3.png")
@@ -1102,6 +1137,64 @@ def test_ier_reads_the_valid_file_for_val_and_keeps_mixed_case_requests(tmp_path
     assert pairs[0].id == "Reddit_1"
     assert pairs[0].captions[0] == "Make It Brighter"
     assert data.references(pairs) == {"Reddit_1": ["Make It Brighter", "increase brightness", "Brighten the photo"]}
+
+
+def test_ier_keeps_a_58_word_request_whole_as_a_reference_and_cuts_it_for_training(tmp_path, synth_tokenizer):
+    root = tmp_path / "ier"
+    for name in ("Zhopped.com_gc9hq_gc9hq.jpg", "Zhopped.com_gc9hq_cxyv8.jpg"):
+        write_png(root / "images" / name)
+    request = "Please " + " ".join(["remove the man on the left and"] * 8) + " Brighten"  # 58 words
+    write_json(root / "test.json", [{"img0": "Zhopped.com_gc9hq_gc9hq.jpg", "img1": "Zhopped.com_gc9hq_cxyv8.jpg",
+                                     "sents": [request, "brighten", "Remove the man"], "uid": "Zhopped_1004"}])
+    pairs = data.load_split("ier", "test", root)
+    assert len(request.split()) == 58 and data.references(pairs)["Zhopped_1004"][0] == request
+    tokens = data.caption_tokens(synth_tokenizer, request, max_words=32)["caption_out"]
+    assert tokens[31] == synth_tokenizer.eot_id and clip.PAD_ID not in tokens.tolist()
+
+
+def check_command(monkeypatch, *args) -> int:
+    """The exit status of `python data.py --check ...`, run in this process."""
+    monkeypatch.setattr(sys, "argv", ["data.py", "--check", *args])
+    with pytest.raises(SystemExit) as exit_:
+        data.main()
+    return exit_.value.code
+
+
+def test_check_says_a_complete_download_is_complete(clevr_root, synth_root, monkeypatch, capsys):
+    monkeypatch.setenv("CLIP_BPE_PATH", str(synth_root / data.SYNTH_BPE_FILE))  # no download in tests
+    monkeypatch.setitem(data.PUBLISHED, "clevr", {"train": (3, None), "val": (1, None), "test": (1, None)})
+    captions = json.loads((clevr_root / "change_captions.json").read_text())
+    write_json(clevr_root / "change_captions.json", {**captions, "CLEVR_default_000004.png": ["in no split"]})
+    assert check_command(monkeypatch, "--data", "clevr", "--data_root", str(clevr_root)) == 0
+    out = capsys.readouterr().out
+    assert "  train: 3 pairs (published: 3), 6 references" in out
+    assert "    images: 9, 0 missing, 0 unreadable" in out
+    assert "1 captioned ids are in no split and never used (the published files have 197)" in out
+    assert out.endswith("complete: every split reads, every image opens, the published counts are met\n")
+
+
+def test_check_names_a_missing_and_a_corrupt_image_and_fails(clevr_root, synth_root, monkeypatch, capsys):
+    shutil.copy(synth_root / data.SYNTH_BPE_FILE, clevr_root)  # --data synth tokenizes with the folder's vocabulary
+    missing = clevr_root / "sc_images" / "CLEVR_semantic_000001.png"
+    missing.unlink()
+    corrupt = clevr_root / "images" / "CLEVR_default_000005.png"
+    corrupt.write_bytes(corrupt.read_bytes()[:60])  # a half-downloaded PNG: its header, not its pixels
+    assert check_command(monkeypatch, "--data", "synth", "--data_root", str(clevr_root), "--max_words", "8") == 1
+    out = capsys.readouterr().out
+    assert f"      missing: {missing}\n" in out and f"      unreadable: {corrupt} (" in out
+    assert "  train: 3 pairs, 6 references\n    images: 9, 1 missing, 0 unreadable" in out
+    assert "longer than max_words 8" in out
+    assert out.endswith("INCOMPLETE: train: 1 image(s) missing; test: 1 image(s) unreadable\n")
+
+
+def test_check_reads_a_complete_png_and_jpeg_from_their_ends_and_decodes_the_others(tmp_path):
+    for name, kind, lost in (("a.png", "PNG", 12), ("b.jpg", "JPEG", 30), ("c.bmp", "BMP", 30)):
+        Image.new("RGB", (40, 30), (200, 10, 10)).save(tmp_path / name, kind)
+        assert data.image_problem(tmp_path / name) is None
+        (tmp_path / name).write_bytes((tmp_path / name).read_bytes()[:-lost])  # the last bytes lost
+    assert data.image_problem(tmp_path / "a.png") is None  # only the IEND chunk is gone: every pixel is there
+    assert data.image_problem(tmp_path / "b.jpg") is not None and data.image_problem(tmp_path / "c.bmp") is not None
+    assert data.image_problem(tmp_path / "d.png") == "missing"
 
 
 def test_mixed_case_requests_tokenize_as_lower_case():
@@ -1713,6 +1806,49 @@ def test_duplicate_prediction_ids_are_refused():
 def test_a_prediction_without_references_is_refused_with_a_hint_about_id_types():
     with pytest.raises(metrics.CaptionInputError, match="have no references.*same type"):
         metrics.score_captions({5: "a cube"}, {"5": ["a cube"]})
+
+
+# Spot-the-Diff-style items, four with empty references (two whose only reference is empty, one of them with an
+# empty candidate; one whose only reference is whitespace); the expected numbers are the coco-caption toolkit's
+# output (pycocoevalcap 1.2, OpenJDK 17: PTBTokenizer, Bleu(4), Meteor(), Rouge(), Cider()), BENCHMARKS.md section 7.
+EMPTY_REFERENCE_CORPUS = {
+    "256.png": ("the person with the umbrella is gone",
+                ["person with umbrella is gone", "person with red coat is moved",
+                 "car up at top to left is now missing"]),
+    "294.png": ("there is a red car in the top left",
+                ["on the top left side of the right image there is a red car that is not in the left image"]),
+    "187.png": ("there is no difference", ["i see no differences between the two images"]),
+    "9420.png": ("the car is gone", [""]),
+    "3.png": ("", [""]),
+    "36.png": ("a person walking appears on the left",
+               ["walking person on right near red car in before image is gone in after image",
+                "walking person in red coat appears on left near arrow in after image", "",
+                "white suv on end of left side of center lot is gone"]),
+    "8069.png": ("the white car is no longer there", ["  "]),
+    "223.png": ("the white car is no longer in the lot", ["the white car is no longer in the parking lot"]),
+    "61.png": ("the person walking is gone", ["the person walking is no longer there"]),
+    "151.png": ("black car missing from the bottom left", ["black car missing from bottom left corner"]),
+    "91.png": ("nothing has changed", ["nothing has changed", "everything is the same"]),
+    "564.png": ("the people are gone", ["the white care on the bottom left is gone",
+                                        "the people walking across the intersection are gone",
+                                        "there are now people waiting to cross the intersection"]),
+}
+
+
+def test_items_whose_only_reference_is_empty_score_as_the_toolkit_scores_them_in_a_corpus():
+    predictions = {i: candidate for i, (candidate, _) in EMPTY_REFERENCE_CORPUS.items()}
+    references = {i: refs for i, (_, refs) in EMPTY_REFERENCE_CORPUS.items()}
+    result = metrics.score_captions(predictions, references, metrics=("BLEU", "ROUGE_L", "CIDEr"))
+    toolkit = {"BLEU_1": 0.546928, "BLEU_2": 0.475709, "BLEU_3": 0.401195, "BLEU_4": 0.342869,
+               "ROUGE_L": 0.580415, "CIDEr": 2.186423}  # the empty items count in CIDEr's log N and every mean
+    assert {k: round(result["corpus"][k], 6) for k in toolkit} == toolkit
+    assert result["items"]["9420.png"]["CIDEr"] == 0 and result["items"]["8069.png"]["ROUGE_L"] == 0
+    assert result["items"]["3.png"]["ROUGE_L"] == 1.0  # an empty candidate matches an empty reference
+    assert round(result["items"]["36.png"]["CIDEr"], 6) == 0.293448
+    needs_meteor_data()
+    meteor = metrics.score_captions(predictions, references, metrics=("METEOR",))
+    assert abs(meteor["corpus"]["METEOR"] - 0.301263) < 1e-6
+    assert [meteor["items"][i]["METEOR"] for i in ("9420.png", "3.png", "8069.png")] == [0, 0, 0]
 
 
 def test_an_empty_reference_list_is_refused():
