@@ -168,10 +168,14 @@ def cleanup_distributed(d: Distributed) -> None:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> str:
-    """'auto' is bf16 on a GPU that has it, fp16 on older GPUs, float32 on CPU."""
+    """'auto' is bf16 on a GPU that has it, fp16 on older GPUs, float32 on CPU.
+
+    Any dtype may be asked for on any device: float16 on the CPU runs the GPU's fp16 path (autocast and a
+    GradScaler) slowly, which is how the tests exercise it without a GPU.
+    """
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ValueError(f"--dtype {dtype!r} is not one this project trains in: use auto, float32, bfloat16 or float16")
     if dtype != "auto":
-        if dtype == "float16" and device.type == "cpu":
-            raise ValueError("--dtype float16 needs a CUDA device; on CPU use float32 or bfloat16")
         return dtype
     if device.type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
@@ -299,7 +303,10 @@ def start_or_resume(path, config, model_keys, dist_, model, optimizer, scaler) -
     check_config(state["config"], dataclasses.asdict(config), model_keys, path)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    scaler.load_state_dict(state["scaler"])
+    # float16: the loss scale and its growth count go on where they were. A float32 or bfloat16 run's checkpoint
+    # has no scaler state (an empty dict); resumed in float16, the scaler starts at its initial scale.
+    if state["scaler"] or not scaler.is_enabled():
+        scaler.load_state_dict(state["scaler"])
     if dist_.master:              # the master draws what it would have drawn; the others only need new numbers
         set_rng_state(state["rng"])
     else:
