@@ -157,8 +157,10 @@ def setup_distributed(device: str = "auto") -> Distributed:
         dist.init_process_group("gloo")
         torch_device = torch.device("cpu")
         # torchrun sets OMP_NUM_THREADS=1; share this machine's cores between its local processes instead
+        # (the cores this process may run on: a job bound to some cores of a larger machine gets those)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(max(1, cores // local_world))
     return Distributed(True, rank, local_rank, world_size, torch_device, rank == 0)
 
 

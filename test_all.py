@@ -1879,6 +1879,52 @@ def test_a_float16_run_keeps_its_loss_scale_in_the_checkpoint_and_resume_goes_on
     assert (last["scaler"]["scale"], last["scaler"]["_growth_tracker"]) == (4.0 * 2 ** (steps // 3), steps % 3)
 
 
+def start_agent(machine: int, port: int, args, env) -> subprocess.Popen:
+    """One torchrun agent of a 2-machine job (c10d rendezvous on 127.0.0.1), pinned to a core of its own."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    pin = (lambda: os.sched_setaffinity(0, {cores[machine % len(cores)]})) if cores else None
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-machines",
+               "--rdzv_conf=join_timeout=120", "--local_addr=127.0.0.1", "--max_restarts=0",
+               str(HERE / "adapt.py"), *TINY_ADAPT, *map(str, args)]
+    return subprocess.Popen(command, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=pin)
+
+
+def test_two_torchrun_agents_as_two_machines_train_like_one_process_and_only_global_rank_0_writes(synth40_root,
+                                                                                                   tmp_path):
+    args, env = pairs_run(synth40_root, tmp_path / "pairs")  # 24 samples: 3 steps of 8 per epoch
+    args += ["--epochs", "2"]
+    one = run_adapt(*args, "--out_dir", tmp_path / "one", env=env)  # one process, the global batch of 8
+    assert one.returncode == 0, one.stderr
+    # each machine gets its own --out_dir, as its own disk: only the folder of global rank 0 may appear
+    port = _free_port()
+    agents = [start_agent(m, port, [*args, "--out_dir", tmp_path / f"machine{m}"], env) for m in (0, 1)]
+    try:
+        outputs = [agent.communicate(timeout=240)[0] for agent in agents]
+    finally:
+        for agent in agents:  # on a time-out: the agent and its worker, by their process group
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+    written = [m for m in (0, 1) if (tmp_path / f"machine{m}").exists()]
+    assert len(written) == 1, written
+    rank0 = written[0]
+    assert "global batch 8 = 4 x 2 processes" in outputs[rank0]  # rank 0 prints, and its machine has every file
+    assert "global batch" not in outputs[1 - rank0]
+    assert sorted(p.name for p in (tmp_path / f"machine{rank0}").iterdir()) == \
+        sorted(p.name for p in (tmp_path / "one").iterdir())
+    losses = [[r["loss"] for r in map(json.loads, (folder / "log.jsonl").read_text().splitlines()) if "loss" in r]
+              for folder in (tmp_path / "one", tmp_path / f"machine{rank0}")]
+    assert len(losses[0]) == 6  # 2 epochs of 3 steps
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)  # the global loss, all-gathered over the machines
+    weights = [torch.load(folder / "ckpt_last.pt", weights_only=True)["model"]
+               for folder in (tmp_path / "one", tmp_path / f"machine{rank0}")]
+    for name, expected in weights[0].items():
+        torch.testing.assert_close(weights[1][name], expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_a_run_killed_mid_epoch_resumes_and_finishes_with_intact_checkpoints(synth40_root, tmp_path):
     out = tmp_path / "run"
     args = ["--data_root", synth40_root, "--out_dir", out, "--epochs", "3", "--save_every", "2"]
