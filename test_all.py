@@ -2130,10 +2130,11 @@ def test_a_run_killed_during_training_resumes_and_keeps_every_checkpoint_loadabl
     assert not list(out.glob(".*.tmp*"))
 
 
-def test_a_float32_run_resumes_in_float16_with_a_new_loss_scale(stage1, tmp_path):
+def test_a_bfloat16_run_saves_no_scaler_state_and_resumes_in_float16_with_a_new_loss_scale(stage1, tmp_path):
     out = tmp_path / "cap"
-    assert stage2(stage1, out, "--epochs", "1").returncode == 0
-    assert torch.load(out / "ckpt_last.pt", weights_only=True)["scaler"] == {}  # float32: no scaler, no state
+    first = stage2(stage1, out, "--epochs", "1", "--dtype", "bfloat16")
+    assert first.returncode == 0, first.stderr
+    assert torch.load(out / "ckpt_last.pt", weights_only=True)["scaler"] == {}  # bfloat16: no scaler, no state
     resumed = stage2(stage1, out, "--epochs", "2", "--resume", "--dtype", "float16")
     assert resumed.returncode == 0, resumed.stderr
     assert "float16 on cpu" in resumed.stdout
