@@ -231,8 +231,8 @@ def rng_state() -> dict:
     state = {"python": [version, list(internal), gauss],
              "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
              "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # this process's GPU only, so that a machine with fewer GPUs can resume it
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -243,7 +243,7 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 # -----------------------------------------------------------------------------
