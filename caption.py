@@ -237,6 +237,24 @@ def get_lr(step: int, total_steps: int, config: Config) -> float:
     return config.lr * max(0.0, (x - 1) / (config.warmup - 1))
 
 
+def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp: bool) -> torch.Tensor:
+    """One optimizer step over grad_accum micro-batches; returns the mean loss (a tensor, not synced)."""
+    total = 0.0
+    for i, batch in enumerate(micro_batches):
+        if ddp:  # all-reduce the gradients only after the last micro-batch
+            model.require_backward_grad_sync = i == len(micro_batches) - 1
+        with ctx:
+            loss = model(batch) / len(micro_batches)
+        scaler.scale(loss).backward()  # float16: the loss times the scale, so that small gradients do not underflow
+        total = total + loss.detach()
+    scaler.unscale_(optimizer)  # first: the norm is clipped on the true gradients, not on the scaled ones
+    torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+    scaler.step(optimizer)  # float16: skipped when a gradient is inf or NaN, and update() then halves the scale
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
 # -----------------------------------------------------------------------------
 # Pair features: every pair of a split encoded once
 
@@ -571,20 +589,9 @@ def main(argv=None):
         for _ in range(done_in_epoch, steps_per_epoch):
             for group in optimizer.param_groups:
                 group["lr"] = get_lr(step, total_steps, config) * group["lr_scale"]
-            total = 0.0
-            for i in range(config.grad_accum):
-                batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items() if torch.is_tensor(v)}
-                if dist_.ddp:  # all-reduce the gradients only after the last micro-batch
-                    model.require_backward_grad_sync = i == config.grad_accum - 1
-                with ctx:
-                    loss = model(batch) / config.grad_accum
-                scaler.scale(loss).backward()
-                total = total + loss.detach()
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            micro_batches = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()
+                              if torch.is_tensor(v)} for _ in range(config.grad_accum)]
+            total = train_step(model, optimizer, scaler, micro_batches, ctx, config, dist_.ddp)
             step += 1
             if master and (step % config.log_every == 0 or step == total_steps):
                 value = total.item()

@@ -157,8 +157,10 @@ def setup_distributed(device: str = "auto") -> Distributed:
         dist.init_process_group("gloo")
         torch_device = torch.device("cpu")
         # torchrun sets OMP_NUM_THREADS=1; share this machine's cores between its local processes instead
+        # (the cores this process may run on: a job bound to some cores of a larger machine gets those)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(max(1, cores // local_world))
     return Distributed(True, rank, local_rank, world_size, torch_device, rank == 0)
 
 
@@ -168,10 +170,14 @@ def cleanup_distributed(d: Distributed) -> None:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> str:
-    """'auto' is bf16 on a GPU that has it, fp16 on older GPUs, float32 on CPU."""
+    """'auto' is bf16 on a GPU that has it, fp16 on older GPUs, float32 on CPU.
+
+    Any dtype may be asked for on any device: float16 on the CPU runs the GPU's fp16 path (autocast and a
+    GradScaler) slowly, which is how the tests exercise it without a GPU.
+    """
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ValueError(f"--dtype {dtype!r} is not one this project trains in: use auto, float32, bfloat16 or float16")
     if dtype != "auto":
-        if dtype == "float16" and device.type == "cpu":
-            raise ValueError("--dtype float16 needs a CUDA device; on CPU use float32 or bfloat16")
         return dtype
     if device.type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
@@ -225,8 +231,8 @@ def rng_state() -> dict:
     state = {"python": [version, list(internal), gauss],
              "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
              "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # this process's GPU only, so that a machine with fewer GPUs can resume it
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -237,7 +243,7 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 # -----------------------------------------------------------------------------
@@ -299,7 +305,10 @@ def start_or_resume(path, config, model_keys, dist_, model, optimizer, scaler) -
     check_config(state["config"], dataclasses.asdict(config), model_keys, path)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    scaler.load_state_dict(state["scaler"])
+    # float16: the loss scale and its growth count go on where they were. A float32 or bfloat16 run's checkpoint
+    # has no scaler state (an empty dict); resumed in float16, the scaler starts at its initial scale.
+    if state["scaler"] or not scaler.is_enabled():
+        scaler.load_state_dict(state["scaler"])
     if dist_.master:              # the master draws what it would have drawn; the others only need new numbers
         set_rng_state(state["rng"])
     else:

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import warnings
 import zipfile
 from pathlib import Path
@@ -1917,6 +1918,13 @@ def test_config_flags_follow_the_dataset_preset_then_the_command_line():
         runtime.parse_config(adapt.Config, adapt.PRESETS, ["--data", "spot", "--learning_rate", "3e-4"])
 
 
+def test_dtype_auto_is_float32_on_the_cpu_and_an_unknown_dtype_is_refused_with_the_choices():
+    assert runtime.resolve_dtype("auto", torch.device("cpu")) == "float32"
+    assert runtime.resolve_dtype("float16", torch.device("cpu")) == "float16"  # the GPU's fp16 path, emulated
+    with pytest.raises(ValueError, match="--dtype 'fp16'.*auto, float32, bfloat16 or float16"):
+        runtime.resolve_dtype("fp16", torch.device("cpu"))
+
+
 def test_learning_rate_warms_up_linearly_then_follows_the_reference_cosine():
     config = adapt.Config(lr=1e-4, warmup=0.1)
     assert adapt.get_lr(0, 100, config) == 0
@@ -1924,6 +1932,87 @@ def test_learning_rate_warms_up_linearly_then_follows_the_reference_cosine():
     # the reference's warmup_cosine is not rescaled after warmup: 0.5(1 + cos(0.1 pi)) = 0.9755
     assert adapt.get_lr(10, 100, config) == pytest.approx(1e-4 * 0.97553, rel=1e-4)
     assert adapt.get_lr(100, 100, config) == pytest.approx(0, abs=1e-12)
+
+
+# --- the optimizer step in float16 (GradScaler) and bfloat16, and the device of every tensor it makes ---
+
+def applied_gradient_norms(optimizer) -> list:
+    """Record, at each optimizer step, the norm of the gradients that the step applies.
+
+    GradScaler.step passes gradients it has not unscaled to a fused optimizer with optimizer.grad_scale set,
+    and the optimizer divides by it inside its kernel: what it applies is then p.grad / grad_scale.
+    """
+    norms = []
+
+    def hook(opt, args, kwargs):
+        grads = [p.grad.float() for group in opt.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        scale = getattr(opt, "grad_scale", None)
+        norms.append(float(norm / scale) if scale is not None else float(norm))
+    optimizer.register_step_pre_hook(hook)
+    return norms
+
+
+def tiny_adapt_step(dtype, grad_clip=1.0):
+    """adapt.py's optimizer, scaler and train_step on the tiny pair encoder; returns (model, scaler, step)."""
+    torch.manual_seed(0)
+    model = PairEncoder(clip.CLIP(clip.CLIPConfig(**TINY)), EncoderConfig(intra_layers=3)).train()
+    config = adapt.Config(grad_clip=grad_clip, max_words=16)
+    optimizer = adapt.build_optimizer(model, config, torch.device("cpu"))
+    # a first scale of 2^8: the default 2^16 overflows this model's float16 gradients, and its first steps are skipped
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, enabled=dtype == "float16")
+    caption_ids = torch.randint(1, TINY["vocab_size"] - 2, (4, 16))
+    caption_ids[:, 0], caption_ids[:, -1] = TINY["vocab_size"] - 2, TINY["vocab_size"] - 1  # SOT ... EOT
+    batch = {"before": _images(4, seed=1), "after": _images(4, seed=2), "caption": caption_ids}
+    ctx = runtime.autocast(torch.device("cpu"), dtype)
+    step = lambda: adapt.train_step(model, optimizer, scaler, [batch], ctx, config, False, model.clip.logit_scale)
+    return model, optimizer, scaler, step
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_mixed_precision_step_clips_the_true_gradients_not_the_loss_scaled_ones(dtype):
+    model, optimizer, scaler, step = tiny_adapt_step(dtype, grad_clip=1e9)
+    unclipped = applied_gradient_norms(optimizer)
+    step()
+    assert unclipped[0] > 0.01
+    model, optimizer, scaler, step = tiny_adapt_step(dtype, grad_clip=1e-3)
+    applied = applied_gradient_norms(optimizer)
+    step()
+    # unscale_ before clipping: the optimizer applies a gradient of norm grad_clip. Clipping the scaled gradients
+    # (or never unscaling them) would apply grad_clip / 256, and not clipping would apply the unclipped norm.
+    assert applied[0] == pytest.approx(1e-3, rel=1e-3)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # autocast: the weights stay float32
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_a_float16_step_with_an_inf_or_nan_gradient_is_skipped_and_the_loss_scale_halves(bad):
+    model, optimizer, scaler, step = tiny_adapt_step("float16")
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    poison = model.after_embedding.register_hook(lambda grad: torch.full_like(grad, bad))
+    step()
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())  # the update was skipped
+    assert scaler.get_scale() == 2.0 ** 7  # and the loss scale backed off from 2^8
+    poison.remove()
+    step()
+    assert not torch.equal(model.after_embedding, before["after_embedding"])  # the next clean step updates
+    assert scaler.get_scale() == 2.0 ** 7  # it grows again only after growth_interval (2000) clean steps
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_a_training_step_and_the_encoders_make_every_tensor_on_the_models_device(dtype):
+    model, optimizer, scaler, step = tiny_adapt_step(dtype)
+    sot, eot = TINY["vocab_size"] - 2, TINY["vocab_size"] - 1
+    before, after, text_ids = _images(2), _images(2, seed=2), torch.tensor([[sot, 5, 7, eot]])
+    # A stand-in for a GPU: the model is on the CPU and the default device is "meta", so any tensor made inside
+    # without device= lands on "meta" and the first operation mixing it with the model's tensors fails.
+    with torch.device("meta"):
+        loss = step()
+        model.eval()
+        with torch.no_grad(), runtime.autocast(torch.device("cpu"), dtype):
+            pair = model.encode_pair(before, after)["pair_embedding"]
+            text = model.encode_text(text_ids)
+    assert loss.device.type == pair.device.type == text.device.type == "cpu"
+    assert torch.isfinite(loss) and torch.isfinite(pair).all() and torch.isfinite(text).all()
 
 
 def test_adaptation_on_tiny_synth_writes_checkpoints_that_load_without_code(synth40_root, tmp_path):
@@ -1962,6 +2051,91 @@ def test_torchrun_with_two_cpu_processes_trains_and_only_rank_0_writes(synth40_r
     assert sorted(p.name for p in out.iterdir()) == ["ckpt_best.pt", "ckpt_last.pt", "config.json", "log.jsonl",
                                                    "test_retrieval.json"]
     assert torch.load(out / "ckpt_last.pt", weights_only=True)["step"] > 0
+
+
+def pairs_without_distractors(synth_root: Path, folder: Path, per_split: int = 4) -> Path:
+    """A `--data pairs` dataset of synthetic pairs without distractor views, so that stage 1 draws nothing at
+    random (its only random choice swaps the before image for the distractor): runs with different process
+    counts then see the same samples in every step."""
+    for split in data.SPLITS:
+        pairs = data.load_split("synth", split, synth_root)[:per_split]
+        write_json(folder / f"{split}.json", [{"id": p.id, "before": str(p.before), "after": str(p.after),
+                                               "captions": p.captions} for p in pairs])
+    return folder
+
+
+def pairs_run(synth_root: Path, folder: Path, per_split: int = 4) -> tuple[list, dict]:
+    """adapt.py's flags and environment for the tiny model on pairs_without_distractors (6 captions per pair)."""
+    root = pairs_without_distractors(synth_root, folder, per_split)
+    env = {**os.environ, "CLIP_BPE_PATH": str(synth_root / data.SYNTH_BPE_FILE)}  # the synthetic vocabulary
+    return ["--data", "pairs", "--data_root", root, "--clip_model", "scratch", "--num_workers", "0"], env
+
+
+def test_a_float16_run_keeps_its_loss_scale_in_the_checkpoint_and_resume_goes_on_from_it(synth40_root, tmp_path):
+    out = tmp_path / "run"
+    args, env = pairs_run(synth40_root, tmp_path / "pairs", per_split=8)  # 48 samples: 6 steps per epoch
+    args += ["--out_dir", out, "--dtype", "float16"]  # the GPU's float16 path (autocast, GradScaler), on the CPU
+    first = run_adapt(*args, "--epochs", "1", env=env)
+    assert first.returncode == 0, first.stderr
+    assert "float16 on cpu" in first.stdout
+    state = torch.load(out / "ckpt_last.pt", weights_only=True)
+    assert set(state["scaler"]) == {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
+    # give the saved scaler a state that no new GradScaler has: scale 4, doubled after every 3 steps without overflow
+    state["scaler"].update(scale=4.0, growth_interval=3, _growth_tracker=0)
+    runtime.save_checkpoint(state, out / "ckpt_last.pt")
+    resumed = run_adapt(*args, "--epochs", "2", "--resume", env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    last = torch.load(out / "ckpt_last.pt", weights_only=True)
+    steps = last["step"] - state["step"]
+    assert steps == 6 and last["scaler"]["growth_interval"] == 3
+    # a scaler started afresh on resume would be at 2^16 with growth interval 2000
+    assert (last["scaler"]["scale"], last["scaler"]["_growth_tracker"]) == (4.0 * 2 ** (steps // 3), steps % 3)
+
+
+def start_agent(machine: int, port: int, args, env) -> subprocess.Popen:
+    """One torchrun agent of a 2-machine job (c10d rendezvous on 127.0.0.1), pinned to a core of its own."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    pin = (lambda: os.sched_setaffinity(0, {cores[machine % len(cores)]})) if cores else None
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-machines",
+               "--rdzv_conf=join_timeout=120", "--local_addr=127.0.0.1", "--max_restarts=0",
+               str(HERE / "adapt.py"), *TINY_ADAPT, *map(str, args)]
+    return subprocess.Popen(command, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=pin)
+
+
+def test_two_torchrun_agents_as_two_machines_train_like_one_process_and_only_global_rank_0_writes(synth40_root,
+                                                                                                   tmp_path):
+    args, env = pairs_run(synth40_root, tmp_path / "pairs")  # 24 samples: 3 steps of 8 per epoch
+    args += ["--epochs", "2"]
+    one = run_adapt(*args, "--out_dir", tmp_path / "one", env=env)  # one process, the global batch of 8
+    assert one.returncode == 0, one.stderr
+    # each machine gets its own --out_dir, as its own disk: only the folder of global rank 0 may appear
+    port = _free_port()
+    agents = [start_agent(m, port, [*args, "--out_dir", tmp_path / f"machine{m}"], env) for m in (0, 1)]
+    try:
+        outputs = [agent.communicate(timeout=240)[0] for agent in agents]
+    finally:
+        for agent in agents:  # on a time-out: the agent and its worker, by their process group
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+    written = [m for m in (0, 1) if (tmp_path / f"machine{m}").exists()]
+    assert len(written) == 1, written
+    rank0 = written[0]
+    assert "global batch 8 = 4 x 2 processes" in outputs[rank0]  # rank 0 prints, and its machine has every file
+    assert "global batch" not in outputs[1 - rank0]
+    assert sorted(p.name for p in (tmp_path / f"machine{rank0}").iterdir()) == \
+        sorted(p.name for p in (tmp_path / "one").iterdir())
+    losses = [[r["loss"] for r in map(json.loads, (folder / "log.jsonl").read_text().splitlines()) if "loss" in r]
+              for folder in (tmp_path / "one", tmp_path / f"machine{rank0}")]
+    assert len(losses[0]) == 6  # 2 epochs of 3 steps
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)  # the global loss, all-gathered over the machines
+    weights = [torch.load(folder / "ckpt_last.pt", weights_only=True)["model"]
+               for folder in (tmp_path / "one", tmp_path / f"machine{rank0}")]
+    for name, expected in weights[0].items():
+        torch.testing.assert_close(weights[1][name], expected, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_a_run_killed_mid_epoch_resumes_and_finishes_with_intact_checkpoints(synth40_root, tmp_path):
@@ -2094,6 +2268,64 @@ def test_warmup_linear_schedule_matches_the_reference():
     assert caption.get_lr(100, 100, config) == 0.0
 
 
+# --- the optimizer step in float16 (GradScaler) and bfloat16, and the device of every tensor it makes ---
+
+def tiny_caption_step(dtype, grad_clip=1.0):
+    """caption.py's optimizer, scaler and train_step on a tiny captioner over cached pair tokens."""
+    captioner = caption.Captioner(tiny_decoder().train(), None, pad_id=0)
+    config = caption.Config(grad_clip=grad_clip)
+    optimizer = caption.build_optimizer(captioner, config)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, enabled=dtype == "float16")
+    words = torch.randint(1, SOT_ID, (4, 6), generator=torch.Generator().manual_seed(2))
+    padding = torch.zeros(4, 2, dtype=torch.long)
+    batch = {"visual": visual_tokens(4),
+             "caption_in": torch.cat([torch.full((4, 1), SOT_ID), words, padding], dim=1),  # (4, 9)
+             "caption_out": torch.cat([words, torch.full((4, 1), EOT_ID), padding], dim=1)}  # (4, 9)
+    ctx = runtime.autocast(torch.device("cpu"), dtype)
+    step = lambda: caption.train_step(captioner, optimizer, scaler, [batch], ctx, config, False)
+    return captioner, optimizer, scaler, step
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_mixed_precision_captioner_step_clips_the_true_gradients(dtype):
+    captioner, optimizer, scaler, step = tiny_caption_step(dtype, grad_clip=1e9)
+    unclipped = applied_gradient_norms(optimizer)
+    step()
+    assert unclipped[0] > 0.01
+    captioner, optimizer, scaler, step = tiny_caption_step(dtype, grad_clip=1e-3)
+    applied = applied_gradient_norms(optimizer)
+    step()
+    assert applied[0] == pytest.approx(1e-3, rel=1e-3)  # grad_clip / 256 if clipped before unscaling
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_a_float16_captioner_step_with_an_inf_or_nan_gradient_is_skipped_and_the_loss_scale_halves(bad):
+    captioner, optimizer, scaler, step = tiny_caption_step("float16")
+    before = {name: p.detach().clone() for name, p in captioner.named_parameters()}
+    poison = captioner.decoder.output_bias.register_hook(lambda grad: torch.full_like(grad, bad))
+    step()
+    assert all(torch.equal(p, before[name]) for name, p in captioner.named_parameters())
+    assert scaler.get_scale() == 2.0 ** 7
+    poison.remove()
+    step()
+    assert not torch.equal(captioner.decoder.output_bias, before["decoder.output_bias"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_a_captioner_step_and_greedy_decoding_make_every_tensor_on_the_models_device(dtype):
+    captioner, optimizer, scaler, step = tiny_caption_step(dtype)
+    features = visual_tokens(3, seed=4).numpy()  # (3, M, E), as caption.py's feature cache holds them
+    pairs = [data.ImagePair(f"pair{i}", Path("before.png"), Path("after.png"), captions=[]) for i in range(3)]
+    tokenizer = types.SimpleNamespace(sot_id=SOT_ID, eot_id=EOT_ID, decode=lambda ids: " ".join(map(str, ids)))
+    config = caption.Config(eval_batch_size=2, max_len=5)
+    with torch.device("meta"):  # a tensor made without device= lands on "meta" and fails (see the adapt.py test)
+        loss = step()
+        predictions = caption.predict(captioner.decoder, features, pairs, tokenizer, config, torch.device("cpu"),
+                                      runtime.autocast(torch.device("cpu"), dtype))
+    assert loss.device.type == "cpu" and torch.isfinite(loss)
+    assert list(predictions) == ["pair0", "pair1", "pair2"]
+
+
 def test_training_on_cached_features_then_eval_writes_predictions_scores_and_grid(stage1, tmp_path):
     out = tmp_path / "cap"
     result = stage2(stage1, out, "--epochs", "2")
@@ -2173,6 +2405,17 @@ def test_a_run_killed_during_training_resumes_and_keeps_every_checkpoint_loadabl
     for name in ("ckpt_best.pt", "ckpt_last.pt"):
         runtime.load_checkpoint(out / name)
     assert not list(out.glob(".*.tmp*"))
+
+
+def test_a_bfloat16_run_saves_no_scaler_state_and_resumes_in_float16_with_a_new_loss_scale(stage1, tmp_path):
+    out = tmp_path / "cap"
+    first = stage2(stage1, out, "--epochs", "1", "--dtype", "bfloat16")
+    assert first.returncode == 0, first.stderr
+    assert torch.load(out / "ckpt_last.pt", weights_only=True)["scaler"] == {}  # bfloat16: no scaler, no state
+    resumed = stage2(stage1, out, "--epochs", "2", "--resume", "--dtype", "float16")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "float16 on cpu" in resumed.stdout
+    assert torch.load(out / "ckpt_last.pt", weights_only=True)["scaler"]["scale"] > 0  # saved from now on
 
 
 def test_resuming_with_another_decoder_config_is_refused(stage1, tmp_path):
