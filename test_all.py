@@ -2227,7 +2227,7 @@ def test_the_synth_preset_is_clip4idcs_recipe_on_the_synthetic_clip():
     config = runtime.parse_config(adapt.Config, adapt.PRESETS, ["--data", "synth"])
     assert config.clip_model == "synth-ViT/32" and config.clip_model in clip.MODELS
     assert not config.join_difference  # CLIP4IDC's join: before and after tokens as they are
-    assert config.freeze and config.clip_lr_scale < 1  # the reference's frozen set; CLIP slower than the new parts
+    assert config.freeze and config.intra_layers == 4  # the reference's frozen set and split, scaled to 6 blocks
     stage_0 = runtime.parse_config(adapt.Config, adapt.PRESETS, ["--data", "scenes"])
     assert stage_0.pretrain and stage_0.clip_model == "scratch"
 
