@@ -28,9 +28,8 @@ Differs from reference (REFERENCE.md section 2):
   - torch's AdamW (with bias correction) instead of BertAdam (without it); LayerNorm weights not decayed;
   - the global batch is divided by the number of processes (the reference divides by GPUs per machine);
   - checkpoints hold the optimizer and RNG states, so an interrupted run resumes where it stopped;
-  - the synth preset tells the inter-image blocks to compare (--join_difference, encoder.py): the after tokens
-    enter the join as after - before. A small model from scratch does not learn the comparison in minutes
-    (README, "The synthetic run"); --no-join_difference gives the reference's encoder.
+  - --join_difference, off in every preset, is an ablation: the after tokens enter the join as after - before,
+    so the inter-image blocks are given the comparison (encoder.py; README, "The synthetic run").
 
 Run:  python adapt.py --data synth            the synthetic CLIP adapted to pairs, CPU, about 6 minutes
       python adapt.py --data scenes           stage 0: pretrain the synthetic CLIP (rebuilds assets/synth-ViT-32.pt)

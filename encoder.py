@@ -19,8 +19,9 @@ Differs from reference:
 - The intra-image layers see the batch as [all before images; all after images] instead of the
   reference's interleaved (before, after) pairs; each image is encoded alone, so this changes nothing.
 - The no-decay set also holds the LayerNorm weights (see `no_decay_names`).
-- Optionally (`join_difference`, on in adapt.py's synth preset only) the after image's tokens enter the join as
-  after - before, position for position, so that the inter-image layers are given the comparison.
+- An ablation switch, off in every preset (`join_difference`): the after image's tokens enter the join as
+  after - before, position for position, so that the inter-image layers are given the comparison instead of
+  learning it (README, "The synthetic run", shows what that changes).
 
 Run `python encoder.py` to push a random image pair through a tiny random CLIP and print every shape.
 The benchmark of one full-size training step is `python adapt.py --bench`.
