@@ -1192,6 +1192,41 @@ def test_learn_bpe_merges_the_most_frequent_pair_first_and_breaks_ties_by_order(
     assert data.learn_bpe({"cb": 2, "ab": 2}) == [("a", "b</w>"), ("c", "b</w>")]
 
 
+def test_synthetic_boxes_hold_the_changed_object_in_the_image_it_is_in(synth_root):
+    boxes = json.loads((synth_root / data.CHANGE_BOXES_FILE).read_text())  # RCC's format, keyed "0", "1", ...
+    pairs = {int(p.id[:6]): p for split in data.SPLITS for p in data.load_split("synth", split, synth_root)}
+    for number, pair in pairs.items():
+        entry = boxes[str(number)]
+        assert pair.change_boxes == {"before": entry["bbox_before"], "after": entry["bbox_after"]}
+        assert (entry["bbox_before"] is None) == (pair.change_type == "add")
+        assert (entry["bbox_after"] is None) == (pair.change_type == "drop")
+        if pair.change_type in ("color", "material"):  # only the object's pixels change, and it stays put
+            assert entry["bbox_before"] == entry["bbox_after"]
+            x, y, w, h = entry["bbox_before"]
+            changed = np.argwhere(np.abs(np.asarray(Image.open(pair.before), int)
+                                         - np.asarray(Image.open(pair.after), int)).max(-1) > 0)  # (k, 2): y, x
+            assert changed.size and changed.min(0).tolist() >= [y - 1, x - 1]  # half-transparent edges: 1 pixel
+            assert changed.max(0).tolist() <= [y + h, x + w]
+        if pair.change_type == "move":
+            assert entry["bbox_before"] != entry["bbox_after"]
+
+
+def test_ensure_synth_adds_the_boxes_to_a_folder_drawn_without_them(synth_root, tmp_path):
+    older = shutil.copytree(synth_root, tmp_path / "synth")
+    (older / data.CHANGE_BOXES_FILE).unlink()
+    data.ensure_synth(older, SYNTH)
+    assert (older / data.CHANGE_BOXES_FILE).read_bytes() == (synth_root / data.CHANGE_BOXES_FILE).read_bytes()
+
+
+def test_clevr_change_pairs_carry_rcc_boxes_when_the_file_is_there(clevr_root):
+    assert data.load_split("clevr", "test", clevr_root)[0].change_boxes is None  # the file is optional
+    write_json(clevr_root / data.CHANGE_BOXES_FILE, {"5": {"bbox_before": [10, 20, 30, 40], "bbox_after": []}})
+    assert data.load_split("clevr", "test", clevr_root)[0].change_boxes == {"before": [10, 20, 30, 40], "after": None}
+    write_json(clevr_root / data.CHANGE_BOXES_FILE, {"5": {"bbox_before": [10, 20], "bbox_after": None}})
+    with pytest.raises(data.DataError, match="id 5: bbox_before should be"):
+        data.load_split("clevr", "test", clevr_root)
+
+
 def test_ensure_synth_refuses_a_folder_drawn_with_other_settings(synth_root):
     assert data.ensure_synth(synth_root, SYNTH) == synth_root
     with pytest.raises(data.DataError, match=r"drawn with other settings .*'pairs': \(40, 41\)"):
