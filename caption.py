@@ -512,8 +512,8 @@ def main(argv=None):
         before, after = (images(Path(p)).unsqueeze(0).to(device) for p in config.pair)  # (1, 3, R, R) each
         with torch.no_grad(), ctx:
             visual = encoder.eval().encode_pair(before, after)["pair_tokens"]  # (1, M, E)
-        pair = data.ImagePair("pair", *map(Path, config.pair), captions=[])
-        print(predict(captioner.decoder, visual.float().cpu().numpy(), [pair], tokenizer, config, device, ctx)["pair"])
+        pair = data.ImagePair(" -> ".join(Path(p).name for p in config.pair), *map(Path, config.pair), captions=[])
+        print(predict(captioner.decoder, visual.float().cpu().numpy(), [pair], tokenizer, config, device, ctx)[pair.id])
         if config.explain:
             explain.explain_pairs(encoder, captioner.decoder, [pair], images, tokenizer, config.max_len,
                                   Path(config.explain), device, ctx)

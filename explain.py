@@ -207,6 +207,12 @@ WORD_TILE = (96, 64)
 FONT_SIZE = 14
 
 
+def stretch(values: np.ndarray, axis=None) -> np.ndarray:
+    """values scaled to [0, 1], lowest to highest (along axis): the pictures show where, not how much."""
+    low, high = values.min(axis=axis, keepdims=True), values.max(axis=axis, keepdims=True)
+    return (values - low) / np.maximum(high - low, 1e-12)
+
+
 def heat(image: Image.Image, patch_map: np.ndarray, size: tuple[int, int], box=None) -> Image.Image:
     """image resized to size, with a map (N,) in [0, 1] over its patches laid on it: red to yellow, clear at 0."""
     grid = math.isqrt(len(patch_map))
@@ -247,9 +253,8 @@ def pair_panel(before: Image.Image, after: Image.Image, maps: dict[str, np.ndarr
     for column, view in enumerate(views):
         left = column * (2 * TILE[0] + 12)
         draw.text((left + 4, top), VIEW_NAMES[view], fill=(60, 60, 60), font=ImageFont.load_default(size=11))
-        halves = maps[view].reshape(2, n)  # (2, N): before, after
-        # the intra map holds two distributions, one per image, each scaled alone; the others one over both
-        halves = halves / np.maximum(halves.max(axis=1, keepdims=True) if view == "intra" else halves.max(), 1e-12)
+        # the intra map holds two distributions, one per image, each stretched alone; the others one over both
+        halves = stretch(maps[view].reshape(2, n), axis=1 if view == "intra" else None)  # (2, N): before, after
         for side, (image, name) in enumerate(((before, "before"), (after, "after"))):
             panel.paste(heat(image, halves[side], TILE, boxes.get(name)), (left + side * (TILE[0] + 4), top + line))
     top += line + TILE[1] + 8
@@ -257,7 +262,7 @@ def pair_panel(before: Image.Image, after: Image.Image, maps: dict[str, np.ndarr
         left = (k % per_row) * (2 * WORD_TILE[0] + 10)
         row_top = top + (k // per_row) * (WORD_TILE[1] + line + 4)
         draw.text((left + 4, row_top), f"{k + 1}. {word}", fill="black", font=font)
-        halves = word_maps[k].reshape(2, n) / max(float(word_maps[k].max()), 1e-12)
+        halves = stretch(word_maps[k].reshape(2, n))  # (2, N)
         for side, (image, name) in enumerate(((before, "before"), (after, "after"))):
             panel.paste(heat(image, halves[side], WORD_TILE, boxes.get(name)),
                         (left + side * (WORD_TILE[0] + 2), row_top + line))
