@@ -15,7 +15,10 @@ their two losses summed, as the reference.
 The best epoch is chosen by CIDEr-D on the validation split, with patience; the test split is decoded and
 scored once at the end, and again by --eval: overall, semantic changes only, and per change type
 (color, material, add, drop, move, distractor), each subset re-scored on its own as the papers' toolkit
-does (metrics.py), plus a grid PNG of test pairs with their predicted and reference captions.
+does (metrics.py), plus a grid PNG of test pairs with their predicted and reference captions. Where the
+data knows where the changed object is (the synthetic set; CLEVR-Change with RCC's boxes file), it also scores
+localisation, a pointing game on the encoder's and the decoder's attention (explain.py), and writes
+test_attention.png: the attention maps of the first pairs of the grid, word by word.
 
 Differs from reference (REFERENCE.md section 3):
   - the best epoch is chosen on the validation split (the reference uses the test split);
@@ -29,6 +32,7 @@ Differs from reference (REFERENCE.md section 3):
 Run:  python caption.py --data synth                  train on the synthetic set (after adapt.py --data synth)
       python caption.py --data synth --eval           decode and score the test split with the best checkpoint
       python caption.py --data synth --pair A.png B.png   caption one pair of your own images
+      python caption.py --data synth --pair A.png B.png --explain OUT.png   ... and show where the models looked
       python caption.py --data clevr                  the paper's run; torchrun works as for adapt.py
       python caption.py --bench                       CPU timings: ViT-B/32 encoding, greedy decoding, training
 
@@ -51,6 +55,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import clip
 import data
+import explain
 import metrics
 import runtime
 from decoder import CaptionDecoder, DecoderConfig, ids_to_text
@@ -60,6 +65,7 @@ from losses import caption_loss
 MODEL_KEYS = ("data", "max_words", "finetune_encoder", "use_no_change_pair", "train_word_embedding",
               "decoder_layers", "decoder_heads", "decoder_ffn")
 SEMANTIC = "semantic change"  # the papers' "SC" row: change pairs only, no distractors
+ATTENTION_PAIRS = 4  # test pairs in test_attention.png, the first of the grid
 
 
 @dataclass
@@ -104,6 +110,7 @@ class Config:
     resume: bool = False           # continue from out_dir/ckpt_last.pt
     eval: bool = False             # decode and score the test split with out_dir/ckpt_best.pt, then exit
     pair: tuple[str, str] = ()     # BEFORE AFTER: caption these two images with out_dir/ckpt_best.pt, then exit
+    explain: str = ""              # with --pair: also write this PNG of where the encoder and the decoder attend
     bench: bool = False            # time encoding, decoding and a training step on the CPU, then exit
 
 
@@ -369,9 +376,10 @@ def format_table(table: dict) -> str:
     return "\n".join(lines)
 
 
-def evaluate_test(decoder, features: np.ndarray, pairs, test_pairs, tokenizer, config: Config, device, ctx,
-                  out_dir: Path) -> dict:
-    """Decode the test split, write predictions (COCO results format), the score table and a grid PNG.
+def evaluate_test(encoder, decoder, features: np.ndarray, pairs, test_pairs, images, tokenizer, config: Config,
+                  device, ctx, out_dir: Path) -> dict:
+    """Decode the test split, write predictions (COCO results format), the score table, a grid PNG and the
+    attention maps of the grid's first pairs; score localisation where the pairs have boxes (explain.py).
 
     pairs are the evaluation pairs (rows of features); test_pairs the split's pairs, for the grid.
     """
@@ -379,13 +387,25 @@ def evaluate_test(decoder, features: np.ndarray, pairs, test_pairs, tokenizer, c
     runtime.save_json([{"image_id": i, "caption": c} for i, c in predictions.items()],
                       out_dir / "test_predictions.json")
     table = score_table(predictions, pairs)
-    runtime.save_json(table, out_dir / "test_scores.json")
     text = format_table(table)
+    # the change pairs are the first rows of features, in the order of test_pairs (data.evaluation_pairs)
+    located = explain.localisation(encoder, decoder, test_pairs, features, images, tokenizer, config.max_len,
+                                   config.eval_batch_size, device, ctx)
+    if located is not None:
+        table["localisation"] = located
+        text += "\n\n" + explain.format_localisation(located)
+    runtime.save_json(table, out_dir / "test_scores.json")
     (out_dir / "test_scores.txt").write_text(text + "\n")
     print(text)
-    shown = test_pairs[:: max(1, len(test_pairs) // 12)][:12]
+    step = max(1, len(test_pairs) // 12)
+    shown = test_pairs[::step][:12]
     grid = data.contact_sheet(shown, out_dir / "test_grid.png", model_view=True, captions=1, predictions=predictions)
-    print(f"predictions {out_dir / 'test_predictions.json'}, scores {out_dir / 'test_scores.json'}, grid {grid}")
+    rows = list(range(0, len(test_pairs), step))[:ATTENTION_PAIRS]  # the grid's first pairs
+    attention = out_dir / "test_attention.png"
+    explain.explain_pairs(encoder, decoder, [test_pairs[i] for i in rows], images, tokenizer, config.max_len,
+                          attention, device, ctx, torch.from_numpy(np.asarray(features[rows], np.float32)).to(device))
+    print(f"predictions {out_dir / 'test_predictions.json'}, scores {out_dir / 'test_scores.json'}, grid {grid}, "
+          f"attention maps {attention}")
     return table
 
 
@@ -464,6 +484,9 @@ def split_features(captioner: Captioner, feature_path: dict, split: str, pairs, 
 def main(argv=None):
     config = runtime.parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
     runtime.keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
+    if config.explain and not config.pair:
+        raise ValueError("--explain writes the attention maps of one pair: use it with --pair BEFORE AFTER "
+                         "(--eval writes test_attention.png by itself)")
     if config.bench:
         print(json.dumps(benchmark(), indent=2))
         return
@@ -509,8 +532,12 @@ def main(argv=None):
         before, after = (images(Path(p)).unsqueeze(0).to(device) for p in config.pair)  # (1, 3, R, R) each
         with torch.no_grad(), ctx:
             visual = encoder.eval().encode_pair(before, after)["pair_tokens"]  # (1, M, E)
-        pair = data.ImagePair("pair", *map(Path, config.pair), captions=[])
-        print(predict(captioner.decoder, visual.float().cpu().numpy(), [pair], tokenizer, config, device, ctx)["pair"])
+        pair = data.ImagePair(" -> ".join(Path(p).name for p in config.pair), *map(Path, config.pair), captions=[])
+        print(predict(captioner.decoder, visual.float().cpu().numpy(), [pair], tokenizer, config, device, ctx)[pair.id])
+        if config.explain:
+            explain.explain_pairs(encoder, captioner.decoder, [pair], images, tokenizer, config.max_len,
+                                  Path(config.explain), device, ctx)
+            print(f"attention maps: {config.explain}")
         return
 
     # --- data, and the cached pair tokens of every split (written by the master, read by all) ---
@@ -535,8 +562,8 @@ def main(argv=None):
 
     if config.eval:
         features = split_features(captioner, feature_path, "test", eval_pairs["test"], images, config, device, ctx)
-        evaluate_test(captioner.decoder, features, eval_pairs["test"], splits["test"], tokenizer, config, device, ctx,
-                      out_dir)
+        evaluate_test(encoder, captioner.decoder, features, eval_pairs["test"], splits["test"], images, tokenizer,
+                      config, device, ctx, out_dir)
         return
 
     # --- training set, optimizer, resume ---
@@ -630,8 +657,8 @@ def main(argv=None):
         raw.load_state_dict(runtime.load_checkpoint(out_dir / "ckpt_best.pt")["model"])
         say(f"test scores of the best epoch ({best_epoch + 1}, validation CIDEr-D {best_cider:.4f}):")
         features = split_features(raw, feature_path, "test", eval_pairs["test"], images, config, device, ctx)
-        evaluate_test(raw.decoder, features, eval_pairs["test"], splits["test"], tokenizer, config, device, ctx,
-                      out_dir)
+        evaluate_test(encoder, raw.decoder, features, eval_pairs["test"], splits["test"], images, tokenizer,
+                      config, device, ctx, out_dir)
     runtime.cleanup_distributed(dist_)
 
 

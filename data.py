@@ -21,7 +21,10 @@ The layouts (REFERENCE.md section 5), under the default roots (a `root` argument
   data/clevr_change  images/CLEVR_default_XXXXXX.png, sc_images/CLEVR_semantic_XXXXXX.png,
                      nsc_images/CLEVR_nonsemantic_XXXXXX.png, change_captions.json, no_change_captions.json
                      (both keyed by the default image's file name), splits.json ({"train": [int, ...], ...};
-                     some ids are in no split), type_mapping.json ({"color": ["XXXXXX.png", ...], ...}).
+                     some ids are in no split), type_mapping.json ({"color": ["XXXXXX.png", ...], ...});
+                     optionally RCC's change_captions_with_bbox.json, the changed object's box in each image:
+                     {"123": {"bbox_before": [x, y, w, h] or null, "bbox_after": [x, y, w, h] or null}, ...}
+                     (pixels of the stored image; null where the object is not in that image: add, drop).
   data/spot          reformat_{train,val,test}.json, or the raw annotations/{train,val,test}.json whose
                      items repeat img_id (merged here, as CLIP4IDC's reformat_dataset.py does);
                      images/<img_id>.png (before) and images/<img_id>_2.png (after).
@@ -30,8 +33,8 @@ The layouts (REFERENCE.md section 5), under the default roots (a `root` argument
                        {"before": "a.png", "after": "b.png", "captions": ["..."],       (required)
                         "id": "...", "type": "...", "distractor": "c.png", "no_change_captions": ["..."]}
                      with paths relative to the JSON file's folder; "id" defaults to the item's position.
-  data/synth         the CLEVR-Change layout, plus bpe_synth_vocab.txt.gz (its BPE merges, OpenAI's format)
-                     and synth_scenes.json (what was drawn, for tests; not part of the official layout).
+  data/synth         the CLEVR-Change layout with change_captions_with_bbox.json, plus bpe_synth_vocab.txt.gz
+                     (its BPE merges, OpenAI's format) and synth_scenes.json (what was drawn, for tests).
   data/synth_scenes  stage 0 only: pixels_224.npy (every scene preprocessed, uint8), scenes.json (the objects
                      of each scene, the splits), bpe_synth_vocab.txt.gz.
 
@@ -91,6 +94,7 @@ DISTRACTOR = "distractor"  # the type of a no-change pair; the papers' "DI" colu
 NO_CHANGE_SUFFIX = "_n"    # CLEVR-Change's evaluation id of the distractor pair: "000123.png_n"
 SYNTH_BPE_FILE = "bpe_synth_vocab.txt.gz"
 SYNTH_SCENES_FILE = "synth_scenes.json"
+CHANGE_BOXES_FILE = "change_captions_with_bbox.json"  # RCC's file of the changed object's boxes (optional)
 
 
 class DataError(ValueError):
@@ -111,6 +115,7 @@ class ImagePair:
     change_type: str | None = None       # one of CHANGE_TYPES where the dataset says (CLEVR-Change, synth)
     distractor: Path | None = None       # the before scene from another viewpoint or light (CLEVR's nsc image)
     no_change_captions: list[str] = field(default_factory=list)  # captions of the pair (before, distractor)
+    change_boxes: dict | None = None     # {"before", "after": [x, y, w, h] or None}: the changed object, where known
 
 
 def read_json(path: Path, what: str):
@@ -173,6 +178,7 @@ def read_clevr_change(root: Path, split: str) -> list[ImagePair]:
     if split not in splits:
         raise DataError(f"{root / 'splits.json'} has no split {split!r}; it has {sorted(splits)}")
     type_of = {name: kind for kind, names in type_mapping.items() for name in names}  # "000123.png" -> "color"
+    boxes = read_change_boxes(root)
     pairs = []
     for number in splits[split]:  # ids are not contiguous: some are in no split (REFERENCE 5.1)
         number = int(number)
@@ -191,8 +197,32 @@ def read_clevr_change(root: Path, split: str) -> list[ImagePair]:
             captions=checked_captions(change[key], pair_id, root / "change_captions.json"),
             change_type=type_of[pair_id],
             distractor=root / "nsc_images" / f"CLEVR_nonsemantic_{number:06d}.png",
-            no_change_captions=checked_captions(no_change[key], pair_id, root / "no_change_captions.json")))
+            no_change_captions=checked_captions(no_change[key], pair_id, root / "no_change_captions.json"),
+            change_boxes=boxes.get(str(number))))
     return pairs
+
+
+def read_change_boxes(root: Path) -> dict[str, dict]:
+    """RCC's change_captions_with_bbox.json if the folder has it: {"123": {"before", "after": [x, y, w, h] or None}}.
+
+    Only its two box fields are read; an empty box (null or []) means the object is not in that image.
+    """
+    path = root / CHANGE_BOXES_FILE
+    if not path.is_file():
+        return {}
+    boxes = {}
+    for number, entry in read_json(path, "boxes of the changed objects").items():
+        if not str(number).isdigit():
+            raise DataError(f"{path}: key {number!r} is not a pair number such as \"123\"; download RCC's file again")
+        pair = {}
+        for image in ("before", "after"):
+            box = entry.get(f"bbox_{image}") if isinstance(entry, dict) else None
+            if box and not (isinstance(box, list) and len(box) == 4 and all(isinstance(v, (int, float)) for v in box)):
+                raise DataError(f"{path}, id {number}: bbox_{image} should be [x, y, width, height] in pixels or "
+                                f"null, got {box!r}; download RCC's file again")
+            pair[image] = [float(v) for v in box] if box else None
+        boxes[str(int(number))] = pair
+    return boxes
 
 
 def read_spot_the_diff(root: Path, split: str) -> list[ImagePair]:
@@ -788,6 +818,44 @@ def synth_vocabulary() -> list[tuple[str, str]]:
     return learn_bpe({word: 1 for word in sorted(grammar_words() | {DESCRIPTION_JOIN})})
 
 
+# --- the changed object's boxes ---------------------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def sprite_extent(shape: str, radius: float) -> tuple[int, int, int, int]:
+    """Where a drawn object is at least half opaque: (left, top, right, bottom) in pixels from its centre."""
+    _, alpha, half = sprite(shape, "gray", "rubber", radius)  # the outline depends on shape and size alone
+    rows, columns = np.nonzero(alpha >= 0.5)
+    return (int(columns.min()) - half, int(rows.min()) - half,
+            int(columns.max()) + 1 - half, int(rows.max()) + 1 - half)
+
+
+def change_boxes(scene: dict, cfg: SynthConfig) -> dict:
+    """RCC's entry for a pair: the changed object's [x, y, w, h] in the before and the after image, or None.
+
+    color, material: the same box twice; move: its old and its new place; drop: before only; add: after only.
+    """
+    entry = {}
+    for image in ("before", "after"):
+        index = scene["changed"][image]
+        if index is None:
+            entry[f"bbox_{image}"] = None
+            continue
+        obj = scene[image][index]
+        left, top, right, bottom = sprite_extent(obj["shape"], SIZE_RADIUS[obj["size"]])
+        x0, y0 = max(obj["x"] + left, 0), max(obj["y"] + top, 0)
+        x1, y1 = min(obj["x"] + right, cfg.width), min(obj["y"] + bottom, cfg.height)
+        entry[f"bbox_{image}"] = [x0, y0, x1 - x0, y1 - y0]
+    return entry
+
+
+def write_change_boxes(root: Path, scenes: list[dict], cfg: SynthConfig) -> None:
+    """root/change_captions_with_bbox.json in RCC's format, keyed by the pair number ("0", "1", ...)."""
+    boxes = {str(i): change_boxes(scene, cfg) for i, scene in enumerate(scenes)}
+    partial = root / f".{CHANGE_BOXES_FILE}.partial-{os.getpid()}"
+    partial.write_text(json.dumps(boxes), encoding="utf-8")
+    os.replace(partial, root / CHANGE_BOXES_FILE)
+
+
 # --- writing the dataset ----------------------------------------------------------------------------
 
 def make_synth(root: str | os.PathLike, cfg: SynthConfig | None = None, workers: int = 1) -> Path:
@@ -829,6 +897,7 @@ def make_synth(root: str | os.PathLike, cfg: SynthConfig | None = None, workers:
         for scene in scenes:  # CLIP's pre-tokenizer then splits at spaces only, and every word is one token
             for caption in scene["captions"] + scene["no_change_captions"]:
                 assert set(caption) <= CAPTION_CHARACTERS and set(caption.split()) <= grammar_words(), caption
+        write_change_boxes(building, scenes, cfg)
         write_bpe(building / SYNTH_BPE_FILE, synth_vocabulary())
         try:
             os.rename(building, root)
@@ -861,8 +930,12 @@ def ensure_synth(root: str | os.PathLike, cfg: SynthConfig | None = None, worker
     if clip.read_merges(root / SYNTH_BPE_FILE) != synth_vocabulary():
         raise DataError(f"the synthetic dataset in {root} has another vocabulary than the synthetic CLIP's (it was "
                         f"drawn by an older data.py); remove the folder and it will be drawn again")
+    drawn = json.loads(scenes_file.read_text(encoding="utf-8"))
+    if not (root / CHANGE_BOXES_FILE).is_file():  # drawn before the boxes were written: the scenes hold them
+        stored_cfg = SynthConfig(**{k: v for k, v in drawn["config"].items() if k in SynthConfig.__dataclass_fields__})
+        write_change_boxes(root, list(drawn["scenes"].values()), stored_cfg)
     if cfg is not None:
-        stored = json.loads(scenes_file.read_text(encoding="utf-8"))["config"]
+        stored = drawn["config"]
         wanted = json.loads(json.dumps(asdict(cfg)))  # tuples become lists, as in the stored file
         if stored != wanted:
             differences = {k: (stored.get(k), v) for k, v in wanted.items() if stored.get(k) != v}

@@ -39,6 +39,7 @@ import adapt
 import caption
 import clip
 import data
+import explain
 import metrics
 import runtime
 from decoder import CaptionDecoder, DecoderConfig, ids_to_text
@@ -1318,6 +1319,41 @@ def test_learn_bpe_merges_the_most_frequent_pair_first_and_breaks_ties_by_order(
     assert data.learn_bpe({"cb": 2, "ab": 2}) == [("a", "b</w>"), ("c", "b</w>")]
 
 
+def test_synthetic_boxes_hold_the_changed_object_in_the_image_it_is_in(synth_root):
+    boxes = json.loads((synth_root / data.CHANGE_BOXES_FILE).read_text())  # RCC's format, keyed "0", "1", ...
+    pairs = {int(p.id[:6]): p for split in data.SPLITS for p in data.load_split("synth", split, synth_root)}
+    for number, pair in pairs.items():
+        entry = boxes[str(number)]
+        assert pair.change_boxes == {"before": entry["bbox_before"], "after": entry["bbox_after"]}
+        assert (entry["bbox_before"] is None) == (pair.change_type == "add")
+        assert (entry["bbox_after"] is None) == (pair.change_type == "drop")
+        if pair.change_type in ("color", "material"):  # only the object's pixels change, and it stays put
+            assert entry["bbox_before"] == entry["bbox_after"]
+            x, y, w, h = entry["bbox_before"]
+            changed = np.argwhere(np.abs(np.asarray(Image.open(pair.before), int)
+                                         - np.asarray(Image.open(pair.after), int)).max(-1) > 0)  # (k, 2): y, x
+            assert changed.size and changed.min(0).tolist() >= [y - 1, x - 1]  # half-transparent edges: 1 pixel
+            assert changed.max(0).tolist() <= [y + h, x + w]
+        if pair.change_type == "move":
+            assert entry["bbox_before"] != entry["bbox_after"]
+
+
+def test_ensure_synth_adds_the_boxes_to_a_folder_drawn_without_them(synth_root, tmp_path):
+    older = shutil.copytree(synth_root, tmp_path / "synth")
+    (older / data.CHANGE_BOXES_FILE).unlink()
+    data.ensure_synth(older, SYNTH)
+    assert (older / data.CHANGE_BOXES_FILE).read_bytes() == (synth_root / data.CHANGE_BOXES_FILE).read_bytes()
+
+
+def test_clevr_change_pairs_carry_rcc_boxes_when_the_file_is_there(clevr_root):
+    assert data.load_split("clevr", "test", clevr_root)[0].change_boxes is None  # the file is optional
+    write_json(clevr_root / data.CHANGE_BOXES_FILE, {"5": {"bbox_before": [10, 20, 30, 40], "bbox_after": []}})
+    assert data.load_split("clevr", "test", clevr_root)[0].change_boxes == {"before": [10, 20, 30, 40], "after": None}
+    write_json(clevr_root / data.CHANGE_BOXES_FILE, {"5": {"bbox_before": [10, 20], "bbox_after": None}})
+    with pytest.raises(data.DataError, match="id 5: bbox_before should be"):
+        data.load_split("clevr", "test", clevr_root)
+
+
 def test_ensure_synth_refuses_a_folder_drawn_with_other_settings(synth_root):
     assert data.ensure_synth(synth_root, SYNTH) == synth_root
     with pytest.raises(data.DataError, match=r"drawn with other settings .*'pairs': \(40, 41\)"):
@@ -1857,6 +1893,71 @@ def test_an_empty_reference_list_is_refused():
         metrics.score_captions({"a": "a cube"}, {"a": []})
 
 
+# ======== explain.py ========
+
+def test_attention_weights_are_a_distribution_over_keys_with_masked_keys_at_zero():
+    torch.manual_seed(0)
+    query, keys, values = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)  # (B, H, T, d)
+    weights = explain.attention_weights(query, keys, causal=True)  # (B, H, T, S)
+    assert torch.allclose(weights.sum(-1), torch.ones(2, 3, 5))
+    assert (weights.triu(diagonal=1) == 0).all()  # a later key is masked
+    # the same weights as the fused kernel uses: weights @ values is its output
+    fused = torch.nn.functional.scaled_dot_product_attention(query, keys, values, is_causal=True)
+    assert torch.allclose(weights @ values, fused, atol=1e-5)
+    mask = torch.tensor([True, False, True, True, False])  # a padding-style mask over the keys
+    weights = explain.attention_weights(query, keys, mask=mask)
+    assert (weights[..., ~mask] == 0).all() and torch.allclose(weights.sum(-1), torch.ones(2, 3, 5))
+
+
+def tiny_pair_models():
+    torch.manual_seed(0)
+    config = clip.CLIPConfig(embed_dim=32, image_resolution=64, vision_layers=4, vision_width=64, vision_patch_size=16,
+                             context_length=77, vocab_size=300, transformer_width=32, transformer_heads=1,
+                             transformer_layers=1)
+    encoder = PairEncoder(clip.CLIP(config), EncoderConfig(intra_layers=2)).eval()
+    decoder = CaptionDecoder(DecoderConfig(hidden=32, heads=4, ffn=64, vocab_size=300,
+                                           visual_tokens=2 * (encoder.n_patches + 1))).eval()
+    return encoder, decoder
+
+
+def test_reading_attention_out_changes_neither_the_pair_tokens_nor_the_caption():
+    encoder, decoder = tiny_pair_models()
+    before, after, caption_in = torch.randn(3, 3, 64, 64), torch.randn(3, 3, 64, 64), torch.randint(0, 298, (3, 6))
+    with torch.no_grad():
+        tokens = encoder.encode_pair(before, after)["pair_tokens"]  # (B, L, E)
+        logits = decoder(tokens, caption_in)  # (B, T, V)
+    seen = explain.encoder_attention(encoder, before, after)
+    assert torch.equal(seen["pair_tokens"], tokens)
+    n = encoder.n_patches  # 16 patches per image; 2 inter-image blocks
+    assert seen["intra"].shape == (3, 2, n + 1) and seen["inter"].shape == (3, 2, 2, 2 * (n + 1))
+    assert torch.allclose(seen["inter"].sum(-1), torch.ones(3, 2, 2)) and torch.allclose(seen["intra"].sum(-1),
+                                                                                         torch.ones(3, 2))
+    caption, cross = explain.decode_with_attention(decoder, tokens, 298, 299, max_len=10)
+    assert torch.equal(caption, decoder.greedy_decode(tokens, 298, 299, max_len=10))
+    assert cross.shape == (3, caption.shape[1], 3, 2 * (n + 1))  # (B, S, layers, M)
+    assert torch.allclose(cross.sum(-1), torch.ones(cross.shape[:3]))
+    assert not any(m._forward_hooks for m in [*encoder.modules(), *decoder.modules()])  # nothing left behind
+    with torch.no_grad():
+        assert torch.equal(decoder(tokens, caption_in), logits)
+
+
+def test_pointing_game_on_a_hand_made_map_and_box():
+    # a 480 x 320 image in a 7 x 7 grid: patches of 68.6 x 45.7 pixels; this box lies in row 1, column 2
+    target = explain.box_patches([140, 50, 60, 40], 480, 320, grid=7)
+    assert np.flatnonzero(target).tolist() == [1 * 7 + 2]
+    # a box over a patch corner touches four patches
+    assert np.flatnonzero(explain.box_patches([60, 40, 20, 10], 480, 320, grid=7)).tolist() == [0, 1, 7, 8]
+    patch_map = np.zeros(2 * 49)  # [before patches; after patches]
+    patch_map[49 + 9] = 1.0  # the after image's patch at row 1, column 2
+    assert explain.pointing_hit(patch_map, target)
+    patch_map[10] = 2.0  # now the before image's patch beside it is the highest
+    assert not explain.pointing_hit(patch_map, target)
+    table = explain.localisation_table({"inter": {"color": [True, False], "add": [True]}},
+                                       {"color": [0.1, 0.3], "add": [0.4]})
+    assert table["color"] == pytest.approx({"pairs": 2, "chance": 20.0, "inter": 50.0})
+    assert table["semantic change"] == pytest.approx({"pairs": 3, "chance": 80 / 3, "inter": 200 / 3})
+
+
 # ======== adapt.py ========
 
 TINY_ADAPT = ["--data", "synth", "--clip_model", "scratch", "--synth_pairs", "40", "--scratch_width", "64", "--scratch_layers", "2",
@@ -2341,6 +2442,11 @@ def test_training_on_cached_features_then_eval_writes_predictions_scores_and_gri
     assert {"total", "semantic change", "distractor"} <= set(table["scores"])
     assert set(table["scores"]["total"]) >= {"BLEU_4", "METEOR", "ROUGE_L", "CIDEr"}
     assert (out / "test_grid.png").stat().st_size > 10_000
+    assert (out / "test_attention.png").stat().st_size > 10_000
+    located = table["localisation"]  # the pointing game: every change pair of the synthetic test split has boxes
+    assert located["semantic change"]["pairs"] == 5 and 0 < located["semantic change"]["chance"] < 100
+    assert {"intra", "inter", "decoder"} <= set(located["color"])
+    assert "localisation (pointing game)" in (out / "test_scores.txt").read_text()
     state = torch.load(out / "ckpt_best.pt", weights_only=True)  # loads without running code
     assert state["encoder_sha256"] == caption.sha256_file(stage1["encoder"])
     assert caption.load_encoder(stage1["encoder"])[0].config.intra_layers == 1  # the stage-1 config, rebuilt
@@ -2362,6 +2468,12 @@ def test_pair_prints_a_caption_and_rejects_missing_or_non_image_files(stage1, tm
     result = stage2(stage1, out, "--pair", before, after)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()  # one caption, whatever a 1-epoch model says
+    explained = stage2(stage1, out, "--pair", before, after, "--explain", tmp_path / "why.png")
+    assert explained.returncode == 0, explained.stderr
+    assert explained.stdout.splitlines()[0] == result.stdout.strip()  # the same caption
+    assert Image.open(tmp_path / "why.png").size[0] > 400
+    alone = stage2(stage1, out, "--explain", tmp_path / "why.png")
+    assert alone.returncode == 1 and "--pair" in alone.stderr
     missing = stage2(stage1, out, "--pair", before, tmp_path / "nothing.png")
     assert missing.returncode == 1 and "nothing.png" in missing.stderr and "missing" in missing.stderr
     text = tmp_path / "notes.png"
