@@ -371,8 +371,10 @@ def format_table(table: dict) -> str:
     for name, scores in table["scores"].items():
         lines.append(f"{label.get(name, name):<26}{table['sizes'][name]:>6} "
                      + " ".join(f"{scores[c]:8.4f}" for c in columns))
-    if table.get("info"):
-        lines.append(f"({table['info']})")
+    info = table.get("info")
+    if info:  # how it was scored: what a reader needs to compare these numbers with another toolkit's
+        lines.append(f"({info.get('items')} captions against {info.get('references')} references; METEOR with "
+                     f"{info.get('meteor_modules')}; scored in {sum(info.get('timing_s', {}).values()):.1f} s)")
     return "\n".join(lines)
 
 

@@ -1360,6 +1360,14 @@ def test_ensure_synth_refuses_a_folder_drawn_with_other_settings(synth_root):
         data.ensure_synth(synth_root, data.SynthConfig(pairs=41, seed=3))
 
 
+
+def test_ensure_synth_refuses_a_folder_whose_vocabulary_is_not_the_synthetic_clips(synth_root, tmp_path):
+    old = tmp_path / "synth"
+    shutil.copytree(synth_root, old)
+    data.write_bpe(old / data.SYNTH_BPE_FILE, data.synth_vocabulary()[:-1])  # as an older data.py might have learnt it
+    with pytest.raises(data.DataError, match="another vocabulary than the synthetic CLIP's .*remove the folder"):
+        data.ensure_synth(old)
+
 # --- tokens ---
 
 def test_text_tokens_are_sot_ids_eot_then_pad(synth_tokenizer):
