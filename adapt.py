@@ -63,6 +63,7 @@ import runtime
 from encoder import EncoderConfig, PairEncoder
 from losses import contrastive_loss
 
+IMAGE_KEYS = ("before", "after", "image")  # a batch's images: a pair (stage 1) or one image (stage 0)
 MAX_LOGIT_SCALE = math.log(100)  # logit_scale is clamped to ln(100): a temperature of at least 0.01, as CLIP
 MODEL_KEYS = ("data", "pretrain", "clip_model", "intra_layers", "join_difference", "max_words", "scratch_width",
               "scratch_layers", "scratch_patch", "scratch_text_width", "scratch_text_layers", "scratch_embed_dim",
@@ -212,7 +213,7 @@ def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp
     for i, batch in enumerate(micro_batches):
         if ddp:  # all-reduce the gradients only after the last micro-batch
             model.require_backward_grad_sync = i == len(micro_batches) - 1
-        images = [batch[k] for k in ("before", "after", "image") if k in batch]  # a pair, or one image (stage 0)
+        images = [batch[k] for k in IMAGE_KEYS if k in batch]
         with ctx:
             out = model(*images, batch["caption"])
             # the all-gather inside the loss sees one micro-batch per process: accumulation shrinks the
@@ -237,7 +238,8 @@ def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp
 
 
 def retrieval_set(split, images):
-    """(images to embed, texts, text -> row): a split's pairs and change captions, or stage-0 scenes and descriptions."""
+    """(images to embed, texts, text -> row): a split's pairs and change captions, or stage-0 scenes and their
+    descriptions."""
     if isinstance(split, data.SceneSamples):
         return split, [split.description(i) for i in range(len(split))], list(range(len(split)))
     return data.PairImages(split, images), *data.retrieval_texts(split)
@@ -254,7 +256,7 @@ def evaluate(model: nn.Module, split, tokenizer, images, config: Config, device,
     pair_embeddings = []
     for batch in loader:
         with ctx:
-            out = model(*[batch[k].to(device) for k in ("before", "after", "image") if k in batch])
+            out = model(*[batch[k].to(device) for k in IMAGE_KEYS if k in batch])
         pair_embeddings.append(visual_embedding(out).float())  # (B, E)
     text_embeddings = []
     for start in range(0, len(texts), config.eval_batch_size):
@@ -282,7 +284,7 @@ def zero_shot_attributes(model: SceneCLIP, tokenizer, config: Config, device, ct
     cfg = data.SynthConfig()
     indices = list(range(ZERO_SHOT_FIRST, ZERO_SHOT_FIRST + ZERO_SHOT_SCENES))
     truth = [data.pretrain_objects(i, cfg, n_objects=1)[0] for i in indices]
-    images = clip.normalize(data.draw_scene_pixels(indices, cfg, n_objects=1)).to(device)  # (S, 3, R, R)
+    images = clip.normalize(data.scene_pixels([[obj] for obj in truth], cfg)).to(device)  # (S, 3, R, R)
     classes = [dict(zip(data.ATTRIBUTE_ORDER, values))
                for values in itertools.product(data.SIZES, data.COLORS, data.MATERIALS, data.SHAPES)]
     prompts = torch.stack([data.text_tokens(tokenizer, data.describe_scene([c]), config.max_words)
@@ -477,7 +479,7 @@ def main(argv=None):
             for group in optimizer.param_groups:
                 group["lr"] = get_lr(step, total_steps, config) * group["lr_scale"]
             micro_batches = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()
-                              if k in ("before", "after", "image", "caption")} for _ in range(config.grad_accum)]
+                              if k in (*IMAGE_KEYS, "caption")} for _ in range(config.grad_accum)]
             loss = train_step(model, optimizer, scaler, micro_batches, ctx, config, dist_.ddp,
                               raw_model.clip.logit_scale)
             step += 1

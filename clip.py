@@ -31,9 +31,9 @@ rebuilding, storage types, OrderedDict) plus an inert stand-in for TorchScript's
 other name is refused. Every other weights file goes through torch.load(weights_only=True). A named model
 (MODELS) is downloaded into the cache and kept only if its sha256 matches (OpenAI's URL embeds it); it is
 checked again on every load. The synthetic CLIP, "synth-ViT/32", takes the same path from a file URL into
-this repository's assets/, so the default run exercises the loading of OpenAI's weights. The BPE vocabulary is downloaded with its pinned sha256. Files you name
-yourself (a path, CLIP_BPE_PATH) and a vocabulary already in the cache are used as found: they are read
-as data, never executed, but their contents are trusted.
+this repository's assets/, so the default run exercises the loading of OpenAI's weights. The BPE vocabulary
+is downloaded with its pinned sha256. Files you name yourself (a path, CLIP_BPE_PATH) and a vocabulary
+already in the cache are used as found: they are read as data, never executed, but their contents are trusted.
 
 Environment: CLIP_CACHE (cache folder, default ~/.cache/clip), CLIP_BPE_PATH (vocabulary file).
 

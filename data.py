@@ -983,11 +983,9 @@ def describe_scene(objects: list[dict], choose: Callable[[int], int] = lambda n:
     return f" {DESCRIPTION_JOIN} ".join(parts)
 
 
-def draw_scene_pixels(indices: list[int], cfg: SynthConfig, image_size: int = IMAGE_SIZE,
-                      n_objects: int | None = None) -> np.ndarray:
-    """Render stage-0 scenes and preprocess them as a PNG of them would be -> uint8 (n, R, R, 3)."""
-    return np.stack([clip.resize_to_uint8(Image.fromarray(render(pretrain_objects(i, cfg, n_objects), cfg)),
-                                          image_size) for i in indices])
+def scene_pixels(scenes: list[list[dict]], cfg: SynthConfig, image_size: int = IMAGE_SIZE) -> np.ndarray:
+    """Render scenes (each a list of objects) and preprocess them as a PNG of them would be -> uint8 (n, R, R, 3)."""
+    return np.stack([clip.resize_to_uint8(Image.fromarray(render(objects, cfg)), image_size) for objects in scenes])
 
 
 def make_scenes(root: str | os.PathLike, cfg: SynthConfig | None = None, workers: int = 1,
@@ -1005,22 +1003,23 @@ def make_scenes(root: str | os.PathLike, cfg: SynthConfig | None = None, workers
     building = Path(tempfile.mkdtemp(prefix=f".{root.name}.partial-", dir=root.parent))
     try:
         total = sum(splits.values())
+        objects = [pretrain_objects(i, cfg) for i in range(total)]
         pixels = np.lib.format.open_memmap(building / f"pixels_{image_size}.npy", mode="w+", dtype=np.uint8,
                                            shape=(total, image_size, image_size, 3))  # (n, R, R, 3)
-        chunks = [list(range(a, min(a + 250, total))) for a in range(0, total, 250)]
+        starts = range(0, total, 250)
         with ProcessPoolExecutor(workers) as pool:
-            for done, (chunk, part) in enumerate(zip(chunks, pool.map(draw_scene_pixels, chunks,
-                                                                      [cfg] * len(chunks),
-                                                                      [image_size] * len(chunks))), 1):
-                pixels[chunk[0]:chunk[-1] + 1] = part
-                print(f"\rdata.py: stage-0 scenes {chunk[-1] + 1}/{total}", end="", file=sys.stderr, flush=True)
+            parts = pool.map(scene_pixels, [objects[a:a + 250] for a in starts], [cfg] * len(starts),
+                             [image_size] * len(starts))
+            for start, part in zip(starts, parts):
+                pixels[start:start + len(part)] = part
+                print(f"\rdata.py: stage-0 scenes {start + len(part)}/{total}", end="", file=sys.stderr, flush=True)
         print(file=sys.stderr)
         pixels.flush()
         del pixels
         bounds = np.cumsum([0, *splits.values()])
         scenes = {"config": asdict(cfg), "image_size": image_size,
                   "splits": {s: [int(a), int(b)] for s, a, b in zip(splits, bounds, bounds[1:])},
-                  "objects": [pretrain_objects(i, cfg) for i in range(total)]}
+                  "objects": objects}
         (building / SCENES_FILE).write_text(json.dumps(scenes), encoding="utf-8")
         write_bpe(building / SYNTH_BPE_FILE, synth_vocabulary())
         os.rename(building, root)

@@ -88,13 +88,6 @@ class PairEncoder(nn.Module):
         self.joint_positional_embedding = nn.Parameter(scale * torch.randn(tokens, width))  # (L, D)
         self.ln_mid = clip.LayerNorm(width)  # CLIP's float32 LayerNorm; torch's default init: weight 1, bias 0
 
-    @classmethod
-    def from_pretrained(cls, name_or_path: str = "ViT-B/32", config: EncoderConfig = EncoderConfig(),
-                        download_root: str | None = None) -> "PairEncoder":
-        """OpenAI's CLIP weights (a model name or a checkpoint path, through clip.load) + new pair parameters."""
-        clip_model, _ = clip.load(name_or_path, device="cpu", download_root=download_root)
-        return cls(clip_model, config)
-
     # --- the steps of the pair encoder, in order ---
 
     def intra_image(self, images: torch.Tensor) -> torch.Tensor:

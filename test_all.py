@@ -1484,7 +1484,7 @@ def test_stage_0_samples_hold_the_scene_pixels_and_a_description_of_them(tmp_pat
     val = data.SceneSamples(root, "val", synth_tokenizer, train=False)
     assert (len(train), len(val)) == (6, 2)
     sample = val[1]
-    expected = data.draw_scene_pixels([7], data.SynthConfig())[0]  # val starts after the 6 training scenes
+    expected = data.scene_pixels([data.pretrain_objects(7, data.SynthConfig())], data.SynthConfig())[0]  # val: after 6
     torch.testing.assert_close(sample["image"], clip.normalize(expected))
     assert synth_tokenizer.decode(sample["caption"][1:sample["caption"].argmax()].tolist()).strip() == \
         data.describe_scene(data.pretrain_objects(7, data.SynthConfig()))
