@@ -82,7 +82,7 @@ MODELS = {
                  "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
                  "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af"),
     "synth-ViT/32": ((Path(__file__).resolve().parent / "assets" / "synth-ViT-32.pt").as_uri(),
-                     "b269e00dec35ce32bd4a719d2799df896e014dbbe1358d4cd88129e301859436"),
+                     "01de576b323b67d2a93cc2170aec12946f92c4ac5af322d3c17dd61bd1a4ec37"),
 }
 BPE_URL = "https://raw.githubusercontent.com/openai/CLIP/main/clip/bpe_simple_vocab_16e6.txt.gz"
 BPE_SHA256 = "924691ac288e54409236115652ad4aa250f48203de50a9e4722a6ecd48d6804a"

@@ -757,14 +757,18 @@ def draw_pairs(root: Path, first: int, stop: int, cfg: SynthConfig) -> list[dict
 
 # --- splits and the BPE vocabulary ------------------------------------------------------------------
 
+EVAL_PAIRS_PER_TYPE = 40  # at most this many validation (and test) pairs of each type: 200 pairs, however many are drawn
+
+
 def synth_splits(cfg: SynthConfig) -> dict[str, list[int]]:
-    """Each change type's ids shuffled and cut by split_fractions, so every split has every type evenly."""
+    """Each change type's ids shuffled and cut by split_fractions (validation and test capped at
+    EVAL_PAIRS_PER_TYPE), so every split has every type evenly and more pairs drawn go to training."""
     rng = np.random.default_rng([cfg.seed, SPLIT_STREAM])
     splits = {name: [] for name in SPLITS}
     for t in range(len(CHANGE_TYPES)):
         ids = [int(i) for i in rng.permutation(np.arange(t, cfg.pairs, len(CHANGE_TYPES)))]
-        n_val = max(1, round(cfg.split_fractions[1] * len(ids))) if len(ids) >= 3 else 0
-        n_test = max(1, round(cfg.split_fractions[2] * len(ids))) if len(ids) >= 3 else 0
+        n_val = min(EVAL_PAIRS_PER_TYPE, max(1, round(cfg.split_fractions[1] * len(ids)))) if len(ids) >= 3 else 0
+        n_test = min(EVAL_PAIRS_PER_TYPE, max(1, round(cfg.split_fractions[2] * len(ids)))) if len(ids) >= 3 else 0
         splits["val"] += ids[:n_val]
         splits["test"] += ids[n_val:n_val + n_test]
         splits["train"] += ids[n_val + n_test:]

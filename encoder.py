@@ -138,8 +138,15 @@ class PairEncoder(nn.Module):
         batch = before.shape[0]
         # differs from reference: [before images; after images], not interleaved; each image is alone here
         x = self.intra_image(torch.cat([before, after]))  # (2B, N+1, D)
-        x = self.join(x[:batch], x[batch:])  # (B, L, D)
-        tokens = self.project(self.inter_image(x))  # (B, L, E)
+        return self.encode_intra_tokens(x[:batch], x[batch:])
+
+    def encode_intra_tokens(self, before: torch.Tensor, after: torch.Tensor) -> dict[str, torch.Tensor]:
+        """encode_pair from the two images' intra-image tokens, (B, N+1, D) each: join, inter-image, project.
+
+        With the intra-image blocks frozen, these tokens never change during training, so adapt.py computes
+        them once per image (--freeze_intra) and each training step starts here.
+        """
+        tokens = self.project(self.inter_image(self.join(before, after)))  # (B, L, E)
         return {"pair_embedding": self.pool(tokens), "pair_tokens": tokens}
 
     def encode_text(self, text: torch.Tensor) -> torch.Tensor:
@@ -153,7 +160,8 @@ class PairEncoder(nn.Module):
         inside the wrapped module: losses.contrastive_loss(out["text_embedding"], out["pair_embedding"],
         out["logit_scale"]).
         """
-        out = self.encode_pair(before, after)
+        # images (B, 3, R, R), or the intra-image tokens (B, N+1, D) that adapt.py caches with --freeze_intra
+        out = self.encode_pair(before, after) if before.dim() == 4 else self.encode_intra_tokens(before, after)
         if text is not None:
             out["text_embedding"] = self.encode_text(text)  # (B, E)
         out["logit_scale"] = self.clip.logit_scale  # log(1/temperature), learned, as in CLIP
@@ -174,6 +182,12 @@ class PairEncoder(nn.Module):
                 p.requires_grad_(False)
                 frozen.append("clip." + name)
         return frozen
+
+    def intra_image_parts(self) -> tuple[str, ...]:
+        """The names (OpenAI's) of everything that computes the intra-image tokens: the embedding and the
+        intra-image blocks. Freezing them all makes each image's intra-image tokens a constant."""
+        blocks = tuple(f"visual.transformer.resblocks.{i}" for i in range(self.config.intra_layers))
+        return ("visual.conv1", "visual.class_embedding", "visual.positional_embedding", "visual.ln_pre", *blocks)
 
     def no_decay_names(self) -> set[str]:
         """Parameters trained without weight decay: every bias and every LayerNorm parameter."""

@@ -690,6 +690,33 @@ def test_freeze_stops_exactly_the_references_frozen_clip_parts():
     assert {name for name, p in model.named_parameters() if not p.requires_grad} == set(frozen)
 
 
+def test_frozen_intra_image_blocks_train_from_their_tokens_computed_once_as_from_the_images():
+    model = _tiny_encoder()
+    model.freeze()
+    model.freeze(model.intra_image_parts())  # what adapt.py --freeze_intra does
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert not any(name.startswith(f"clip.visual.transformer.resblocks.{i}.") for i in range(3) for name in trainable)
+    assert "clip.visual.transformer.resblocks.3.attn.in_proj_weight" in trainable  # the inter-image block trains
+    pixels = dict(zip(["b0", "a0", "d0", "b1", "a1", "d1"], _images(batch=6)))
+    pairs = [data.ImagePair(id=str(i), before=f"b{i}", after=f"a{i}", captions=["x"], distractor=f"d{i}")
+             for i in range(2)]
+    cache = adapt.IntraTokens(model, pairs, pixels.__getitem__, batch_size=4, device=torch.device("cpu"),
+                              ctx=contextlib.nullcontext())
+    assert len(cache.row) == 6 and cache("d1").shape == (N + 1, D)
+    text = torch.randint(1, 900, (2, 8))
+    losses = []
+    for source in (pixels.__getitem__, cache):  # the same pairs, from the pixels and from the cached tokens
+        model.zero_grad()
+        out = model(torch.stack([source("d0"), source("b1")]), torch.stack([source("a0"), source("a1")]), text)
+        loss = contrastive_loss(out["text_embedding"], out["pair_embedding"], out["logit_scale"])
+        loss.backward()
+        losses.append((loss, {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}))
+    (loss_images, grads_images), (loss_cached, grads_cached) = losses
+    torch.testing.assert_close(loss_cached, loss_images)
+    for name, grad in grads_images.items():
+        torch.testing.assert_close(grads_cached[name], grad, msg=name)
+
+
 def test_optimizer_groups_put_new_parameters_at_lr_and_clip_at_the_scaled_lr_without_decay_for_norms():
     model = _tiny_encoder()
     model.freeze()
