@@ -166,6 +166,7 @@ def setup_distributed(device: str = "auto") -> Distributed:
 
 def cleanup_distributed(d: Distributed) -> None:
     if d.ddp:
+        dist.barrier()  # every process done before any tears the group down (a gloo peer may abort otherwise)
         dist.destroy_process_group()
 
 

@@ -526,15 +526,17 @@ def _loss_and_gradients(model, text_in, pair_in):
     return {"loss": loss.detach(), **{name: p.grad.clone() for name, p in named}}
 
 
-def _ddp_worker(rank, world, port, out_dir):
+def _ddp_worker(rank, world, out_dir):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # a file store, not TCP: with TCP, rank 0 hosts the store and may exit while rank 1 still tears down
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = DDP(_TwoTowers())  # DDP averages the parameter gradients over the processes
     text_in, pair_in = _full_batch()
     b = text_in.shape[0] // world
     mine = slice(rank * b, (rank + 1) * b)  # this process's share of the global batch
     torch.save(_loss_and_gradients(model, text_in[mine], pair_in[mine]), f"{out_dir}/rank{rank}.pt")
+    dist.barrier()  # both done before either tears its process group down
     dist.destroy_process_group()
 
 
@@ -545,7 +547,7 @@ def _free_port():
 
 
 def test_two_processes_with_b_pairs_each_train_like_one_process_with_2b_pairs(tmp_path):
-    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path)), nprocs=2)
     torch.manual_seed(0)
     one_process = _loss_and_gradients(_TwoTowers(), *_full_batch())
     for rank in range(2):
