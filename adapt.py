@@ -28,10 +28,9 @@ Differs from reference (REFERENCE.md section 2):
   - torch's AdamW (with bias correction) instead of BertAdam (without it); LayerNorm weights not decayed;
   - the global batch is divided by the number of processes (the reference divides by GPUs per machine);
   - checkpoints hold the optimizer and RNG states, so an interrupted run resumes where it stopped;
-  - --join_difference, off in every preset, is an ablation: the after tokens enter the join as after - before,
-    so the inter-image blocks are given the comparison (encoder.py; README, "The synthetic run").
+  - the synth preset freezes the intra-image blocks outright and computes their tokens once (see build_encoder).
 
-Run:  python adapt.py --data synth            the synthetic CLIP adapted to pairs, CPU, about 6 minutes
+Run:  python adapt.py --data synth            the synthetic CLIP adapted to pairs, 2 CPU cores, about 7 minutes
       python adapt.py --data scenes           stage 0: pretrain the synthetic CLIP (rebuilds assets/synth-ViT-32.pt)
       python adapt.py --data clevr            the paper's run on CLEVR-Change (GPUs recommended)
       torchrun --standalone --nproc_per_node=2 adapt.py --data clevr
@@ -65,7 +64,7 @@ from losses import contrastive_loss
 
 IMAGE_KEYS = ("before", "after", "image")  # a batch's images: a pair (stage 1) or one image (stage 0)
 MAX_LOGIT_SCALE = math.log(100)  # logit_scale is clamped to ln(100): a temperature of at least 0.01, as CLIP
-MODEL_KEYS = ("data", "pretrain", "clip_model", "intra_layers", "freeze_intra", "join_difference", "max_words",
+MODEL_KEYS = ("data", "pretrain", "clip_model", "intra_layers", "freeze_intra", "max_words",
               "scratch_width", "scratch_layers", "scratch_patch", "scratch_text_width", "scratch_text_layers",
               "scratch_embed_dim", "synth_pairs")
 
@@ -83,7 +82,6 @@ class Config:
     pretrain: bool = False         # stage 0: train CLIP itself on single synthetic scenes (the scenes preset)
     clip_model: str = "ViT-B/32"   # model name (clip.MODELS) or weights file, or "scratch" (the scratch_* sizes)
     intra_layers: int = 9          # vision blocks that see each image alone; the rest see the pair
-    join_difference: bool = False  # the after tokens enter the inter-image blocks as after - before (not CLIP4IDC)
     scratch_width: int = 256       # scratch model: vision width
     scratch_layers: int = 6        # scratch model: vision blocks
     scratch_patch: int = 32        # scratch model: patch side in pixels
@@ -184,7 +182,7 @@ def build_encoder(config: Config, vocab_size: int) -> tuple[nn.Module, dict]:
     if config.pretrain:
         model = SceneCLIP(clip_model)
     else:
-        model = PairEncoder(clip_model, EncoderConfig(config.intra_layers, config.join_difference))
+        model = PairEncoder(clip_model, EncoderConfig(config.intra_layers))
     if config.freeze:
         model.freeze()
     if config.freeze_intra:

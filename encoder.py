@@ -19,9 +19,6 @@ Differs from reference:
 - The intra-image layers see the batch as [all before images; all after images] instead of the
   reference's interleaved (before, after) pairs; each image is encoded alone, so this changes nothing.
 - The no-decay set also holds the LayerNorm weights (see `no_decay_names`).
-- An ablation switch, off in every preset (`join_difference`): the after image's tokens enter the join as
-  after - before, position for position, so that the inter-image layers are given the comparison instead of
-  learning it (README, "The synthetic run", shows what that changes).
 
 Run `python encoder.py` to push a random image pair through a tiny random CLIP and print every shape.
 The benchmark of one full-size training step is `python adapt.py --bench`.
@@ -40,7 +37,6 @@ import clip
 @dataclass(frozen=True)
 class EncoderConfig:
     intra_layers: int = 9  # CLIP blocks that encode each image alone; the rest (12 - 9 = 3) see the pair
-    join_difference: bool = False  # the after tokens enter the join as after - before (not CLIP4IDC)
 
 
 # The parts of CLIP (names as in the OpenAI checkpoint) that the reference freezes in both stages
@@ -100,11 +96,6 @@ class PairEncoder(nn.Module):
     def join(self, before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
         """Mark each image's tokens, concatenate them, add joint positions: 2 x (B, N+1, D) -> (B, L, D)."""
         dtype = before.dtype  # under autocast the blocks' output may be bf16/fp16; keep it
-        if self.config.join_difference:
-            # differs from reference: the inter-image layers are told to compare. Each after token is replaced by
-            # its difference from the before token at the same position (CLS with CLS, patch with patch), so an
-            # unchanged region enters as zeros. CLIP4IDC leaves the comparison to the inter-image layers.
-            after = after - before  # (B, N+1, D)
         x = torch.cat([before + self.before_embedding.to(dtype), after + self.after_embedding.to(dtype)], dim=1)  # (B, L, D)
         return self.ln_mid(x + self.joint_positional_embedding.to(dtype))  # (B, L, D)
 

@@ -641,21 +641,6 @@ def test_swapping_before_and_after_changes_the_pair_embedding():
     assert (forward - swapped).abs().max() > 1e-3
 
 
-def test_join_difference_gives_the_inter_image_layers_after_minus_before():
-    plain = _tiny_encoder()
-    told = PairEncoder(plain.clip, EncoderConfig(intra_layers=3, join_difference=True)).eval()
-    told.load_state_dict(plain.state_dict())  # the same weights; only the join differs
-    before, after = _images(seed=1), _images(seed=2)
-    with torch.no_grad():
-        b, a = plain.intra_image(before), plain.intra_image(after)  # (B, N+1, D) each
-        torch.testing.assert_close(told.join(b, a), plain.join(b, a - b))
-        same = told.encode_pair(before, before)["pair_tokens"]
-        zeros = plain.project(plain.inter_image(plain.join(b, torch.zeros_like(b))))
-        torch.testing.assert_close(same, zeros)  # an unchanged pair: its after tokens enter as zeros
-        assert (told.encode_pair(before, after)["pair_embedding"]
-                - plain.encode_pair(before, after)["pair_embedding"]).abs().max() > 1e-3
-
-
 def test_inter_image_layers_let_the_before_image_see_the_after_image():
     before, after, other_after = _images(seed=1), _images(seed=2), _images(seed=3)
     for intra_layers, sees_after in [(3, True), (4, False)]:
@@ -2361,11 +2346,18 @@ def test_zero_shot_attributes_scores_a_model_that_knows_the_answer_100_percent(s
     assert accuracy == {"object": 100.0, "size": 100.0, "color": 100.0, "material": 100.0, "shape": 100.0}
 
 
-def test_the_synth_preset_is_clip4idcs_recipe_on_the_synthetic_clip():
+def test_the_synth_preset_is_clip4idcs_recipe_on_the_synthetic_clip(tmp_path, monkeypatch):
     config = runtime.parse_config(adapt.Config, adapt.PRESETS, ["--data", "synth"])
     assert config.clip_model == "synth-ViT/32" and config.clip_model in clip.MODELS
-    assert not config.join_difference  # CLIP4IDC's join: before and after tokens as they are
+    monkeypatch.setenv("CLIP_CACHE", str(tmp_path))  # build_encoder loads it by name, through the checksummed cache
+    model, _ = adapt.build_encoder(config, vocab_size=clip.load("synth-ViT/32")[0].config.vocab_size)
+    b, a = torch.randn(2, 50, 128), torch.randn(2, 50, 128)  # two images' intra-image tokens (B, N+1, D)
+    with torch.no_grad():  # CLIP4IDC's join: before and after tokens as they are, marked, positioned, normalised
+        joined = torch.cat([b + model.before_embedding, a + model.after_embedding], dim=1)
+        torch.testing.assert_close(model.join(b, a), model.ln_mid(joined + model.joint_positional_embedding))
     assert config.freeze and config.intra_layers == 4  # the reference's frozen set and split, scaled to 6 blocks
+    assert config.freeze_intra  # the intra-image blocks frozen, as the reference's 1e-7 all but freezes them
+    assert config.clip_lr_scale < 1  # the reference's two rates: new joint parameters fast, pretrained CLIP slower
     stage_0 = runtime.parse_config(adapt.Config, adapt.PRESETS, ["--data", "scenes"])
     assert stage_0.pretrain and stage_0.clip_model == "scratch"
 
