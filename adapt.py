@@ -30,7 +30,7 @@ Differs from reference (REFERENCE.md section 2):
   - checkpoints hold the optimizer and RNG states, so an interrupted run resumes where it stopped;
   - the synth preset freezes the intra-image blocks outright and computes their tokens once (see build_encoder).
 
-Run:  python adapt.py --data synth            the synthetic CLIP adapted to pairs, 2 CPU cores, about 7 minutes
+Run:  python adapt.py --data synth            the synthetic CLIP adapted to pairs, 2 CPU cores, about 10 minutes
       python adapt.py --data scenes           stage 0: pretrain the synthetic CLIP (rebuilds assets/synth-ViT-32.pt)
       python adapt.py --data clevr            the paper's run on CLEVR-Change (GPUs recommended)
       torchrun --standalone --nproc_per_node=2 adapt.py --data clevr
