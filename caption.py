@@ -123,9 +123,9 @@ PRESETS = {
     "spot": dict(epochs=50, batch_size=16, lr=1e-4, use_no_change_pair=False, train_word_embedding=True),
     "ier": dict(epochs=50, batch_size=16, lr=1e-4, use_no_change_pair=False, train_word_embedding=True),
     "pairs": dict(epochs=50, batch_size=16, lr=1e-4, use_no_change_pair=False, train_word_embedding=True),
-    "synth": dict(synth_pairs=6000, epochs=5, patience=5, batch_size=32, lr=1e-3, clip_lr_scale=1.0, train_word_embedding=True,
-                  decoder_heads=4, decoder_ffn=512, dropout=0.0, num_workers=0, image_cache=True, log_every=10,
-                  eval_batch_size=128),
+    "synth": dict(synth_pairs=6000, epochs=5, patience=5, batch_size=32, lr=1e-3, clip_lr_scale=1.0,
+                  train_word_embedding=True, decoder_heads=4, decoder_ffn=512, dropout=0.0, num_workers=0,
+                  image_cache=True, log_every=10, eval_batch_size=128),
 }
 
 

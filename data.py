@@ -757,7 +757,7 @@ def draw_pairs(root: Path, first: int, stop: int, cfg: SynthConfig) -> list[dict
 
 # --- splits and the BPE vocabulary ------------------------------------------------------------------
 
-EVAL_PAIRS_PER_TYPE = 40  # at most this many validation (and test) pairs of each type: 200 pairs, however many are drawn
+EVAL_PAIRS_PER_TYPE = 40  # at most this many validation (and test) pairs of each type: 200, however many are drawn
 
 
 def synth_splits(cfg: SynthConfig) -> dict[str, list[int]]:

@@ -40,12 +40,16 @@ class EncoderConfig:
 
 
 # The parts of CLIP (names as in the OpenAI checkpoint) that the reference freezes in both stages
-# (C4I:main_task_retrieval.py `main`, freeze_layer_num=0; REFERENCE 2.2). Everything else trains.
-FROZEN_IN_REFERENCE = (
+# (C4I:main_task_retrieval.py `main`, freeze_layer_num=0; REFERENCE 2.2): the vision tower's embedding, which
+# also starts every intra-image token (intra_image_parts), and the text tower's. Everything else trains.
+VISION_EMBEDDING = (
     "visual.conv1",                 # patch embedding
     "visual.class_embedding",       # the image's CLS token
     "visual.positional_embedding",  # CLIP's per-image position table (N+1 rows)
     "visual.ln_pre",
+)
+FROZEN_IN_REFERENCE = (
+    *VISION_EMBEDDING,
     "token_embedding",              # word embeddings of the text tower
     "positional_embedding",         # the text tower's position table
 )
@@ -178,7 +182,7 @@ class PairEncoder(nn.Module):
         """The names (OpenAI's) of everything that computes the intra-image tokens: the embedding and the
         intra-image blocks. Freezing them all makes each image's intra-image tokens a constant."""
         blocks = tuple(f"visual.transformer.resblocks.{i}" for i in range(self.config.intra_layers))
-        return ("visual.conv1", "visual.class_embedding", "visual.positional_embedding", "visual.ln_pre", *blocks)
+        return (*VISION_EMBEDDING, *blocks)
 
     def no_decay_names(self) -> set[str]:
         """Parameters trained without weight decay: every bias and every LayerNorm parameter."""
