@@ -243,8 +243,11 @@ def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp
         if ddp:  # all-reduce the gradients only after the last micro-batch
             model.require_backward_grad_sync = i == len(micro_batches) - 1
         images = [batch[k] for k in IMAGE_KEYS if k in batch]
+        # cut the captions after the batch's last end-of-text token (the largest id): the columns after it are
+        # padding everywhere, and in the causal text tower no token sees the ones after it
+        caption = batch["caption"][:, :int(batch["caption"].argmax(dim=-1).max()) + 1]  # (B, T')
         with ctx:
-            out = model(*images, batch["caption"])
+            out = model(*images, caption)
             # the all-gather inside the loss sees one micro-batch per process: accumulation shrinks the
             # set of contrastive negatives to micro-batch x processes, it does not grow it
             loss = contrastive_loss(out["text_embedding"], visual_embedding(out), out["logit_scale"])

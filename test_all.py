@@ -2107,6 +2107,25 @@ def test_a_mixed_precision_step_clips_the_true_gradients_not_the_loss_scaled_one
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # autocast: the weights stay float32
 
 
+def test_a_training_step_reads_the_captions_only_up_to_the_batchs_last_end_of_text_token():
+    model, optimizer, scaler, step = tiny_adapt_step("float32")
+    sot, eot = TINY["vocab_size"] - 2, TINY["vocab_size"] - 1
+    caption = torch.zeros(4, 16, dtype=torch.long)  # padded to max_words 16; the longest caption has 5 tokens
+    for row, words in enumerate([[5, 7], [9, 4, 3], [8], [6, 2, 11]]):
+        caption[row, :len(words) + 2] = torch.tensor([sot, *words, eot])
+    batch = {"before": _images(4, seed=1), "after": _images(4, seed=2), "caption": caption}
+    with torch.no_grad():  # the loss of the full padded rows, before the step
+        out = model(batch["before"], batch["after"], caption)
+        full = contrastive_loss(out["text_embedding"], out["pair_embedding"], out["logit_scale"])
+    seen = []
+    hook = model.clip.transformer.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
+    loss = adapt.train_step(model, optimizer, scaler, [batch], runtime.autocast(torch.device("cpu"), "float32"),
+                            adapt.Config(max_words=16), False, model.clip.logit_scale)
+    hook.remove()
+    assert seen == [5]  # the text tower ran on 5 columns, not 16
+    torch.testing.assert_close(loss, full, rtol=0, atol=1e-5)  # and the padding it skipped changed nothing
+
+
 @pytest.mark.parametrize("bad", [math.inf, math.nan])
 def test_a_float16_step_with_an_inf_or_nan_gradient_is_skipped_and_the_loss_scale_halves(bad):
     model, optimizer, scaler, step = tiny_adapt_step("float16")
