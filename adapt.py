@@ -59,7 +59,7 @@ import clip
 import data
 import metrics
 import runtime
-from encoder import EncoderConfig, PairEncoder
+from encoder import EncoderConfig, IntraTokens, PairEncoder
 from losses import contrastive_loss
 
 IMAGE_KEYS = ("before", "after", "image")  # a batch's images: a pair (stage 1) or one image (stage 0)
@@ -190,29 +190,6 @@ def build_encoder(config: Config, vocab_size: int) -> tuple[nn.Module, dict]:
         # block at lr x 1e-3), so each image's intra-image tokens are a constant that IntraTokens computes once
         model.freeze(model.intra_image_parts())
     return model, dataclasses.asdict(clip_config)
-
-
-class IntraTokens:
-    """path -> the image's intra-image tokens (N+1, D), computed once for every image of `pairs`.
-
-    Used in place of the image reader when the intra-image blocks are frozen (--freeze_intra): they, and so
-    their output, never change, and a training step then runs only the join, the inter-image blocks and the
-    text tower (encoder.encode_intra_tokens). Evaluation still encodes the pixels, all the way through.
-    """
-
-    def __init__(self, model: PairEncoder, pairs: list, images, batch_size: int, device, ctx):
-        paths = sorted({path for p in pairs for path in (p.before, p.after, p.distractor) if path is not None})
-        self.row = {path: i for i, path in enumerate(paths)}
-        chunks = []
-        with torch.no_grad():
-            for start in range(0, len(paths), batch_size):
-                pixels = torch.stack([images(path) for path in paths[start:start + batch_size]]).to(device)
-                with ctx:
-                    chunks.append(model.intra_image(pixels).float().cpu())  # (b, N+1, D)
-        self.tokens = torch.cat(chunks)  # (images, N+1, D)
-
-    def __call__(self, path) -> torch.Tensor:
-        return self.tokens[self.row[path]]  # (N+1, D)
 
 
 def build_optimizer(model: nn.Module, config: Config, device: torch.device) -> torch.optim.AdamW:

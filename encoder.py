@@ -227,6 +227,30 @@ def rename_reference_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torc
             for key, value in state_dict.items() if key.startswith("clip.")}
 
 
+class IntraTokens:
+    """path -> the image's intra-image tokens (N+1, D), computed once for every image of `pairs`.
+
+    Used in place of the image reader when the intra-image blocks are frozen (adapt.py --freeze_intra, and
+    caption.py --finetune_encoder on such a stage-1 checkpoint): they, and so their output, never change, and a
+    training step then starts at the join (PairEncoder.encode_intra_tokens). Evaluation still encodes the
+    pixels, all the way through. images is a function path -> normalised image (3, R, R).
+    """
+
+    def __init__(self, model: PairEncoder, pairs: list, images, batch_size: int, device, ctx):
+        paths = sorted({path for p in pairs for path in (p.before, p.after, p.distractor) if path is not None})
+        self.row = {path: i for i, path in enumerate(paths)}
+        chunks = []
+        with torch.no_grad():
+            for start in range(0, len(paths), batch_size):
+                pixels = torch.stack([images(path) for path in paths[start:start + batch_size]]).to(device)
+                with ctx:
+                    chunks.append(model.intra_image(pixels).float().cpu())  # (b, N+1, D)
+        self.tokens = torch.cat(chunks)  # (images, N+1, D)
+
+    def __call__(self, path) -> torch.Tensor:
+        return self.tokens[self.row[path]]  # (N+1, D)
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
     tiny = clip.CLIPConfig(embed_dim=32, image_resolution=64, vision_layers=4, vision_width=128, vision_patch_size=16,

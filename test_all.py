@@ -43,7 +43,7 @@ import explain
 import metrics
 import runtime
 from decoder import CaptionDecoder, DecoderConfig, ids_to_text
-from encoder import FROZEN_IN_REFERENCE, EncoderConfig, PairEncoder, rename_reference_keys
+from encoder import FROZEN_IN_REFERENCE, EncoderConfig, IntraTokens, PairEncoder, rename_reference_keys
 from losses import caption_loss, contrastive_loss, gather_with_grad
 
 HERE = Path(__file__).resolve().parent
@@ -687,8 +687,8 @@ def test_frozen_intra_image_blocks_train_from_their_tokens_computed_once_as_from
     pixels = dict(zip(["b0", "a0", "d0", "b1", "a1", "d1"], _images(batch=6)))
     pairs = [data.ImagePair(id=str(i), before=f"b{i}", after=f"a{i}", captions=["x"], distractor=f"d{i}")
              for i in range(2)]
-    cache = adapt.IntraTokens(model, pairs, pixels.__getitem__, batch_size=4, device=torch.device("cpu"),
-                              ctx=contextlib.nullcontext())
+    cache = IntraTokens(model, pairs, pixels.__getitem__, batch_size=4, device=torch.device("cpu"),
+                        ctx=contextlib.nullcontext())
     assert len(cache.row) == 6 and cache("d1").shape == (N + 1, D)
     text = torch.randint(1, 900, (2, 8))
     losses = []
@@ -2498,6 +2498,21 @@ def test_training_on_cached_features_then_eval_writes_predictions_scores_and_gri
     state = torch.load(out / "ckpt_best.pt", weights_only=True)  # loads without running code
     assert state["encoder_sha256"] == caption.sha256_file(stage1["encoder"])
     assert caption.load_encoder(stage1["encoder"])[0].config.intra_layers == 1  # the stage-1 config, rebuilt
+
+
+def test_the_synth_preset_finetunes_the_inter_image_blocks_and_keeps_stage_1s_frozen_intra_image_blocks(stage1,
+                                                                                                         tmp_path):
+    result = stage2(stage1, tmp_path / "cap", "--epochs", 1)
+    assert result.returncode == 0, result.stderr
+    assert "finetuning the encoder" in result.stdout and "intra-image tokens of" in result.stdout
+    before = torch.load(stage1["encoder"], weights_only=False)["model"]
+    after = {k.removeprefix("encoder."): v for k, v in
+             torch.load(tmp_path / "cap" / "ckpt_last.pt", weights_only=False)["model"].items()
+             if k.startswith("encoder.")}
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    intra = "clip.visual.transformer.resblocks.0."  # TINY_CLIP: 1 intra-image block, 1 inter-image block
+    assert not any(k.startswith(intra) or k.startswith("clip.visual.conv1") for k in changed)
+    assert "clip.visual.transformer.resblocks.1.attn.in_proj_weight" in changed and "before_embedding" in changed
 
 
 def test_stage_2_draws_a_missing_synthetic_dataset_before_reading_its_vocabulary(stage1, tmp_path):
