@@ -9,9 +9,9 @@ trained for IDC on the features extracted by the vision encoder": every pair is 
 are kept on disk in float16 (keyed by the stage-1 checkpoint), and the decoder trains on them, so an epoch
 costs the decoder alone. --finetune_encoder trains end to end with CLIP at lr x clip_lr_scale, as the
 reference does, keeping stage 1's frozen set: when stage 1 froze the intra-image blocks (the synth preset),
-they stay frozen and each training image's intra tokens are computed once. On CLEVR-Change-style data (use_no_change_pair) every item is two captions: the change
-pair with a change caption and the distractor pair (before, view-shifted before) with a no-change caption,
-their two losses summed, as the reference.
+they stay frozen and each training image's intra tokens are computed once. On CLEVR-Change-style data
+(use_no_change_pair) every item is two captions: the change pair with a change caption and the distractor
+pair (before, view-shifted before) with a no-change caption, their two losses summed, as the reference.
 
 The best epoch is chosen by CIDEr-D on the validation split, with patience; the test split is decoded and
 scored once at the end, and again by --eval: overall, semantic changes only, and per change type
@@ -213,6 +213,7 @@ def build_captioner(config: Config, encoder: PairEncoder, clip_config: dict, fre
         decoder = CaptionDecoder(decoder_config, token_embedding, positions)
         frozen = [p for p in FROZEN_IN_REFERENCE if not (p == "token_embedding" and config.train_word_embedding)]
         if freeze_intra:  # the same frozen set as stage 1's (REFERENCE 3.1: "the freezing loop is the same")
+            # differs from reference: frozen outright, as adapt.py --freeze_intra (the reference: lr 1e-7)
             frozen += encoder.intra_image_parts()
         # the text tower has no use in stage 2 (the reference runs it on a dummy caption and drops the output)
         encoder.freeze(tuple(frozen) + ("transformer", "ln_final", "text_projection", "logit_scale"))
@@ -533,7 +534,7 @@ def main(argv=None):
     if tokenizer.vocab_size != encoder.clip.config.vocab_size:
         raise ValueError(f"the tokenizer of {config.data} has {tokenizer.vocab_size} tokens but the stage-1 model "
                          f"{encoder_path} has {encoder.clip.config.vocab_size}: it was trained on another dataset")
-    freeze_intra = encoder_state["config"].get("freeze_intra", False)
+    freeze_intra = encoder_state.get("config", {}).get("freeze_intra", False)  # stage 1 froze the intra blocks
     captioner = build_captioner(config, encoder, encoder_state["clip_config"], freeze_intra)
     if inference:
         captioner.load_state_dict(best["model"])
