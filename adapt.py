@@ -16,6 +16,9 @@ synthetic CLIP "synth-ViT/32" shipped in assets/); train with AdamW, warmup + co
 logit_scale clamping; after every epoch, rank captions against pairs on the validation split (metrics.py)
 and keep the best checkpoint; at the end, report the best checkpoint's test retrieval.
 
+The file reads in that order: the Config and presets; the model, optimizer and schedule; one training step;
+evaluation; the process set-up (DDP, autocast, GradScaler); stage 1's data; stage 0; the loop and main.
+
 Stage 0 (--data scenes) is the same loop one step earlier: CLIP itself, from scratch, on single synthetic
 scenes and sentences naming their objects, with the same contrastive loss. It stands in for OpenAI's
 pretraining on 400M web image-text pairs, which the synthetic world lacks. It ends by checking CLIP-style
@@ -35,7 +38,6 @@ Run:  python adapt.py --data synth            the synthetic CLIP adapted to pair
       python adapt.py --data clevr            the paper's run on CLEVR-Change (GPUs recommended)
       torchrun --standalone --nproc_per_node=2 adapt.py --data clevr
       python adapt.py --data synth --resume   continue an interrupted run from out_dir/ckpt_last.pt
-      python adapt.py --bench [--compile]     one full-size ViT-B/32 training step on the CPU: pairs/s, GFLOP/s
 
 Shape letters: B pairs in a batch, R image side (224), T caption tokens (32), E joint embedding width.
 """
@@ -43,7 +45,9 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,8 +55,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed import destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils import flop_counter
 from torch.utils.data import DataLoader
 
 import clip
@@ -111,7 +115,14 @@ class Config:
     save_every: int = 200          # optimizer steps between ckpt_last.pt saves (and at every epoch end)
     eval_batch_size: int = 128     # pairs per batch when encoding the evaluation split
     resume: bool = False           # continue from out_dir/ckpt_last.pt
-    bench: bool = False            # time one full-size ViT-B/32 training step on the CPU and exit
+
+    def __post_init__(self):  # a bad value fails here, before any data is read
+        runtime.check_settings(self, positive=("synth_pairs", "max_words", "intra_layers", "scratch_width",
+                                               "scratch_layers", "scratch_patch", "scratch_text_width",
+                                               "scratch_text_layers", "scratch_embed_dim", "epochs", "batch_size",
+                                               "grad_accum", "lr", "log_every", "save_every", "eval_batch_size"),
+                               non_negative=("num_workers", "clip_lr_scale", "weight_decay", "grad_clip"),
+                               fraction=("warmup",))
 
 
 # Dataset presets, applied before the command-line flags (REFERENCE 2.1). IER has no reference run: we use
@@ -139,30 +150,6 @@ PRESETS = {
 # Model, optimizer and schedule
 
 
-class SceneCLIP(nn.Module):
-    """Stage 0: CLIP itself on one image and its description, as OpenAI pretrained it (CLIP paper, 2.3).
-
-    forward returns what train_step and evaluate read, as PairEncoder's does for a pair; the parameter
-    groups follow PairEncoder's rule (here every parameter is CLIP's; no decay on biases and norms).
-    """
-
-    def __init__(self, clip_model: clip.CLIP):
-        super().__init__()
-        self.clip = clip_model
-
-    def forward(self, image: torch.Tensor, text: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        out = {"image_embedding": self.clip.encode_image(image), "logit_scale": self.clip.logit_scale}  # (B, E)
-        if text is not None:
-            out["text_embedding"] = self.clip.encode_text(text)  # (B, E)
-        return out
-
-    def encode_text(self, text: torch.Tensor) -> torch.Tensor:
-        return self.clip.encode_text(text)  # (B, T) -> (B, E)
-
-    no_decay_names = PairEncoder.no_decay_names
-    optimizer_groups = PairEncoder.optimizer_groups
-
-
 def build_encoder(config: Config, vocab_size: int) -> tuple[nn.Module, dict]:
     """The pair encoder (stage 1) or CLIP alone (stage 0), and the CLIP sizes a checkpoint needs to rebuild it."""
     if config.clip_model == "scratch":
@@ -177,8 +164,9 @@ def build_encoder(config: Config, vocab_size: int) -> tuple[nn.Module, dict]:
         clip_model, _ = clip.load(config.clip_model)  # OpenAI's ViT-B/32, the synthetic CLIP, or a file
         clip_config = clip_model.config
         if clip_config.vocab_size != vocab_size:
-            raise ValueError(f"{config.clip_model} has a vocabulary of {clip_config.vocab_size} tokens but the "
-                             f"{config.data} dataset's tokenizer has {vocab_size}; use the model's vocabulary file")
+            raise runtime.ConfigError(f"{config.clip_model} has a vocabulary of {clip_config.vocab_size} tokens but "
+                                      f"the {config.data} dataset's tokenizer has {vocab_size}; use the model's "
+                                      f"vocabulary file")
     if config.pretrain:
         model = SceneCLIP(clip_model)
     else:
@@ -280,6 +268,103 @@ def evaluate(model: nn.Module, split, tokenizer, images, config: Config, device,
     return {f"{direction}_{name}": value for direction, by_name in scores.items() for name, value in by_name.items()}
 
 
+def summary(scores: dict) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in scores.items() if k.endswith(("R1", "R5")))
+
+
+# -----------------------------------------------------------------------------
+# Processes and precision, the nanoGPT way
+
+
+def setup(config: Config) -> tuple[runtime.Distributed, str, object, torch.amp.GradScaler]:
+    """This process: one of torchrun's (RANK is set: DDP) or the only one; its device; the precision context."""
+    device = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    ddp = int(os.environ.get("RANK", -1)) != -1
+    rank, local_rank, world_size = (int(os.environ.get(k, 0)) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if ddp and device.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+        init_process_group("nccl")
+        device = f"cuda:{local_rank}"
+    elif ddp:
+        init_process_group("gloo")
+        # torchrun sets OMP_NUM_THREADS=1: share this machine's cores between its local processes instead
+        torch.set_num_threads(max(1, data.usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+    dist_ = runtime.Distributed(ddp, rank, local_rank, world_size if ddp else 1, torch.device(device), rank == 0)
+    dtype = runtime.resolve_dtype(config.dtype, dist_.device)  # "auto": bf16 (or fp16) on a GPU, float32 on CPU
+    # weights stay float32; autocast runs the matrix products in bf16 or fp16
+    ctx = nullcontext() if dtype == "float32" else torch.autocast(dist_.device.type, dtype=getattr(torch, dtype))
+    # fp16 only: the loss is scaled up before backward so that small gradients do not underflow
+    scaler = torch.amp.GradScaler(dist_.device.type, enabled=(dtype == "float16"))
+    return dist_, dtype, ctx, scaler
+
+
+# -----------------------------------------------------------------------------
+# Stage 1's data: image pairs and their change captions
+
+
+def read_pairs(config: Config, dist_) -> tuple[dict, clip.SimpleTokenizer, data.ImageReader]:
+    """The dataset's splits of image pairs, its tokenizer and image reader (the synthetic set drawn if missing)."""
+    root = data.dataset_root(config.data, config.data_root or None)
+    if config.data == "synth":  # drawn once, by the master, while the other processes wait
+        if dist_.master:
+            data.ensure_synth(root, data.SynthConfig(pairs=config.synth_pairs))
+        if dist_.ddp:
+            dist.barrier()
+    splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
+    tokenizer = clip.get_tokenizer(data.bpe_path(config.data, root))
+    images = data.ImageReader()
+    if config.image_cache:
+        cache_dir = root / ".cache"
+        if dist_.master:
+            data.image_cache([p for s in splits.values() for p in s], cache_dir, "all")
+        if dist_.ddp:
+            dist.barrier()
+        images = data.ImageReader(cache=data.image_cache([p for s in splits.values() for p in s], cache_dir, "all"))
+    return splits, tokenizer, images
+
+
+# -----------------------------------------------------------------------------
+# Stage 0 (--data scenes): CLIP itself, pretrained on single synthetic scenes, the stand-in for OpenAI's
+# pretraining that made the synthetic CLIP the synth preset adapts
+
+
+class SceneCLIP(nn.Module):
+    """Stage 0: CLIP itself on one image and its description, as OpenAI pretrained it (CLIP paper, 2.3).
+
+    forward returns what train_step and evaluate read, as PairEncoder's does for a pair; the parameter
+    groups follow PairEncoder's rule (here every parameter is CLIP's; no decay on biases and norms).
+    """
+
+    def __init__(self, clip_model: clip.CLIP):
+        super().__init__()
+        self.clip = clip_model
+
+    def forward(self, image: torch.Tensor, text: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        out = {"image_embedding": self.clip.encode_image(image), "logit_scale": self.clip.logit_scale}  # (B, E)
+        if text is not None:
+            out["text_embedding"] = self.clip.encode_text(text)  # (B, E)
+        return out
+
+    def encode_text(self, text: torch.Tensor) -> torch.Tensor:
+        return self.clip.encode_text(text)  # (B, T) -> (B, E)
+
+    optimizer_groups = PairEncoder.optimizer_groups
+
+
+def read_scenes(config: Config, dist_) -> tuple[dict, clip.SimpleTokenizer]:
+    """Stage 0's splits of single scenes and their tokenizer; the scenes are drawn once, by the master, while the
+    others wait."""
+    root = Path(config.data_root or data.SCENES_ROOT)
+    if dist_.master:
+        data.ensure_scenes(root)
+    if dist_.ddp:
+        dist.barrier()
+    tokenizer = clip.get_tokenizer(root / data.SYNTH_BPE_FILE)
+    splits = {s: data.SceneSamples(root, s, tokenizer, train=s == "train", max_words=config.max_words)
+              for s in data.SPLITS}
+    return splits, tokenizer
+
+
 ZERO_SHOT_SCENES = 240        # stage 0's zero-shot check: held-out scenes of one object each
 ZERO_SHOT_FIRST = 1_000_000   # their indices, after every scene of data.SCENE_SPLITS
 SYNTH_CLIP_FILE = "synth-ViT-32.pt"  # stage 0's product, shipped in assets/ as the model clip.load calls "synth-ViT/32"
@@ -316,154 +401,41 @@ def export_clip(model: clip.CLIP, path: Path) -> Path:
     return path
 
 
-def summary(scores: dict) -> str:
-    return ", ".join(f"{k} {v:.1f}" for k, v in scores.items() if k.endswith(("R1", "R5")))
-
-
-# -----------------------------------------------------------------------------
-# Benchmark: one full-size training step, FLOPs counted, next to this machine's matmul rate
-
-# FlopCounterMode counts attention only for the GPU kernels; count the CPU flash-attention kernels the same
-# way (the products QK^T and PV, and the backward's five products).
-CPU_ATTENTION_FLOPS = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
-        lambda q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_flop_count(q, k, v),
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        lambda grad, q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_backward_flop_count(grad, q, k, v),
-}
-
-
-def matmul_gflops(n: int = 2048, repeats: int = 10) -> float:
-    """This machine's float32 matrix-multiply rate with the current thread count, in GFLOP/s (best of repeats)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    best = min(_timed(lambda: a @ b) for _ in range(repeats))
-    return 2 * n ** 3 / best / 1e9
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def benchmark(threads: int = 2, batch_size: int = 16, steps: int = 3, compile: bool = False) -> dict:
-    """One stage-1 step of a ViT-B/32-sized encoder (random weights), float32 on the CPU, batch 16, T = 32.
-
-    The same train_step and optimizer as training, with the reference's frozen set. The FLOPs are counted
-    on a first, eager step (the counter cannot see into compiled code); the step time is the fastest of
-    `steps` timed steps after it (and after compiling, with compile).
-    """
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    config = Config(batch_size=batch_size)
-    encoder = PairEncoder(clip.CLIP(clip.CLIPConfig()), EncoderConfig(config.intra_layers)).train()
-    encoder.freeze()
-    optimizer = build_optimizer(encoder, config, torch.device("cpu"))
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    side, vocab = encoder.clip.visual.input_resolution, encoder.clip.config.vocab_size
-    text = torch.randint(0, vocab - 2, (batch_size, config.max_words))
-    text[:, 0], text[:, -1] = vocab - 2, vocab - 1  # start and end tokens
-    batch = {"before": torch.randn(batch_size, 3, side, side), "after": torch.randn(batch_size, 3, side, side),
-             "caption": text}
-    step = lambda model: train_step(model, optimizer, scaler, [batch], runtime.autocast(torch.device("cpu"), "float32"),
-                                    config, False, encoder.clip.logit_scale)
-    with flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
-        step(encoder)
-    model, result = encoder, {"threads": threads, "batch_size": batch_size, "compiled": compile}
-    if compile:
-        model = torch.compile(encoder)
-        result["compile_s"] = _timed(lambda: step(model))
-    matmul_before = matmul_gflops()
-    step_s = min(_timed(lambda: step(model)) for _ in range(steps))
-    matmul = max(matmul_before, matmul_gflops())  # the better of two, so a busy moment cannot flatter the step
-    gflop = counter.get_total_flops() / 1e9
-    return {**result, "pairs_per_s": batch_size / step_s, "step_s": step_s, "gflop_per_step": gflop,
-            "gflop_per_s": gflop / step_s, "matmul_gflop_per_s": matmul, "fraction_of_matmul": gflop / step_s / matmul}
+def finish_stage0(model: SceneCLIP, tokenizer, config: Config, device, ctx, out_dir: Path, say) -> None:
+    """Stage 0's product: the zero-shot check, and the best epoch's CLIP as a weights file in OpenAI's names."""
+    accuracy = zero_shot_attributes(model, tokenizer, config, device, ctx)
+    runtime.save_json(accuracy, out_dir / "zero_shot.json")
+    say("zero-shot attributes of held-out single-object scenes, CLIP-style (prompts of all 96 objects): "
+        + ", ".join(f"{k} {v:.1f}%" for k, v in accuracy.items()))
+    path = export_clip(model.clip, out_dir / SYNTH_CLIP_FILE)
+    say(f"wrote {path}, sha256 {clip.sha256_of(path)}")
 
 
 # -----------------------------------------------------------------------------
 # The run
 
 
-def read_pairs(config: Config, dist_) -> tuple[dict, clip.SimpleTokenizer, data.ImageReader]:
-    """The dataset's splits of image pairs, its tokenizer and image reader (the synthetic set drawn if missing)."""
-    root = data.dataset_root(config.data, config.data_root or None)
-    if config.data == "synth":  # drawn once, by the master, while the other processes wait
-        if dist_.master:
-            data.ensure_synth(root, data.SynthConfig(pairs=config.synth_pairs))
-        if dist_.ddp:
-            dist.barrier()
-    splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
-    tokenizer = clip.get_tokenizer(data.bpe_path(config.data, root))
-    images = data.ImageReader()
-    if config.image_cache:
-        cache_dir = root / ".cache"
-        if dist_.master:
-            data.image_cache([p for s in splits.values() for p in s], cache_dir, "all")
-        if dist_.ddp:
-            dist.barrier()
-        images = data.ImageReader(cache=data.image_cache([p for s in splits.values() for p in s], cache_dir, "all"))
-    return splits, tokenizer, images
+def checkpoint(model: nn.Module, optimizer, scaler, config: Config, clip_config: dict, tokenizer, **progress) -> dict:
+    """What ckpt_last.pt and ckpt_best.pt hold: enough to resume, and to rebuild the encoder in stage 2."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+            "config": dataclasses.asdict(config), "clip_config": clip_config,
+            "encoder_config": None if config.pretrain else dataclasses.asdict(model.config),
+            "bpe_path": str(tokenizer.bpe_path), **progress, "rng": runtime.rng_state()}
 
 
-def main(argv=None):
-    config = runtime.parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
-    runtime.keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
-    if config.bench:
-        print(json.dumps(benchmark(compile=config.compile), indent=2))
-        return
-    dist_ = runtime.setup_distributed(config.device)
+def train(config: Config, dist_, ctx, scaler, dtype: str, model: nn.Module, raw_model: nn.Module, optimizer,
+          train_set, splits: dict, tokenizer, images, clip_config: dict, state: dict | None, out_dir: Path) -> int:
+    """The training loop; after every epoch, validation retrieval on the master, which keeps the best epoch in
+    ckpt_best.pt. Returns the last step."""
     device, master = dist_.device, dist_.master
-    dtype = runtime.resolve_dtype(config.dtype, device)
-    ctx = runtime.autocast(device, dtype)
-    scaler = torch.amp.GradScaler(device.type, enabled=(dtype == "float16"))
-    runtime.seed_everything(config.seed + dist_.rank)
-    out_dir = Path(config.out_dir or f"runs/adapt_{config.data}")
-    log = runtime.JsonlLog(out_dir / "log.jsonl", enabled=master)
     say = print if master else (lambda *a, **k: None)
-
-    # --- data ---
-    if config.pretrain:  # stage 0: single synthetic scenes, drawn once by the master while the others wait
-        root = Path(config.data_root or data.SCENES_ROOT)
-        if master:
-            data.ensure_scenes(root)
-        if dist_.ddp:
-            dist.barrier()
-        tokenizer = clip.get_tokenizer(root / data.SYNTH_BPE_FILE)
-        splits = {s: data.SceneSamples(root, s, tokenizer, train=s == "train", max_words=config.max_words)
-                  for s in data.SPLITS}
-        train_set, images = splits["train"], None
-    else:
-        splits, tokenizer, images = read_pairs(config, dist_)
-        train_set = data.AdaptationSamples(splits["train"], tokenizer, train=True, images=images,
-                                           max_words=config.max_words)
-
-    # --- model, optimizer, resume ---
-    model, clip_config = build_encoder(config, tokenizer.vocab_size)
-    model.to(device)
-    optimizer = build_optimizer(model, config, device)
     step, best, best_epoch, history = 0, -1.0, -1, []
-    ckpt_path = out_dir / "ckpt_last.pt"
-    state = runtime.start_or_resume(ckpt_path, config, MODEL_KEYS, dist_, model, optimizer, scaler)
     if state is not None:
         step, best, best_epoch, history = state["step"], state["best_metric"], state["best_epoch"], state["history"]
-        say(f"resumed {ckpt_path} at step {step}")
-    if config.freeze_intra and not config.pretrain:  # training reads each image's intra tokens, computed now
-        started = time.time()
-        train_set.images = IntraTokens(model, splits["train"], images, config.eval_batch_size, device, ctx)
-        say(f"intra-image tokens of {len(train_set.images.row)} training images computed once "
-            f"({time.time() - started:.0f} s): the intra-image blocks are frozen")
-    raw_model = model
-    if config.compile:
-        model = torch.compile(model)
-    if dist_.ddp:
-        model = DDP(model, device_ids=[dist_.local_rank] if device.type == "cuda" else None)
-
-    # --- batches ---
     micro, sampler, steps_per_epoch = runtime.batch_plan(train_set, config.batch_size, config.grad_accum, dist_,
                                                          config.seed)
     total_steps = config.epochs * steps_per_epoch
+    log = runtime.JsonlLog(out_dir / "log.jsonl", enabled=master)
     if master:
         runtime.save_json(dataclasses.asdict(config), out_dir / "config.json")
         say(json.dumps(dataclasses.asdict(config)))
@@ -471,17 +443,9 @@ def main(argv=None):
             f"{config.batch_size} = {micro} x {dist_.world_size} processes x {config.grad_accum} accumulation; "
             f"{steps_per_epoch} steps per epoch, {total_steps} in all; {dtype} on {device}; "
             f"{sum(p.numel() for p in raw_model.parameters() if p.requires_grad) / 1e6:.1f}M trainable parameters")
-
-    def save(path, epoch):
-        runtime.save_checkpoint({
-            "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
-            "config": dataclasses.asdict(config), "clip_config": clip_config,
-            "encoder_config": None if config.pretrain else dataclasses.asdict(raw_model.config),
-            "bpe_path": str(tokenizer.bpe_path),
-            "epoch": epoch, "step": step, "best_metric": best, "best_epoch": best_epoch, "history": history,
-            "rng": runtime.rng_state()}, path)
-
-    # --- training ---
+    save = lambda path, epoch: runtime.save_checkpoint(checkpoint(
+        raw_model, optimizer, scaler, config, clip_config, tokenizer, epoch=epoch, step=step, best_metric=best,
+        best_epoch=best_epoch, history=history), path)
     progress = runtime.Progress(total_steps, first_step=step)
     model.train()
     while step < total_steps:
@@ -498,46 +462,83 @@ def main(argv=None):
                               raw_model.clip.logit_scale)
             step += 1
             if master and (step % config.log_every == 0 or step == total_steps):
-                loss_value, scale = loss.item(), raw_model.clip.logit_scale.exp().item()
+                loss_value, scale = loss.item(), raw_model.clip.logit_scale.exp().item()  # .item() waits: here only
                 say(progress.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=loss_value,
                                   lr=get_lr(step, total_steps, config), temp=1 / scale), flush=True)
                 log.write(step=step, epoch=epoch, loss=loss_value, lr=get_lr(step, total_steps, config),
                           logit_scale=scale)
             if master and step % config.save_every == 0 and step % steps_per_epoch:
-                save(ckpt_path, epoch)
-        # end of epoch: validation retrieval on the master, the others wait
-        if master:
+                save(out_dir / "ckpt_last.pt", epoch)
+        if master:  # end of epoch: validation retrieval on the master, the others wait
             scores = evaluate(raw_model, splits["val"], tokenizer, images, config, device, ctx)
             history.append({"epoch": epoch, "step": step, **scores})
             improved = scores["text_to_pair_R1"] >= best  # a tie keeps the later epoch, as the reference
-            if improved:
-                best, best_epoch = scores["text_to_pair_R1"], epoch
+            best, best_epoch = (scores["text_to_pair_R1"], epoch) if improved else (best, best_epoch)
             say(f"epoch {epoch + 1} validation: {summary(scores)}" + (" (best so far)" if improved else ""))
             log.write(step=step, epoch=epoch, split="val", **scores)
             if improved:
                 save(out_dir / "ckpt_best.pt", epoch)
-            save(ckpt_path, epoch)
+            save(out_dir / "ckpt_last.pt", epoch)
         if dist_.ddp:
             dist.barrier()
+    return step
 
-    # --- test: the epoch chosen on validation, scored once ---
+
+def test(model: nn.Module, splits: dict, tokenizer, images, config: Config, device, ctx, step: int,
+         out_dir: Path) -> None:
+    """The test split's retrieval, scored once, with the epoch chosen on validation (test_retrieval.json)."""
+    state = runtime.load_checkpoint(out_dir / "ckpt_best.pt")
+    model.load_state_dict(state["model"])
+    best_epoch = state["best_epoch"]
+    scores = evaluate(model, splits["test"], tokenizer, images, config, device, ctx)
+    runtime.JsonlLog(out_dir / "log.jsonl").write(step=step, split="test", best_epoch=best_epoch, **scores)
+    runtime.save_json({"best_epoch": best_epoch, "val_text_to_pair_R1": state["best_metric"], **scores},
+                      out_dir / "test_retrieval.json")
+    print(f"test retrieval of the best epoch ({best_epoch + 1}, chosen on validation):")
+    print("\n".join(f"  {k:<18} {v:8.2f}" for k, v in scores.items()))
+
+
+def main(argv=None):
+    config = runtime.parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
+    runtime.keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
+    dist_, dtype, ctx, scaler = setup(config)
+    device, master = dist_.device, dist_.master
+    runtime.seed_everything(config.seed + dist_.rank)
+    out_dir = Path(config.out_dir or f"runs/adapt_{config.data}")
+    if config.pretrain:  # stage 0: single scenes, each with its description
+        splits, tokenizer = read_scenes(config, dist_)
+        train_set, images = splits["train"], None
+    else:  # stage 1: image pairs, each with its change captions
+        splits, tokenizer, images = read_pairs(config, dist_)
+        train_set = data.AdaptationSamples(splits["train"], tokenizer, train=True, images=images,
+                                           max_words=config.max_words)
+    model, clip_config = build_encoder(config, tokenizer.vocab_size)
+    model.to(device)
+    optimizer = build_optimizer(model, config, device)
+    ckpt_path = out_dir / "ckpt_last.pt"
+    state = runtime.start_or_resume(ckpt_path, config, MODEL_KEYS, dist_, model, optimizer, scaler)
+    if state is not None and master:
+        print(f"resumed {ckpt_path} at step {state['step']}")
+    if config.freeze_intra and not config.pretrain:  # training reads each image's intra tokens, computed now
+        started = time.time()
+        train_set.images = IntraTokens(model, splits["train"], images, config.eval_batch_size, device, ctx)
+        if master:
+            print(f"intra-image tokens of {len(train_set.images.row)} training images computed once "
+                  f"({time.time() - started:.0f} s): the intra-image blocks are frozen")
+    raw_model = model  # for saving, evaluating and clamping logit_scale
+    if config.compile:
+        model = torch.compile(model)
+    if dist_.ddp:
+        model = DDP(model, device_ids=[dist_.local_rank] if device.type == "cuda" else None)
+    step = train(config, dist_, ctx, scaler, dtype, model, raw_model, optimizer, train_set, splits, tokenizer, images,
+                 clip_config, state, out_dir)
     if master:
-        state = runtime.load_checkpoint(out_dir / "ckpt_best.pt")
-        raw_model.load_state_dict(state["model"])
-        scores = evaluate(raw_model, splits["test"], tokenizer, images, config, device, ctx)
-        log.write(step=step, split="test", best_epoch=best_epoch, **scores)
-        runtime.save_json({"best_epoch": best_epoch, "val_text_to_pair_R1": best, **scores},
-                          out_dir / "test_retrieval.json")
-        say(f"test retrieval of the best epoch ({best_epoch + 1}, chosen on validation):")
-        say("\n".join(f"  {k:<18} {v:8.2f}" for k, v in scores.items()))
-        if config.pretrain:  # stage 0's product: the best epoch's CLIP as a weights file in OpenAI's names
-            accuracy = zero_shot_attributes(raw_model, tokenizer, config, device, ctx)
-            runtime.save_json(accuracy, out_dir / "zero_shot.json")
-            say("zero-shot attributes of held-out single-object scenes, CLIP-style (prompts of all 96 objects): "
-                + ", ".join(f"{k} {v:.1f}%" for k, v in accuracy.items()))
-            path = export_clip(raw_model.clip, out_dir / SYNTH_CLIP_FILE)
-            say(f"wrote {path}, sha256 {clip.sha256_of(path)}")
-    runtime.cleanup_distributed(dist_)
+        test(raw_model, splits, tokenizer, images, config, device, ctx, step, out_dir)
+        if config.pretrain:
+            finish_stage0(raw_model, tokenizer, config, device, ctx, out_dir, print)
+    if dist_.ddp:
+        dist.barrier()  # every process done before any tears the group down (a gloo peer may abort otherwise)
+        destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ data knows where the changed object is (the synthetic set; CLEVR-Change with RCC
 localisation, a pointing game on the encoder's and the decoder's attention (explain.py), and writes
 test_attention.png: the attention maps of the first pairs of the grid, word by word.
 
+The file reads in that order: the Config and presets; the captioner (the stage-1 encoder, the decoder, the
+optimizer and one training step); pair features; decoding and scoring; the process set-up (DDP, autocast,
+GradScaler); what every job reads; the three jobs (caption one pair, evaluate, train) and main.
+
 Differs from reference (REFERENCE.md section 3):
   - the best epoch is chosen on the validation split (the reference uses the test split);
   - by default the decoder trains on cached encoder features (--finetune_encoder, the synth preset's, for the
@@ -36,7 +40,6 @@ Run:  python caption.py --data synth                  train on the synthetic set
       python caption.py --data synth --pair A.png B.png   caption one pair of your own images
       python caption.py --data synth --pair A.png B.png --explain OUT.png   ... and show where the models looked
       python caption.py --data clevr                  the paper's run; torchrun works as for adapt.py
-      python caption.py --bench                       CPU timings: ViT-B/32 encoding, greedy decoding, training
 
 Shape letters: B pairs in a batch, M visual tokens per pair (100), E width (512), T caption tokens, V vocabulary.
 """
@@ -44,7 +47,9 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +57,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed import destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
@@ -61,7 +67,7 @@ import explain
 import metrics
 import runtime
 from decoder import CaptionDecoder, DecoderConfig, ids_to_text
-from encoder import FROZEN_IN_REFERENCE, EncoderConfig, IntraTokens, PairEncoder
+from encoder import FROZEN_IN_REFERENCE, EncoderConfig, IntraTokens, PairEncoder, no_decay_names
 from losses import caption_loss
 
 MODEL_KEYS = ("data", "max_words", "finetune_encoder", "use_no_change_pair", "train_word_embedding",
@@ -113,7 +119,14 @@ class Config:
     eval: bool = False             # decode and score the test split with out_dir/ckpt_best.pt, then exit
     pair: tuple[str, str] = ()     # BEFORE AFTER: caption these two images with out_dir/ckpt_best.pt, then exit
     explain: str = ""              # with --pair: also write this PNG of where the encoder and the decoder attend
-    bench: bool = False            # time encoding, decoding and a training step on the CPU, then exit
+
+    def __post_init__(self):  # a bad value fails here, before any data is read
+        runtime.check_settings(self, positive=("max_words", "decoder_layers", "decoder_heads", "decoder_ffn", "epochs",
+                                               "batch_size", "grad_accum", "lr", "max_len", "log_every", "save_every",
+                                               "eval_batch_size"),
+                               non_negative=("num_workers", "patience", "clip_lr_scale", "weight_decay", "grad_clip",
+                                             "dropout"),
+                               fraction=("warmup",))
 
 
 # Dataset presets (REFERENCE 3.4). Spot-the-Diff, IER and your own pairs have no distractor images, and on
@@ -147,14 +160,6 @@ def load_encoder(path: Path) -> tuple[PairEncoder, dict]:
     encoder = PairEncoder(clip.CLIP(clip.CLIPConfig(**state["clip_config"])), EncoderConfig(**state["encoder_config"]))
     encoder.load_state_dict(state["model"])
     return encoder.eval(), state
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class Captioner(nn.Module):
@@ -202,8 +207,8 @@ def build_captioner(config: Config, encoder: PairEncoder, clip_config: dict, fre
     token_embedding, positions = encoder.clip.token_embedding.weight, encoder.clip.positional_embedding
     width, embed = token_embedding.shape[1], clip_config["embed_dim"]
     if width != embed:
-        raise ValueError(f"the decoder ties its word embedding to CLIP's token embedding of width {width}, so the "
-                         f"pair tokens must have that width too, but CLIP's joint width is {embed}")
+        raise runtime.ConfigError(f"the decoder ties its word embedding to CLIP's token embedding of width {width}, "
+                                  f"so the pair tokens must have that width too, but CLIP's joint width is {embed}")
     decoder_config = DecoderConfig(hidden=embed, heads=config.decoder_heads, ffn=config.decoder_ffn,
                                    layers=config.decoder_layers, dropout=config.dropout,
                                    attention_dropout=config.dropout, vocab_size=token_embedding.shape[0],
@@ -228,18 +233,16 @@ def build_captioner(config: Config, encoder: PairEncoder, clip_config: dict, fre
 def build_optimizer(captioner: Captioner, config: Config) -> torch.optim.AdamW:
     """The decoder at lr; the encoder and the word embedding (CLIP's) at lr x clip_lr_scale (REFERENCE 3.1).
 
-    No weight decay on biases and LayerNorms. named_parameters lists a tied Parameter once, under its first
+    No weight decay on biases and LayerNorms (encoder.no_decay_names). named_parameters lists a tied Parameter once, under its first
     name: when finetuning, CLIP's (encoder.clip.token_embedding.weight), as in the reference.
     """
-    norms = {f"{name}.{p}" for name, m in captioner.named_modules() if isinstance(m, nn.LayerNorm)
-             for p, _ in m.named_parameters()}
+    no_decay = no_decay_names(captioner)
     groups = {}
     for name, p in captioner.named_parameters():
         if not p.requires_grad:
             continue
         role = "clip" if name.startswith("encoder.") or name == "decoder.word_embedding" else "decoder"
-        decay = not (name.endswith("bias") or name in norms)
-        groups.setdefault((role, decay), []).append(p)
+        groups.setdefault((role, name not in no_decay), []).append(p)
     scales = {"clip": config.clip_lr_scale, "decoder": 1.0}
     return torch.optim.AdamW([{"params": params, "lr": config.lr * scales[role], "lr_scale": scales[role],
                                "weight_decay": config.weight_decay if decay else 0.0}
@@ -423,65 +426,82 @@ def evaluate_test(encoder, decoder, features: np.ndarray, pairs, test_pairs, ima
 
 
 # -----------------------------------------------------------------------------
-# Benchmark: the CLEVR-Change test split's decoding cost and a training step, full-size, on the CPU
+# Processes and precision, the nanoGPT way
 
 
-def benchmark(threads: int = 2, pairs: int = 64, batch: int = 32, steps: int = 22, train_batch: int = 16) -> dict:
-    """Encoding (ViT-B/32 pair encoder), greedy decoding with and without the cache (same weights, `steps`
-    tokens per caption: EOT is forbidden so both run every step, as the reference always does), and one
-    training step on cached features (batch 16 pairs, two captions each as on CLEVR-Change)."""
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    config = Config()
-    encoder = PairEncoder(clip.CLIP(clip.CLIPConfig()), EncoderConfig()).eval()
-    captioner = build_captioner(config, encoder, dataclasses.asdict(encoder.clip.config))
-    decoder = captioner.decoder.eval()
-    vocab = decoder.config.vocab_size
-    sot, eot = vocab - 2, vocab - 1
-    with torch.no_grad():
-        decoder.output_bias[eot] = -1e4  # random weights: never stop early, so every caption takes `steps` tokens
-    side = encoder.clip.visual.input_resolution
-    images = torch.randn(pairs, 3, side, side)
-    timed = lambda fn: (lambda start: (fn(), time.perf_counter() - start)[1])(time.perf_counter())
-    with torch.no_grad():
-        encoder.encode_pair(images[:2], images[:2])  # warm-up
-        encode_s = sum(timed(lambda: encoder.encode_pair(images[i:i + batch], images[i:i + batch]))
-                       for i in range(0, pairs, batch))
-        visual = encoder.encode_pair(images[:batch], images[:batch])["pair_tokens"]  # (B, M, E)
-        decoder.greedy_decode(visual[:2], sot, eot, 2)  # warm-up
-        cached_s = timed(lambda: decoder.greedy_decode(visual, sot, eot, steps, use_cache=True))
-        full_s = timed(lambda: decoder.greedy_decode(visual, sot, eot, steps, use_cache=False))
-    # training on cached features: captions of 8 to 16 tokens, as CLEVR-Change's, padded to max_words
-    captioner.train()
-    optimizer = build_optimizer(captioner, config)
-    lengths = torch.randint(8, 17, (2, train_batch))
-    def caption(n):
-        ids = torch.zeros(train_batch, config.max_words, dtype=torch.long)
-        for i, length in enumerate(lengths[n].tolist()):
-            ids[i, :length] = torch.randint(1, vocab - 2, (length,))
-        return ids
-    batch_ = {"visual": torch.randn(train_batch, *visual.shape[1:]), "caption_in": caption(0), "caption_out": caption(0),
-              "no_change_visual": torch.randn(train_batch, *visual.shape[1:]),
-              "no_change_caption_in": caption(1), "no_change_caption_out": caption(1)}
-    def train_step():
-        captioner(batch_).backward()
-        torch.nn.utils.clip_grad_norm_(captioner.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    train_step()  # warm-up
-    train_s = min(timed(train_step) for _ in range(3))
-    test_pairs = 7970  # CLEVR-Change test split: 3,985 change pairs + 3,985 distractor pairs
-    return {"threads": threads, "encode_pairs_per_s": pairs / encode_s,
-            "decode_cached_captions_per_s": batch / cached_s, "decode_full_recompute_captions_per_s": batch / full_s,
-            "decode_speedup": full_s / cached_s, "clevr_test_encode_min": test_pairs / (pairs / encode_s) / 60,
-            "clevr_test_decode_cached_min": test_pairs / (batch / cached_s) / 60,
-            "clevr_test_decode_full_recompute_min": test_pairs / (batch / full_s) / 60,
-            "train_pairs_per_s_cached_features": train_batch / train_s,
-            "clevr_train_epoch_min": 33830 / (train_batch / train_s) / 60}
+def setup(config: Config) -> tuple[runtime.Distributed, str, object, torch.amp.GradScaler]:
+    """This process: one of torchrun's (RANK is set: DDP) or the only one; its device; the precision context."""
+    device = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    ddp = int(os.environ.get("RANK", -1)) != -1
+    rank, local_rank, world_size = (int(os.environ.get(k, 0)) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if ddp and device.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+        init_process_group("nccl")
+        device = f"cuda:{local_rank}"
+    elif ddp:
+        init_process_group("gloo")
+        # torchrun sets OMP_NUM_THREADS=1: share this machine's cores between its local processes instead
+        torch.set_num_threads(max(1, data.usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+    dist_ = runtime.Distributed(ddp, rank, local_rank, world_size if ddp else 1, torch.device(device), rank == 0)
+    dtype = runtime.resolve_dtype(config.dtype, dist_.device)  # "auto": bf16 (or fp16) on a GPU, float32 on CPU
+    # weights stay float32; autocast runs the matrix products in bf16 or fp16
+    ctx = nullcontext() if dtype == "float32" else torch.autocast(dist_.device.type, dtype=getattr(torch, dtype))
+    # fp16 only: the loss is scaled up before backward so that small gradients do not underflow
+    scaler = torch.amp.GradScaler(dist_.device.type, enabled=(dtype == "float16"))
+    return dist_, dtype, ctx, scaler
 
 
 # -----------------------------------------------------------------------------
-# The run
+# What every job reads: the stage-1 encoder, the tokenizer, the splits and their pair tokens
+
+
+@dataclass
+class Stage1:
+    """The stage-1 checkpoint stage 2 builds on."""
+    path: Path
+    sha256: str           # the captioner records it, and refuses to run on another encoder
+    encoder: PairEncoder  # in eval mode
+    state: dict           # the checkpoint's other entries: config, clip_config, bpe_path
+    freeze_intra: bool    # stage 1 froze the intra-image blocks (the synth preset): stage 2 keeps them frozen
+
+
+def load_stage1(config: Config, best: dict | None, out_dir: Path) -> Stage1:
+    """The stage-1 encoder; best: the trained captioner (--eval, --pair), which must have been trained on it."""
+    path = Path(config.encoder_ckpt or f"runs/adapt_{config.data}/ckpt_best.pt")
+    encoder, state = load_encoder(path)
+    sha256 = clip.sha256_of(path)
+    if best is not None and best["encoder_sha256"] != sha256:
+        raise runtime.ConfigError(f"{path} changed since {out_dir / 'ckpt_best.pt'} was trained on it (its sha256 "
+                                  f"differs); train stage 2 again, or restore that stage-1 checkpoint")
+    return Stage1(path, sha256, encoder, state, state.get("config", {}).get("freeze_intra", False))
+
+
+def read_splits(config: Config, dist_, root: Path, resolution: int) -> tuple[dict, data.ImageReader, dict]:
+    """The dataset's splits, the image reader (from the cache with --image_cache) and each split's evaluation
+    pairs (with CLEVR-Change's distractor pairs, data.evaluation_pairs)."""
+    splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
+    images = data.ImageReader(resolution)
+    if config.image_cache:
+        every_pair = [p for s in splits.values() for p in s]
+        if dist_.master:  # written once, by the master, while the others wait
+            data.image_cache(every_pair, root / ".cache", "all")
+        if dist_.ddp:
+            dist.barrier()
+        images = data.ImageReader(resolution, data.image_cache(every_pair, root / ".cache", "all"))
+    return splits, images, {s: data.evaluation_pairs(splits[s], config.use_no_change_pair) for s in data.SPLITS}
+
+
+def feature_paths(config: Config, dist_, ctx, stage1: Stage1, eval_pairs: dict, images, names, out_dir: Path):
+    """{split: the .npy file of its pair tokens} for the splits `names`: encoded by the master while the others
+    wait, then found in the cache by the others."""
+    def find_or_encode():
+        return {s: cached_features(stage1.encoder, stage1.sha256, eval_pairs[s], images, out_dir / "features", s,
+                                   config, dist_.device, ctx) for s in names}
+    paths = find_or_encode() if dist_.master else {}
+    if dist_.ddp:
+        dist.barrier()
+        paths = paths or find_or_encode()
+    return paths
 
 
 def split_features(captioner: Captioner, feature_path: dict, split: str, pairs, images, config: Config, device,
@@ -494,116 +514,102 @@ def split_features(captioner: Captioner, feature_path: dict, split: str, pairs, 
                         split)
 
 
-def main(argv=None):
-    config = runtime.parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
-    runtime.keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
-    if config.explain and not config.pair:
-        raise ValueError("--explain writes the attention maps of one pair: use it with --pair BEFORE AFTER "
-                         "(--eval writes test_attention.png by itself)")
-    if config.bench:
-        print(json.dumps(benchmark(), indent=2))
-        return
-    out_dir = Path(config.out_dir or f"runs/caption_{config.data}")
-    inference = config.eval or bool(config.pair)
-    if inference:  # the trained captioner decides the model settings and names the encoder it was trained on
-        best = runtime.load_checkpoint(out_dir / "ckpt_best.pt", required=("model", "config", "encoder_sha256"))
-        config = dataclasses.replace(config, encoder_ckpt=best["encoder_ckpt"],
-                                     **{k: best["config"][k] for k in MODEL_KEYS if k != "data"})
-    dist_ = runtime.setup_distributed(config.device)
-    device, master = dist_.device, dist_.master
-    dtype = runtime.resolve_dtype(config.dtype, device)
-    ctx = runtime.autocast(device, dtype)
-    scaler = torch.amp.GradScaler(device.type, enabled=(dtype == "float16"))
-    runtime.seed_everything(config.seed + dist_.rank)
-    say = print if master else (lambda *a, **k: None)
+# -----------------------------------------------------------------------------
+# The three jobs: caption one pair, evaluate on the test split, train
 
-    # --- the stage-1 encoder, the tokenizer it was trained with, the captioner ---
-    root = data.dataset_root(config.data, config.data_root or None)
-    if config.data == "synth" and not config.pair:  # drawn first: the tokenizer reads its vocabulary file
-        if master:
-            data.ensure_synth(root, data.SynthConfig(pairs=config.synth_pairs))
-        if dist_.ddp:
-            dist.barrier()
-    encoder_path = Path(config.encoder_ckpt or f"runs/adapt_{config.data}/ckpt_best.pt")
-    encoder, encoder_state = load_encoder(encoder_path)
-    encoder_sha = sha256_file(encoder_path)
-    if inference and best["encoder_sha256"] != encoder_sha:
-        raise ValueError(f"{encoder_path} changed since {out_dir / 'ckpt_best.pt'} was trained on it (its sha256 "
-                         f"differs); train stage 2 again, or restore that stage-1 checkpoint")
-    tokenizer = clip.get_tokenizer(encoder_state["bpe_path"] if config.pair else data.bpe_path(config.data, root))
-    if tokenizer.vocab_size != encoder.clip.config.vocab_size:
-        raise ValueError(f"the tokenizer of {config.data} has {tokenizer.vocab_size} tokens but the stage-1 model "
-                         f"{encoder_path} has {encoder.clip.config.vocab_size}: it was trained on another dataset")
-    freeze_intra = encoder_state.get("config", {}).get("freeze_intra", False)  # stage 1 froze the intra blocks
-    captioner = build_captioner(config, encoder, encoder_state["clip_config"], freeze_intra)
-    if inference:
-        captioner.load_state_dict(best["model"])
-    captioner.to(device)
-    encoder.to(device)
-    images = data.ImageReader(encoder.clip.visual.input_resolution)
 
-    if config.pair:  # caption one pair of the user's own images
-        before, after = (images(Path(p)).unsqueeze(0).to(device) for p in config.pair)  # (1, 3, R, R) each
-        with torch.no_grad(), ctx:
-            visual = encoder.eval().encode_pair(before, after)["pair_tokens"]  # (1, M, E)
-        pair = data.ImagePair(" -> ".join(Path(p).name for p in config.pair), *map(Path, config.pair), captions=[])
-        print(predict(captioner.decoder, visual.float().cpu().numpy(), [pair], tokenizer, config, device, ctx)[pair.id])
-        if config.explain:
-            explain.explain_pairs(encoder, captioner.decoder, [pair], images, tokenizer, config.max_len,
-                                  Path(config.explain), device, ctx)
-            print(f"attention maps: {config.explain}")
-        return
+def caption_pair(config: Config, stage1: Stage1, captioner: Captioner, tokenizer, device, ctx) -> None:
+    """Print the caption of the user's pair (--pair BEFORE AFTER); with --explain, write its attention maps."""
+    images = data.ImageReader(stage1.encoder.clip.visual.input_resolution)
+    before, after = (images(Path(p)).unsqueeze(0).to(device) for p in config.pair)  # (1, 3, R, R) each
+    with torch.no_grad(), ctx:
+        visual = stage1.encoder.eval().encode_pair(before, after)["pair_tokens"]  # (1, M, E)
+    pair = data.ImagePair(" -> ".join(Path(p).name for p in config.pair), *map(Path, config.pair), captions=[])
+    print(predict(captioner.decoder, visual.float().cpu().numpy(), [pair], tokenizer, config, device, ctx)[pair.id])
+    if config.explain:
+        explain.explain_pairs(stage1.encoder, captioner.decoder, [pair], images, tokenizer, config.max_len,
+                              Path(config.explain), device, ctx)
+        print(f"attention maps: {config.explain}")
 
-    # --- data, and the cached pair tokens of every split (written by the master, read by all) ---
-    splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
-    if config.image_cache:
-        every_pair = [p for s in splits.values() for p in s]
-        if master:
-            data.image_cache(every_pair, root / ".cache", "all")
-        if dist_.ddp:
-            dist.barrier()
-        images = data.ImageReader(encoder.clip.visual.input_resolution,
-                                  data.image_cache(every_pair, root / ".cache", "all"))
-    eval_pairs = {s: data.evaluation_pairs(splits[s], config.use_no_change_pair) for s in data.SPLITS}
-    cached = () if config.finetune_encoder else ("test",) if config.eval else data.SPLITS
-    feature_path = {}
-    for rank_turn in ((True, False) if dist_.ddp else (True,)):  # the master writes, then the others open
-        if master == rank_turn:
-            feature_path = {s: cached_features(encoder, encoder_sha, eval_pairs[s], images, out_dir / "features", s,
-                                               config, device, ctx) for s in cached}
-        if dist_.ddp:
-            dist.barrier()
 
-    if config.eval:
-        features = split_features(captioner, feature_path, "test", eval_pairs["test"], images, config, device, ctx)
-        evaluate_test(encoder, captioner.decoder, features, eval_pairs["test"], splits["test"], images, tokenizer,
-                      config, device, ctx, out_dir)
-        return
+def evaluate(config: Config, dist_, ctx, root: Path, stage1: Stage1, captioner: Captioner, tokenizer, out_dir: Path,
+             read=None, feature_path=None) -> None:
+    """Decode and score the test split (evaluate_test): --eval, and the end of training (which passes what it
+    has read already: read_splits's result and the feature files)."""
+    splits, images, eval_pairs = read or read_splits(config, dist_, root, stage1.encoder.clip.visual.input_resolution)
+    if feature_path is None:
+        cached = () if config.finetune_encoder else ("test",)
+        feature_path = feature_paths(config, dist_, ctx, stage1, eval_pairs, images, cached, out_dir)
+    features = split_features(captioner, feature_path, "test", eval_pairs["test"], images, config, dist_.device, ctx)
+    evaluate_test(stage1.encoder, captioner.decoder, features, eval_pairs["test"], splits["test"], images, tokenizer,
+                  config, dist_.device, ctx, out_dir)
 
-    # --- training set, optimizer, resume ---
+
+def training_set(config: Config, stage1: Stage1, pairs, images, tokenizer, feature_path: dict, device, ctx,
+                 say) -> Dataset:
+    """The training items: pixels (finetuning), intra-image tokens computed once (finetuning on frozen intra-image
+    blocks), or cached pair tokens (the decoder alone)."""
     train_images = images if config.finetune_encoder else None
-    if config.finetune_encoder and freeze_intra:  # training reads each image's intra tokens, computed now
+    if config.finetune_encoder and stage1.freeze_intra:  # training reads each image's intra tokens, computed now
         started = time.time()
-        train_images = IntraTokens(encoder, splits["train"], images, config.eval_batch_size, device, ctx)
+        train_images = IntraTokens(stage1.encoder, pairs, images, config.eval_batch_size, device, ctx)
         say(f"intra-image tokens of {len(train_images.row)} training images computed once "
             f"({time.time() - started:.0f} s): the intra-image blocks stay frozen, as in stage 1")
-    items = data.CaptionItems(splits["train"], tokenizer, config.use_no_change_pair, images=train_images,
+    items = data.CaptionItems(pairs, tokenizer, config.use_no_change_pair, images=train_images,
                               max_words=config.max_words)
-    train_set = items if config.finetune_encoder else FeatureItems(items, feature_path["train"])
+    return items if config.finetune_encoder else FeatureItems(items, feature_path["train"])
+
+
+@torch.no_grad()
+def validate(captioner: Captioner, feature_path: dict, pairs, images, tokenizer, config: Config, device,
+             ctx) -> tuple[float, dict]:
+    """Validation CIDEr-D, the metric that picks the best epoch, and the captions it scored."""
+    features = split_features(captioner, feature_path, "val", pairs, images, config, device, ctx)
+    predictions = predict(captioner.decoder, features, pairs, tokenizer, config, device, ctx)
+    cider = metrics.score_captions(predictions, data.references(pairs), metrics=("CIDEr",))["corpus"]["CIDEr"]
+    return cider, predictions
+
+
+def describe(config: Config, samples: int, micro: int, dist_, steps_per_epoch: int, dtype: str,
+             captioner: Captioner) -> str:
+    """The run in one line: what it trains, on how much, with which batch, where."""
+    trainable = sum(p.numel() for p in captioner.parameters() if p.requires_grad)
+    return (f"{samples} training pairs; global batch {config.batch_size} = {micro} x {dist_.world_size} processes "
+            f"x {config.grad_accum} accumulation; {steps_per_epoch} steps per epoch, at most "
+            f"{config.epochs * steps_per_epoch}; "
+            f"{'finetuning the encoder' if config.finetune_encoder else 'cached encoder features'}; "
+            f"{dtype} on {dist_.device}; {trainable / 1e6:.1f}M trainable parameters")
+
+
+def checkpoint(captioner: Captioner, optimizer, scaler, config: Config, stage1: Stage1, **progress) -> dict:
+    """What ckpt_last.pt and ckpt_best.pt hold: enough to resume training, and to --eval without the flags."""
+    return {"model": captioner.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+            "config": dataclasses.asdict(config), "encoder_ckpt": str(stage1.path.resolve()),
+            "encoder_sha256": stage1.sha256, "decoder_config": dataclasses.asdict(captioner.decoder.config),
+            **progress, "rng": runtime.rng_state()}
+
+
+def train(config: Config, dist_, ctx, scaler, dtype: str, root: Path, stage1: Stage1, captioner: Captioner,
+          tokenizer, out_dir: Path) -> None:
+    """Train the captioner; after every epoch, validation CIDEr-D with patience; at the end, score the test split
+    with the best epoch."""
+    device, master = dist_.device, dist_.master
+    say = print if master else (lambda *a, **k: None)
+    splits, images, eval_pairs = read_splits(config, dist_, root, stage1.encoder.clip.visual.input_resolution)
+    feature_path = feature_paths(config, dist_, ctx, stage1, eval_pairs, images,
+                                 () if config.finetune_encoder else data.SPLITS, out_dir)
+    train_set = training_set(config, stage1, splits["train"], images, tokenizer, feature_path, device, ctx, say)
     optimizer = build_optimizer(captioner, config)
     step, best_cider, best_epoch, bad_epochs, history = 0, -1.0, -1, 0, []
     ckpt_path = out_dir / "ckpt_last.pt"
     state = runtime.start_or_resume(ckpt_path, config, MODEL_KEYS, dist_, captioner, optimizer, scaler)
     if state is not None:
-        if state["encoder_sha256"] != encoder_sha:
-            raise ValueError(f"{ckpt_path} was trained on another stage-1 checkpoint than {encoder_path}")
+        if state["encoder_sha256"] != stage1.sha256:
+            raise runtime.ConfigError(f"{ckpt_path} was trained on another stage-1 checkpoint than {stage1.path}")
         step, best_cider, best_epoch = state["step"], state["best_metric"], state["best_epoch"]
         bad_epochs, history = state["bad_epochs"], state["history"]
         say(f"resumed {ckpt_path} at step {step}")
-    raw = captioner
     model = DDP(captioner, device_ids=[dist_.local_rank] if device.type == "cuda" else None) if dist_.ddp else captioner
-
-    # --- batches ---
     micro, sampler, steps_per_epoch = runtime.batch_plan(train_set, config.batch_size, config.grad_accum, dist_,
                                                          config.seed, what="training pairs")
     total_steps = config.epochs * steps_per_epoch
@@ -611,21 +617,11 @@ def main(argv=None):
     if master:
         runtime.save_json(dataclasses.asdict(config), out_dir / "config.json")
         say(json.dumps(dataclasses.asdict(config)))
-        say(f"{len(train_set)} training pairs; global batch {config.batch_size} = {micro} x {dist_.world_size} "
-            f"processes x {config.grad_accum} accumulation; {steps_per_epoch} steps per epoch, at most "
-            f"{total_steps}; {'finetuning the encoder' if config.finetune_encoder else 'cached encoder features'}; "
-            f"{dtype} on {device}; {sum(p.numel() for p in raw.parameters() if p.requires_grad) / 1e6:.1f}M "
-            f"trainable parameters")
+        say(describe(config, len(train_set), micro, dist_, steps_per_epoch, dtype, captioner))
+    save = lambda path: runtime.save_checkpoint(checkpoint(
+        captioner, optimizer, scaler, config, stage1, step=step, best_metric=best_cider, best_epoch=best_epoch,
+        bad_epochs=bad_epochs, history=history), path)
 
-    def save(path):
-        runtime.save_checkpoint({
-            "model": raw.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
-            "config": dataclasses.asdict(config), "encoder_ckpt": str(encoder_path.resolve()),
-            "encoder_sha256": encoder_sha, "decoder_config": dataclasses.asdict(raw.decoder.config),
-            "step": step, "best_metric": best_cider, "best_epoch": best_epoch, "bad_epochs": bad_epochs,
-            "history": history, "rng": runtime.rng_state()}, path)
-
-    # --- training ---
     progress = runtime.Progress(total_steps, first_step=step)
     model.train()
     while step < total_steps and bad_epochs <= config.patience:
@@ -638,29 +634,25 @@ def main(argv=None):
                 group["lr"] = get_lr(step, total_steps, config) * group["lr_scale"]
             micro_batches = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()
                               if torch.is_tensor(v)} for _ in range(config.grad_accum)]
-            total = train_step(model, optimizer, scaler, micro_batches, ctx, config, dist_.ddp)
+            loss = train_step(model, optimizer, scaler, micro_batches, ctx, config, dist_.ddp)
             step += 1
             if master and (step % config.log_every == 0 or step == total_steps):
-                value = total.item()
+                value = loss.item()  # the only place that waits for the device
                 say(progress.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=value,
                                   lr=get_lr(step, total_steps, config)), flush=True)
                 log.write(step=step, epoch=epoch, loss=value, lr=get_lr(step, total_steps, config))
             if master and step % config.save_every == 0 and step % steps_per_epoch:
                 save(ckpt_path)
-        # end of epoch: validation CIDEr-D, decoded by the master alone while the others wait
-        if master:
-            features = split_features(raw, feature_path, "val", eval_pairs["val"], images, config, device, ctx)
-            predictions = predict(raw.decoder, features, eval_pairs["val"], tokenizer, config, device, ctx)
-            cider = metrics.score_captions(predictions, data.references(eval_pairs["val"]),
-                                           metrics=("CIDEr",))["corpus"]["CIDEr"]
+        if master:  # end of epoch: validation CIDEr-D, decoded by the master alone while the others wait
+            cider, predictions = validate(captioner, feature_path, eval_pairs["val"], images, tokenizer, config,
+                                          device, ctx)
             improved = cider >= best_cider  # a tie keeps the later epoch, as the reference
-            if improved:
-                best_cider, best_epoch = cider, epoch
+            best_cider, best_epoch = (cider, epoch) if improved else (best_cider, best_epoch)
             bad_epochs = 0 if improved else bad_epochs + 1
             history.append({"epoch": epoch, "step": step, "val_CIDEr": cider})
-            example_id = eval_pairs["val"][0].id
+            example = eval_pairs["val"][0].id
             say(f"epoch {epoch + 1} validation CIDEr-D {cider:.4f}" + (" (best so far)" if improved else "")
-                + f"; {example_id}: {predictions[example_id]!r}")
+                + f"; {example}: {predictions[example]!r}")
             log.write(step=step, epoch=epoch, split="val", CIDEr=cider)
             if improved:
                 save(out_dir / "ckpt_best.pt")
@@ -671,15 +663,53 @@ def main(argv=None):
             bad_epochs = int(flag)
     if bad_epochs > config.patience:
         say(f"stopped early: {bad_epochs} epochs without a better validation CIDEr-D")
-
-    # --- test: the epoch chosen on validation, scored once ---
-    if master:
-        raw.load_state_dict(runtime.load_checkpoint(out_dir / "ckpt_best.pt")["model"])
+    if master:  # the test split, scored once, with the epoch chosen on validation
+        captioner.load_state_dict(runtime.load_checkpoint(out_dir / "ckpt_best.pt")["model"])
         say(f"test scores of the best epoch ({best_epoch + 1}, validation CIDEr-D {best_cider:.4f}):")
-        features = split_features(raw, feature_path, "test", eval_pairs["test"], images, config, device, ctx)
-        evaluate_test(encoder, raw.decoder, features, eval_pairs["test"], splits["test"], images, tokenizer,
-                      config, device, ctx, out_dir)
-    runtime.cleanup_distributed(dist_)
+        evaluate(config, dist_, ctx, root, stage1, captioner, tokenizer, out_dir, (splits, images, eval_pairs),
+                 feature_path)
+
+
+def main(argv=None):
+    config = runtime.parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
+    if config.explain and not config.pair:
+        raise runtime.ConfigError("--explain writes the attention maps of one pair: use it with --pair BEFORE AFTER "
+                                  "(--eval writes test_attention.png by itself)")
+    runtime.keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
+    out_dir = Path(config.out_dir or f"runs/caption_{config.data}")
+    best = None
+    if config.eval or config.pair:  # the trained captioner decides the model settings and names its encoder
+        best = runtime.load_checkpoint(out_dir / "ckpt_best.pt", required=("model", "config", "encoder_sha256"))
+        config = dataclasses.replace(config, encoder_ckpt=best["encoder_ckpt"],
+                                     **{k: best["config"][k] for k in MODEL_KEYS if k != "data"})
+    dist_, dtype, ctx, scaler = setup(config)
+    runtime.seed_everything(config.seed + dist_.rank)
+    root = data.dataset_root(config.data, config.data_root or None)
+    if config.data == "synth" and not config.pair:  # drawn first: the tokenizer reads its vocabulary file
+        if dist_.master:
+            data.ensure_synth(root, data.SynthConfig(pairs=config.synth_pairs))
+        if dist_.ddp:
+            dist.barrier()
+    stage1 = load_stage1(config, best, out_dir)
+    tokenizer = clip.get_tokenizer(stage1.state["bpe_path"] if config.pair else data.bpe_path(config.data, root))
+    if tokenizer.vocab_size != stage1.encoder.clip.config.vocab_size:
+        raise runtime.ConfigError(f"the tokenizer of {config.data} has {tokenizer.vocab_size} tokens but the stage-1 "
+                                  f"model {stage1.path} has {stage1.encoder.clip.config.vocab_size}: it was trained "
+                                  f"on another dataset")
+    captioner = build_captioner(config, stage1.encoder, stage1.state["clip_config"], stage1.freeze_intra)
+    if best is not None:
+        captioner.load_state_dict(best["model"])
+    captioner.to(dist_.device)
+    stage1.encoder.to(dist_.device)
+    if config.pair:
+        caption_pair(config, stage1, captioner, tokenizer, dist_.device, ctx)
+    elif config.eval:
+        evaluate(config, dist_, ctx, root, stage1, captioner, tokenizer, out_dir)
+    else:
+        train(config, dist_, ctx, scaler, dtype, root, stage1, captioner, tokenizer, out_dir)
+    if dist_.ddp:
+        dist.barrier()  # every process done before any tears the group down (a gloo peer may abort otherwise)
+        destroy_process_group()
 
 
 if __name__ == "__main__":

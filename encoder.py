@@ -184,16 +184,6 @@ class PairEncoder(nn.Module):
         blocks = tuple(f"visual.transformer.resblocks.{i}" for i in range(self.config.intra_layers))
         return (*VISION_EMBEDDING, *blocks)
 
-    def no_decay_names(self) -> set[str]:
-        """Parameters trained without weight decay: every bias and every LayerNorm parameter."""
-        # differs from reference: its rule is by name ("bias", "LayerNorm.weight"), and CLIP's LayerNorms
-        # are named ln_*, so it decays their weights (and ln_mid's). We exempt all LayerNorm parameters.
-        names = {name for name, _ in self.named_parameters() if name.endswith("bias")}
-        for module_name, module in self.named_modules():
-            if isinstance(module, nn.LayerNorm):
-                names.update(f"{module_name}.{name}" for name, _ in module.named_parameters())
-        return names
-
     def optimizer_groups(self, lr: float, clip_lr_scale: float, weight_decay: float,
                          joint_lr_scale: float = 1.0) -> list[dict]:
         """Parameter groups for a torch optimizer, frozen parameters left out.
@@ -203,7 +193,7 @@ class PairEncoder(nn.Module):
         joint_lr_scale=clip_lr_scale. Each group carries "lr_scale" so a schedule can set
         group["lr"] = scheduled_lr * group["lr_scale"], and a "name" for logging.
         """
-        no_decay = self.no_decay_names()
+        no_decay = no_decay_names(self)
         groups = {(role, decay): [] for role in ("joint", "clip") for decay in (True, False)}
         for name, p in self.named_parameters():
             if p.requires_grad:
@@ -214,6 +204,17 @@ class PairEncoder(nn.Module):
                  "lr": lr * lr_scales[role], "lr_scale": lr_scales[role],
                  "weight_decay": weight_decay if decay else 0.0}
                 for (role, decay), params in groups.items() if params]
+
+
+def no_decay_names(model: nn.Module) -> set[str]:
+    """Parameters trained without weight decay, in both stages: every bias and every LayerNorm parameter."""
+    # differs from reference: its rule is by name ("bias", "LayerNorm.weight"), and CLIP's LayerNorms
+    # are named ln_*, so it decays their weights (and ln_mid's). We exempt all LayerNorm parameters.
+    names = {name for name, _ in model.named_parameters() if name.endswith("bias")}
+    for module_name, module in model.named_modules():
+        if isinstance(module, nn.LayerNorm):
+            names.update(f"{module_name}.{name}" for name, _ in module.named_parameters())
+    return names
 
 
 def rename_reference_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -6,13 +6,14 @@ you can read top to bottom:
 
 - `parse_config`: argparse built from the script's `Config` dataclass. Each field is a flag; the comment
   after the field is its --help text; a dataset preset is applied before the command-line flags.
-- `setup_distributed`: DDP detected from the environment that `torchrun` sets (RANK, LOCAL_RANK, WORLD_SIZE),
-  nccl on CUDA and gloo on CPU; one process and no process group otherwise.
-- `autocast`: the precision context (bf16, or fp16 with a GradScaler, on CUDA; float32 on CPU unless asked).
+- `Distributed` and `resolve_dtype`: what a script's own DDP set-up fills in, and the precision 'auto' means
+  (the set-up itself, `init_process_group`, autocast and the GradScaler, is written out in each script).
 - `save_checkpoint` / `load_checkpoint`: one dict per checkpoint, written atomically (temporary file, fsync,
   rename), read back with `torch.load(weights_only=True)` so a checkpoint can never run code;
   `start_or_resume` begins a run or continues one from its last checkpoint.
-- `run`: a script's main(), with the errors a user can fix printed as one line instead of a traceback.
+- `run`: a script's main(), with the errors a user can fix (`USER_ERRORS`: a missing or bad file, a bad setting,
+  bad data) printed as one line; any other exception, a bug or an out-of-memory, keeps its traceback.
+- `check_settings`: a Config's values checked before anything is read, so a bad flag fails at once.
 - `rng_state` / `set_rng_state`: Python, NumPy and torch generators as plain tensors and lists, so that a
   resumed run draws the same numbers it would have drawn.
 - `batch_plan`, `epoch_batches`, `SkipSampler`: the global batch split over processes and accumulation, and one
@@ -36,15 +37,28 @@ import re
 import sys
 import time
 import typing
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
+
+import clip
+import data
 
 # -----------------------------------------------------------------------------
 # Configuration: a dataclass becomes the command line
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work: a bad flag value, or flags that contradict a checkpoint or each other."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read: corrupt, truncated, or not one of this project's."""
+
+
+# The errors a user can fix, by the file, flag or data they name: the scripts print these as one line.
+USER_ERRORS = (FileNotFoundError, FileExistsError, ConfigError, CheckpointError, data.DataError, clip.FileError)
 
 
 def _field_comments(cls) -> dict:
@@ -104,7 +118,19 @@ def parse_config(config_cls, presets: dict, argv=None, description: str = ""):
     values = dataclasses.asdict(defaults)
     values.update(presets.get(data, {}))
     values.update({k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
-    return config_cls(**values)
+    try:
+        return config_cls(**values)  # its __post_init__ checks the values (check_settings)
+    except ConfigError as error:
+        parser.error(str(error))
+
+
+def check_settings(config, positive=(), non_negative=(), fraction=()) -> None:
+    """Refuse a bad flag value before any data is read (a batch of 0 pairs, a negative learning rate)."""
+    for names, ok, what in ((positive, lambda v: v > 0, "> 0"), (non_negative, lambda v: v >= 0, ">= 0"),
+                            (fraction, lambda v: 0 <= v < 1, "in [0, 1)")):
+        for name in names:
+            if not ok(getattr(config, name)):
+                raise ConfigError(f"--{name} {getattr(config, name)!r}: it must be {what}")
 
 
 def check_config(saved: dict, current: dict, keys, path) -> None:
@@ -112,16 +138,16 @@ def check_config(saved: dict, current: dict, keys, path) -> None:
     different = [f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}"
                  for k in keys if saved.get(k) != current.get(k)]
     if different:
-        raise ValueError(f"{path} was written by a run with another configuration ("
-                         + "; ".join(different) + "). Use the same flags, or a new --out_dir.")
+        raise ConfigError(f"{path} was written by a run with another configuration ("
+                          + "; ".join(different) + "). Use the same flags, or a new --out_dir.")
 
 
 def run(main, program: str) -> None:
-    """Call a script's main(). The errors a user can fix (missing or bad files, bad settings or data: DataError is
-    a ValueError) end the process with one line on stderr and exit status 1, not a traceback."""
+    """Call a script's main(). A USER_ERRORS error ends the process with one line on stderr and exit status 1;
+    any other exception (a bug, a shape mismatch inside torch, CUDA out of memory) keeps its traceback."""
     try:
         main()
-    except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as error:
+    except USER_ERRORS as error:
         print(f"{program}: error: {error}", file=sys.stderr)
         sys.exit(1)
 
@@ -140,36 +166,6 @@ class Distributed:
     master: bool         # rank 0: the only process that prints, logs and writes checkpoints
 
 
-def setup_distributed(device: str = "auto") -> Distributed:
-    """One process, or one of `torchrun`'s processes: nccl on CUDA, gloo on CPU."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    ddp = int(os.environ.get("RANK", -1)) != -1
-    if not ddp:
-        return Distributed(False, 0, 0, 1, torch.device(device), True)
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
-    if device.startswith("cuda"):
-        torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl")
-        torch_device = torch.device("cuda", local_rank)
-    else:
-        dist.init_process_group("gloo")
-        torch_device = torch.device("cpu")
-        # torchrun sets OMP_NUM_THREADS=1; share this machine's cores between its local processes instead
-        # (the cores this process may run on: a job bound to some cores of a larger machine gets those)
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        torch.set_num_threads(max(1, cores // local_world))
-    return Distributed(True, rank, local_rank, world_size, torch_device, rank == 0)
-
-
-def cleanup_distributed(d: Distributed) -> None:
-    if d.ddp:
-        dist.barrier()  # every process done before any tears the group down (a gloo peer may abort otherwise)
-        dist.destroy_process_group()
-
-
 def resolve_dtype(dtype: str, device: torch.device) -> str:
     """'auto' is bf16 on a GPU that has it, fp16 on older GPUs, float32 on CPU.
 
@@ -177,19 +173,12 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
     GradScaler) slowly, which is how the tests exercise it without a GPU.
     """
     if dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise ValueError(f"--dtype {dtype!r} is not one this project trains in: use auto, float32, bfloat16 or float16")
+        raise ConfigError(f"--dtype {dtype!r} is not one this project trains in: use auto, float32, bfloat16 or float16")
     if dtype != "auto":
         return dtype
     if device.type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     return "float32"
-
-
-def autocast(device: torch.device, dtype: str):
-    """Mixed precision through torch.autocast; weights stay float32 (we do not copy CLIP's fp16 weights)."""
-    if dtype == "float32":
-        return nullcontext()
-    return torch.autocast(device.type, dtype={"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype])
 
 
 # -----------------------------------------------------------------------------
@@ -325,12 +314,12 @@ def load_checkpoint(path, required=("model", "config")) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise RuntimeError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:200]}). "
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:200]}). "
                            "It may be truncated or corrupt, or not a checkpoint of this project: "
                            "delete it, or point to another checkpoint.") from None
     missing = [k for k in required if not isinstance(state, dict) or k not in state]
     if missing:
-        raise RuntimeError(f"{path} is not a checkpoint of this project: it lacks {missing}")
+        raise CheckpointError(f"{path} is not a checkpoint of this project: it lacks {missing}")
     return state
 
 
@@ -370,13 +359,13 @@ def batch_plan(dataset, batch_size: int, grad_accum: int, dist_, seed: int, what
     The sampler is a DistributedSampler (shuffled, same order on every process for a seed and epoch)."""
     per_step = dist_.world_size * grad_accum  # micro-batches per optimizer step, over all processes
     if batch_size % per_step:
-        raise ValueError(f"--batch_size {batch_size} is not divisible by processes x grad_accum = {per_step}")
+        raise ConfigError(f"--batch_size {batch_size} is not divisible by processes x grad_accum = {per_step}")
     micro = batch_size // per_step
     sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=dist_.world_size, rank=dist_.rank,
                                                   shuffle=True, seed=seed, drop_last=True)
     steps_per_epoch = len(sampler) // (micro * grad_accum)
     if steps_per_epoch == 0:
-        raise ValueError(f"{len(dataset)} {what} are fewer than one global batch of {batch_size}")
+        raise ConfigError(f"{len(dataset)} {what} are fewer than one global batch of {batch_size}")
     return micro, sampler, steps_per_epoch
 
 

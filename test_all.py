@@ -427,6 +427,16 @@ def test_initialize_parameters_follows_openais_recipe():
     assert model.transformer.resblocks[0].mlp.c_proj.weight.std().item() == pytest.approx(proj_std, rel=0.05)
 
 
+def test_quick_gelu_is_x_times_sigmoid_of_1_702_x_in_values_and_gradients():
+    x = torch.linspace(-8, 8, 1001, dtype=torch.float64, requires_grad=True)
+    plain = x * torch.sigmoid(1.702 * x)  # OpenAI's formula
+    fast = clip.QuickGELU()(x)  # the fused speed variant
+    assert torch.allclose(fast, plain, rtol=1e-12, atol=1e-14)
+    grad = torch.randn(1001, dtype=torch.float64)
+    assert torch.allclose(torch.autograd.grad(fast, x, grad)[0], torch.autograd.grad(plain, x, grad)[0],
+                          rtol=1e-12, atol=1e-14)
+
+
 def test_layer_norm_computes_in_float32_and_returns_the_input_dtype():
     norm = clip.LayerNorm(8)
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0)) * 1000
@@ -962,7 +972,7 @@ def test_ids_to_text_cuts_at_eot_then_at_the_pad_text():
 
 # ======== data.py ========
 
-# Run:  python -m pytest test_part_data.py -q
+# Run:  python -m pytest test_all.py -q -k data
 # The fixtures write each dataset's published layout in a temporary folder, awkward parts included;
 # the synthetic dataset is drawn once per session, small.
 
@@ -1980,26 +1990,7 @@ def test_pointing_game_on_a_hand_made_map_and_box():
     assert table["semantic change"] == pytest.approx({"pairs": 3, "chance": 80 / 3, "inter": 200 / 3})
 
 
-# ======== adapt.py ========
-
-TINY_ADAPT = ["--data", "synth", "--clip_model", "scratch", "--synth_pairs", "40", "--scratch_width", "64", "--scratch_layers", "2",
-        "--intra_layers", "1", "--scratch_text_width", "64", "--scratch_text_layers", "1",
-        "--scratch_embed_dim", "32", "--batch_size", "8", "--eval_batch_size", "16", "--log_every", "1"]
-
-
-def run_adapt(*args, env=None, torchrun=False, **kwargs):
-    command = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun
-               else [sys.executable]) + [str(HERE / "adapt.py"), *TINY_ADAPT, *map(str, args)]
-    return subprocess.run(command, cwd=HERE, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def synth40_root(tmp_path_factory):
-    """A 40-pair synthetic dataset, drawn once for this file's tests."""
-    root = tmp_path_factory.mktemp("adapt") / "synth"
-    data.ensure_synth(root, data.SynthConfig(pairs=40))
-    return root
+# ======== runtime.py ========
 
 
 KEEP_FREED_MEMORY_PROBE = """
@@ -2044,8 +2035,54 @@ def test_config_flags_follow_the_dataset_preset_then_the_command_line():
 def test_dtype_auto_is_float32_on_the_cpu_and_an_unknown_dtype_is_refused_with_the_choices():
     assert runtime.resolve_dtype("auto", torch.device("cpu")) == "float32"
     assert runtime.resolve_dtype("float16", torch.device("cpu")) == "float16"  # the GPU's fp16 path, emulated
-    with pytest.raises(ValueError, match="--dtype 'fp16'.*auto, float32, bfloat16 or float16"):
+    with pytest.raises(runtime.ConfigError, match="--dtype 'fp16'.*auto, float32, bfloat16 or float16"):
         runtime.resolve_dtype("fp16", torch.device("cpu"))
+
+
+def test_a_bad_flag_value_is_refused_before_anything_is_read(capsys):
+    with pytest.raises(SystemExit):
+        runtime.parse_config(adapt.Config, adapt.PRESETS, ["--data", "synth", "--batch_size", "0"])
+    assert "--batch_size 0: it must be > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        runtime.parse_config(caption.Config, caption.PRESETS, ["--warmup", "1"])
+    assert "--warmup 1.0: it must be in [0, 1)" in capsys.readouterr().err
+
+
+def test_a_user_error_is_one_line_and_any_other_error_keeps_its_traceback(capsys):
+    def bad_setting():
+        raise runtime.ConfigError("--lr -1: it must be > 0")
+
+    with pytest.raises(SystemExit) as exit_:
+        runtime.run(bad_setting, "adapt.py")
+    assert exit_.value.code == 1 and capsys.readouterr().err == "adapt.py: error: --lr -1: it must be > 0\n"
+
+    def shape_bug():
+        torch.zeros(2, 3) @ torch.zeros(2, 3)  # a RuntimeError from inside torch: a bug, not the user's input
+
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        runtime.run(shape_bug, "adapt.py")
+
+
+# ======== adapt.py ========
+
+TINY_ADAPT = ["--data", "synth", "--clip_model", "scratch", "--synth_pairs", "40", "--scratch_width", "64", "--scratch_layers", "2",
+        "--intra_layers", "1", "--scratch_text_width", "64", "--scratch_text_layers", "1",
+        "--scratch_embed_dim", "32", "--batch_size", "8", "--eval_batch_size", "16", "--log_every", "1"]
+
+
+def run_adapt(*args, env=None, torchrun=False, **kwargs):
+    command = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun
+               else [sys.executable]) + [str(HERE / "adapt.py"), *TINY_ADAPT, *map(str, args)]
+    return subprocess.run(command, cwd=HERE, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def synth40_root(tmp_path_factory):
+    """A 40-pair synthetic dataset, drawn once for this file's tests."""
+    root = tmp_path_factory.mktemp("adapt") / "synth"
+    data.ensure_synth(root, data.SynthConfig(pairs=40))
+    return root
 
 
 def test_learning_rate_warms_up_linearly_then_follows_the_reference_cosine():
@@ -2058,6 +2095,11 @@ def test_learning_rate_warms_up_linearly_then_follows_the_reference_cosine():
 
 
 # --- the optimizer step in float16 (GradScaler) and bfloat16, and the device of every tensor it makes ---
+
+
+def cpu_precision(dtype: str):
+    """The precision context the scripts' setup() makes for this dtype on the CPU (autocast, or none)."""
+    return adapt.setup(adapt.Config(device="cpu", dtype=dtype))[2]
 
 def applied_gradient_norms(optimizer) -> list:
     """Record, at each optimizer step, the norm of the gradients that the step applies.
@@ -2087,7 +2129,7 @@ def tiny_adapt_step(dtype, grad_clip=1.0):
     caption_ids = torch.randint(1, TINY["vocab_size"] - 2, (4, 16))
     caption_ids[:, 0], caption_ids[:, -1] = TINY["vocab_size"] - 2, TINY["vocab_size"] - 1  # SOT ... EOT
     batch = {"before": _images(4, seed=1), "after": _images(4, seed=2), "caption": caption_ids}
-    ctx = runtime.autocast(torch.device("cpu"), dtype)
+    ctx = cpu_precision(dtype)
     step = lambda: adapt.train_step(model, optimizer, scaler, [batch], ctx, config, False, model.clip.logit_scale)
     return model, optimizer, scaler, step
 
@@ -2119,7 +2161,7 @@ def test_a_training_step_reads_the_captions_only_up_to_the_batchs_last_end_of_te
         full = contrastive_loss(out["text_embedding"], out["pair_embedding"], out["logit_scale"])
     seen = []
     hook = model.clip.transformer.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
-    loss = adapt.train_step(model, optimizer, scaler, [batch], runtime.autocast(torch.device("cpu"), "float32"),
+    loss = adapt.train_step(model, optimizer, scaler, [batch], cpu_precision("float32"),
                             adapt.Config(max_words=16), False, model.clip.logit_scale)
     hook.remove()
     assert seen == [5]  # the text tower ran on 5 columns, not 16
@@ -2150,7 +2192,7 @@ def test_a_training_step_and_the_encoders_make_every_tensor_on_the_models_device
     with torch.device("meta"):
         loss = step()
         model.eval()
-        with torch.no_grad(), runtime.autocast(torch.device("cpu"), dtype):
+        with torch.no_grad(), cpu_precision(dtype):
             pair = model.encode_pair(before, after)["pair_embedding"]
             text = model.encode_text(text_ids)
     assert loss.device.type == pair.device.type == text.device.type == "cpu"
@@ -2430,7 +2472,7 @@ def tiny_caption_step(dtype, grad_clip=1.0):
     batch = {"visual": visual_tokens(4),
              "caption_in": torch.cat([torch.full((4, 1), SOT_ID), words, padding], dim=1),  # (4, 9)
              "caption_out": torch.cat([words, torch.full((4, 1), EOT_ID), padding], dim=1)}  # (4, 9)
-    ctx = runtime.autocast(torch.device("cpu"), dtype)
+    ctx = cpu_precision(dtype)
     step = lambda: caption.train_step(captioner, optimizer, scaler, [batch], ctx, config, False)
     return captioner, optimizer, scaler, step
 
@@ -2470,7 +2512,7 @@ def test_a_captioner_step_and_greedy_decoding_make_every_tensor_on_the_models_de
     with torch.device("meta"):  # a tensor made without device= lands on "meta" and fails (see the adapt.py test)
         loss = step()
         predictions = caption.predict(captioner.decoder, features, pairs, tokenizer, config, torch.device("cpu"),
-                                      runtime.autocast(torch.device("cpu"), dtype))
+                                      cpu_precision(dtype))
     assert loss.device.type == "cpu" and torch.isfinite(loss)
     assert list(predictions) == ["pair0", "pair1", "pair2"]
 
@@ -2496,7 +2538,7 @@ def test_training_on_cached_features_then_eval_writes_predictions_scores_and_gri
     assert {"intra", "inter", "decoder"} <= set(located["color"])
     assert "localisation (pointing game)" in (out / "test_scores.txt").read_text()
     state = torch.load(out / "ckpt_best.pt", weights_only=True)  # loads without running code
-    assert state["encoder_sha256"] == caption.sha256_file(stage1["encoder"])
+    assert state["encoder_sha256"] == clip.sha256_of(stage1["encoder"])
     assert caption.load_encoder(stage1["encoder"])[0].config.intra_layers == 1  # the stage-1 config, rebuilt
 
 
