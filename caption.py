@@ -60,6 +60,7 @@ import data
 import explain
 import metrics
 import runtime
+import synth
 from decoder import CaptionDecoder, DecoderConfig, ids_to_text
 from encoder import FROZEN_IN_REFERENCE, EncoderConfig, IntraTokens, PairEncoder
 from losses import caption_loss
@@ -521,7 +522,7 @@ def main(argv=None):
     root = data.dataset_root(config.data, config.data_root or None)
     if config.data == "synth" and not config.pair:  # drawn first: the tokenizer reads its vocabulary file
         if master:
-            data.ensure_synth(root, data.SynthConfig(pairs=config.synth_pairs))
+            synth.ensure_synth(root, synth.SynthConfig(pairs=config.synth_pairs))
         if dist_.ddp:
             dist.barrier()
     encoder_path = Path(config.encoder_ckpt or f"runs/adapt_{config.data}/ckpt_best.pt")
