@@ -15,7 +15,7 @@ It holds, top to bottom:
   4. the samples: stage 1 (one per pair and caption), stage 2 (one per pair, plus the no-change pair),
      evaluation pairs with the scorer's ids and reference lists, ids per change type (stage 0's samples of
      single synthetic scenes are synth.py's SceneSamples);
-  5. a contact sheet of pairs with their captions, a loading benchmark, a check of a download, the command line.
+  5. a contact sheet of pairs with their captions, a check of a download, the command line.
 
 The layouts (REFERENCE.md section 5), under the default roots (a `root` argument overrides them):
   data/clevr_change  images/CLEVR_default_XXXXXX.png, sc_images/CLEVR_semantic_XXXXXX.png,
@@ -50,7 +50,6 @@ What differs from the reference:
 
 Run:  python data.py                                   write a pair of your own in a temp folder, print its samples
       python data.py --show [--data synth] [--split test] [--n 6] [--model-view] [--out sheet.png]
-      python data.py --bench [--data synth] [--batch-size 16] [--batches 20]
       python data.py --check --data clevr|spot|ier|pairs [--data_root DIR]   after downloading: is it complete?
 
 Shape letters: B pairs in a batch, R image side after preprocessing (224), T caption tokens (max_words, 32),
@@ -614,7 +613,7 @@ class CaptionItems(Dataset):
 
 
 # ---------------------------------------------------------------------------------------------------
-# 5. Contact sheet, loading benchmark, command line
+# 5. Contact sheet, checking a download, command line
 # ---------------------------------------------------------------------------------------------------
 
 def contact_sheet(pairs: list[ImagePair], out: Path, model_view: bool = False, captions: int = 3,
@@ -650,29 +649,6 @@ def contact_sheet(pairs: list[ImagePair], out: Path, model_view: bool = False, c
     out.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(out)
     return out
-
-
-def benchmark(pairs: list[ImagePair], tokenizer: clip.SimpleTokenizer, batch_size: int, batches: int,
-              workers: int, images: ImageReader) -> dict[str, float]:
-    """Stage-1 training batches (decode or cache, resize, normalise, tokenize, collate), in pairs per second.
-
-    "wall": after one warm-up batch, pairs per second of wall time. "cpu": all pairs, warm-up included,
-    per second of CPU time of this process and its DataLoader workers, which a busy machine does not change.
-    """
-    torch.manual_seed(0)
-    samples = AdaptationSamples(pairs, tokenizer, train=True, images=images)
-    loader = DataLoader(samples, batch_size=batch_size, shuffle=True, num_workers=workers, drop_last=True)
-    cpu_start = os.times()
-    iterator = iter(loader)
-    next(iterator)  # warm-up: worker start, first decode
-    start = time.perf_counter()
-    for _ in range(batches):
-        next(iterator)
-    seconds = time.perf_counter() - start
-    del iterator  # joins the workers, so that their CPU time is counted below
-    cpu = os.times()
-    cpu_seconds = sum(cpu[:4]) - sum(cpu_start[:4])  # user + system, this process and its finished workers
-    return {"wall": batches * batch_size / seconds, "cpu": (batches + 1) * batch_size / cpu_seconds}
 
 
 # --- checking a download ---
@@ -836,7 +812,6 @@ def demo() -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--show", action="store_true", help="write a contact sheet of a few pairs")
-    parser.add_argument("--bench", action="store_true", help="measure the stage-1 loading pipeline")
     parser.add_argument("--check", action="store_true",
                         help="after a download: read every split, open every image, compare with the published "
                              "counts; exit status 1 when something is missing")
@@ -848,8 +823,6 @@ def main():
     parser.add_argument("--n", type=int, default=6, help="pairs on the contact sheet")
     parser.add_argument("--model-view", action="store_true", help="show the 224 x 224 images the model sees")
     parser.add_argument("--out", help="contact sheet PNG (default: <root>/contact_sheet.png)")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--batches", type=int, default=20)
     args = parser.parse_args()
 
     if args.check:
@@ -864,22 +837,6 @@ def main():
         pairs = load_split(args.data, args.split, root)[:args.n]
         out = contact_sheet(pairs, Path(args.out) if args.out else root / "contact_sheet.png", args.model_view)
         print(f"contact sheet of {len(pairs)} {args.split} pairs: {out}")
-    elif args.bench:
-        torch.set_num_threads(1)
-        root = dataset_root(args.data, args.root)
-        pairs = load_split(args.data, "train", root)
-        tokenizer = clip.get_tokenizer(bpe_path(args.data, root))
-        print(f"{args.data} train: {len(pairs)} pairs; batch {args.batch_size}, "
-              f"{args.batches} batches after one warm-up")
-        start = time.perf_counter()
-        cache = image_cache(pairs, root / "cache", "train", IMAGE_SIZE, workers=2)
-        print(f"uint8 cache of {len(cache.row)} images ready in {time.perf_counter() - start:.1f} s: "
-              f"{cache.array_path}")
-        for name, images in (("decode PNG", ImageReader()), ("uint8 cache", ImageReader(cache=cache))):
-            for workers in (0, 2):
-                rate = benchmark(pairs, tokenizer, args.batch_size, args.batches, workers, images)
-                print(f"{name:12s} workers={workers}: {rate['wall']:7.1f} pairs/s, "
-                      f"{rate['cpu']:7.1f} pairs per CPU second")
     else:
         demo()
 
