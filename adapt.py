@@ -63,6 +63,7 @@ import clip
 import data
 import metrics
 import runtime
+import synth
 from encoder import EncoderConfig, IntraTokens, PairEncoder
 from losses import contrastive_loss
 
@@ -237,7 +238,7 @@ def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp
 def retrieval_set(split, images):
     """(images to embed, texts, text -> row): a split's pairs and change captions, or stage-0 scenes and their
     descriptions."""
-    if isinstance(split, data.SceneSamples):
+    if isinstance(split, synth.SceneSamples):
         return split, [split.description(i) for i in range(len(split))], list(range(len(split)))
     return data.PairImages(split, images), *data.retrieval_texts(split)
 
@@ -288,7 +289,7 @@ def setup(config: Config) -> tuple[runtime.Distributed, str, object, torch.amp.G
     elif ddp:
         init_process_group("gloo")
         # torchrun sets OMP_NUM_THREADS=1: share this machine's cores between its local processes instead
-        torch.set_num_threads(max(1, data.usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+        torch.set_num_threads(max(1, synth.usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
     dist_ = runtime.Distributed(ddp, rank, local_rank, world_size if ddp else 1, torch.device(device), rank == 0)
     dtype = runtime.resolve_dtype(config.dtype, dist_.device)  # "auto": bf16 (or fp16) on a GPU, float32 on CPU
     # weights stay float32; autocast runs the matrix products in bf16 or fp16
@@ -307,7 +308,7 @@ def read_pairs(config: Config, dist_) -> tuple[dict, clip.SimpleTokenizer, data.
     root = data.dataset_root(config.data, config.data_root or None)
     if config.data == "synth":  # drawn once, by the master, while the other processes wait
         if dist_.master:
-            data.ensure_synth(root, data.SynthConfig(pairs=config.synth_pairs))
+            synth.ensure_synth(root, synth.SynthConfig(pairs=config.synth_pairs))
         if dist_.ddp:
             dist.barrier()
     splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
@@ -354,19 +355,19 @@ class SceneCLIP(nn.Module):
 def read_scenes(config: Config, dist_) -> tuple[dict, clip.SimpleTokenizer]:
     """Stage 0's splits of single scenes and their tokenizer; the scenes are drawn once, by the master, while the
     others wait."""
-    root = Path(config.data_root or data.SCENES_ROOT)
+    root = Path(config.data_root or synth.SCENES_ROOT)
     if dist_.master:
-        data.ensure_scenes(root)
+        synth.ensure_scenes(root)
     if dist_.ddp:
         dist.barrier()
     tokenizer = clip.get_tokenizer(root / data.SYNTH_BPE_FILE)
-    splits = {s: data.SceneSamples(root, s, tokenizer, train=s == "train", max_words=config.max_words)
+    splits = {s: synth.SceneSamples(root, s, tokenizer, train=s == "train", max_words=config.max_words)
               for s in data.SPLITS}
     return splits, tokenizer
 
 
 ZERO_SHOT_SCENES = 240        # stage 0's zero-shot check: held-out scenes of one object each
-ZERO_SHOT_FIRST = 1_000_000   # their indices, after every scene of data.SCENE_SPLITS
+ZERO_SHOT_FIRST = 1_000_000   # their indices, after every scene of synth.SCENE_SPLITS
 SYNTH_CLIP_FILE = "synth-ViT-32.pt"  # stage 0's product, shipped in assets/ as the model clip.load calls "synth-ViT/32"
 
 
@@ -375,13 +376,13 @@ def zero_shot_attributes(model: SceneCLIP, tokenizer, config: Config, device, ct
     """CLIP's zero-shot classification, in the synthetic world: each held-out scene of one object against the
     descriptions of all 96 objects (2 sizes x 8 colours x 2 materials x 3 shapes). Accuracy in %, of the
     whole object and of each attribute (chance: 1.0, 50, 12.5, 50, 33.3)."""
-    cfg = data.SynthConfig()
+    cfg = synth.SynthConfig()
     indices = list(range(ZERO_SHOT_FIRST, ZERO_SHOT_FIRST + ZERO_SHOT_SCENES))
-    truth = [data.pretrain_objects(i, cfg, n_objects=1)[0] for i in indices]
-    images = clip.normalize(data.scene_pixels([[obj] for obj in truth], cfg)).to(device)  # (S, 3, R, R)
-    classes = [dict(zip(data.ATTRIBUTE_ORDER, values))
-               for values in itertools.product(data.SIZES, data.COLORS, data.MATERIALS, data.SHAPES)]
-    prompts = torch.stack([data.text_tokens(tokenizer, data.describe_scene([c]), config.max_words)
+    truth = [synth.pretrain_objects(i, cfg, n_objects=1)[0] for i in indices]
+    images = clip.normalize(synth.scene_pixels([[obj] for obj in truth], cfg)).to(device)  # (S, 3, R, R)
+    classes = [dict(zip(synth.ATTRIBUTE_ORDER, values))
+               for values in itertools.product(synth.SIZES, synth.COLORS, synth.MATERIALS, synth.SHAPES)]
+    prompts = torch.stack([data.text_tokens(tokenizer, synth.describe_scene([c]), config.max_words)
                            for c in classes]).to(device)  # (96, T)
     was_training = model.training
     model.eval()
@@ -390,7 +391,7 @@ def zero_shot_attributes(model: SceneCLIP, tokenizer, config: Config, device, ct
         text_e = F.normalize(model.encode_text(prompts).float(), dim=-1)  # (96, E)
     model.train(was_training)
     predicted = [classes[j] for j in (image_e @ text_e.T).argmax(dim=1).tolist()]
-    right = {a: [p[a] == t[a] for p, t in zip(predicted, truth)] for a in data.ATTRIBUTE_ORDER}
+    right = {a: [p[a] == t[a] for p, t in zip(predicted, truth)] for a in synth.ATTRIBUTE_ORDER}
     right = {"object": [all(r) for r in zip(*right.values())], **right}
     return {name: 100 * sum(r) / len(r) for name, r in right.items()}
 

@@ -66,6 +66,7 @@ import data
 import explain
 import metrics
 import runtime
+import synth
 from decoder import CaptionDecoder, DecoderConfig, ids_to_text
 from encoder import FROZEN_IN_REFERENCE, EncoderConfig, IntraTokens, PairEncoder, no_decay_names
 from losses import caption_loss
@@ -441,7 +442,7 @@ def setup(config: Config) -> tuple[runtime.Distributed, str, object, torch.amp.G
     elif ddp:
         init_process_group("gloo")
         # torchrun sets OMP_NUM_THREADS=1: share this machine's cores between its local processes instead
-        torch.set_num_threads(max(1, data.usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+        torch.set_num_threads(max(1, synth.usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
     dist_ = runtime.Distributed(ddp, rank, local_rank, world_size if ddp else 1, torch.device(device), rank == 0)
     dtype = runtime.resolve_dtype(config.dtype, dist_.device)  # "auto": bf16 (or fp16) on a GPU, float32 on CPU
     # weights stay float32; autocast runs the matrix products in bf16 or fp16
@@ -687,7 +688,7 @@ def main(argv=None):
     root = data.dataset_root(config.data, config.data_root or None)
     if config.data == "synth" and not config.pair:  # drawn first: the tokenizer reads its vocabulary file
         if dist_.master:
-            data.ensure_synth(root, data.SynthConfig(pairs=config.synth_pairs))
+            synth.ensure_synth(root, synth.SynthConfig(pairs=config.synth_pairs))
         if dist_.ddp:
             dist.barrier()
     stage1 = load_stage1(config, best, out_dir)

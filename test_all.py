@@ -42,6 +42,7 @@ import data
 import explain
 import metrics
 import runtime
+import synth
 from decoder import CaptionDecoder, DecoderConfig, ids_to_text
 from encoder import FROZEN_IN_REFERENCE, EncoderConfig, IntraTokens, PairEncoder, rename_reference_keys
 from losses import caption_loss, contrastive_loss, gather_with_grad
@@ -453,7 +454,7 @@ def test_the_synthetic_clip_loads_by_name_through_the_checksummed_download_path(
     cached = tmp_path / "synth-ViT-32.pt"
     assert clip.sha256_of(cached) == sha256 == clip.sha256_of(HERE / "assets" / "synth-ViT-32.pt")
     assert url.startswith("file:") and model.visual.input_resolution == data.IMAGE_SIZE
-    assert model.config.vocab_size == 2 * 256 + len(data.synth_vocabulary()) + 2  # bytes, merges, SOT and EOT
+    assert model.config.vocab_size == 2 * 256 + len(synth.synth_vocabulary()) + 2  # bytes, merges, SOT and EOT
     state = torch.load(HERE / "assets" / "synth-ViT-32.pt", weights_only=True)
     assert all(v.dtype == torch.float16 for v in state.values())  # stored as OpenAI stores its weights
     assert set(state) == set(model.state_dict())  # OpenAI's parameter names, loaded strictly
@@ -977,12 +978,12 @@ def test_ids_to_text_cuts_at_eot_then_at_the_pad_text():
 # the synthetic dataset is drawn once per session, small.
 
 
-SYNTH = data.SynthConfig(pairs=40, seed=3)
+SYNTH = synth.SynthConfig(pairs=40, seed=3)
 
 
 @pytest.fixture(scope="module")
 def synth_root(tmp_path_factory):
-    return data.make_synth(tmp_path_factory.mktemp("synth") / "synth", SYNTH)
+    return synth.make_synth(tmp_path_factory.mktemp("synth") / "synth", SYNTH)
 
 
 @pytest.fixture(scope="module")
@@ -1087,12 +1088,6 @@ def test_a_missing_dataset_folder_says_which_dataset_where_and_how_to_get_it(tmp
         data.load_split("spot", "train", tmp_path / "nowhere")
     with pytest.raises(data.DataError, match=r"Image-Editing-Request: no folder .*VisualRelationships"):
         data.load_split("ier", "train", tmp_path / "nowhere")
-
-
-def test_an_incomplete_synthetic_folder_is_an_error_saying_it_will_be_drawn_again(tmp_path):
-    (tmp_path / "synth").mkdir()
-    with pytest.raises(data.DataError, match="not a complete synthetic dataset.*remove it and it will be drawn again"):
-        data.load_split("synth", "train", tmp_path / "synth")
 
 
 def test_spot_the_diff_raw_annotations_are_merged_by_img_id(tmp_path):
@@ -1246,129 +1241,6 @@ def test_user_pairs_json_reads_relative_paths_and_default_ids(tmp_path):
         data.load_split("pairs", "val", root)
 
 
-# --- the synthetic dataset ---
-
-def test_synthetic_dataset_has_the_clevr_change_layout_and_balanced_splits(synth_root):
-    splits = json.loads((synth_root / "splits.json").read_text())
-    assert sorted(splits["train"] + splits["val"] + splits["test"]) == list(range(40))
-    assert (len(splits["train"]), len(splits["val"]), len(splits["test"])) == (30, 5, 5)
-    types = json.loads((synth_root / "type_mapping.json").read_text())
-    assert types["move"][:2] == ["000004.png", "000009.png"]
-    test = data.load_split("synth", "test", synth_root)
-    assert sorted(p.change_type for p in test) == sorted(data.CHANGE_TYPES)  # one of each type
-    assert Image.open(test[0].before).size == (480, 320)
-
-
-def test_synthetic_dataset_is_the_same_bytes_for_the_same_seed_whatever_the_processes(synth_root, tmp_path):
-    again = data.make_synth(tmp_path / "again", SYNTH, workers=2)
-    files = sorted(p.relative_to(synth_root) for p in synth_root.rglob("*") if p.is_file())
-    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
-    assert all((synth_root / f).read_bytes() == (again / f).read_bytes() for f in files)
-    other = data.make_synth(tmp_path / "other", data.SynthConfig(pairs=5, seed=4))
-    name = "images/CLEVR_default_000000.png"
-    assert (other / name).read_bytes() != (synth_root / name).read_bytes()
-
-
-WORD_ATTRIBUTE = {w: (attribute, value) for attribute, table in (
-    ("size", data.SIZE_WORDS), ("material", data.MATERIAL_WORDS), ("shape", data.SHAPE_WORDS))
-    for value, words in table.items() for w in words} | {c: ("color", c) for c in data.COLORS}
-
-
-def named_objects(expression, scene):
-    """The objects of scene that a referring expression like 'the tiny red shiny block' fits."""
-    words = expression.split()
-    assert words[0] == "the" and (words[-1] in data.NOUN_WORDS or WORD_ATTRIBUTE[words[-1]][0] == "shape")
-    wanted = dict(WORD_ATTRIBUTE[w] for w in words[1:] if w not in data.NOUN_WORDS)
-    return [i for i, obj in enumerate(scene) if all(obj[a] == v for a, v in wanted.items())]
-
-
-def split_caption(caption, kind):
-    """A change caption -> (referring expression, the verb phrase's new attribute value or None)."""
-    for phrase in data.VERB_PHRASES[kind]:
-        head = phrase.split(" {new}")[0]
-        if f" {head}" in caption:
-            expression, rest = caption.split(f" {head}", 1)
-            return expression, WORD_ATTRIBUTE[rest.split()[-1]][1] if "{new}" in phrase else None
-    raise AssertionError(f"no {kind} verb phrase in {caption!r}")
-
-
-def test_synthetic_captions_name_exactly_the_changed_object_of_the_drawn_scene(synth_root):
-    scenes = json.loads((synth_root / data.SYNTH_SCENES_FILE).read_text())["scenes"]
-    captions = json.loads((synth_root / "change_captions.json").read_text())
-    no_change = json.loads((synth_root / "no_change_captions.json").read_text())
-    for name, scene in scenes.items():
-        kind = scene["type"]
-        assert len(set(captions[name])) == SYNTH.captions_per_pair
-        assert set(no_change[name]) <= set(data.NO_CHANGE_SENTENCES)
-        named_in = "after" if kind == "add" else "before"
-        for sentence in captions[name]:
-            expression, new_value = split_caption(sentence, kind)
-            assert named_objects(expression, scene[named_in]) == [scene["changed"][named_in]], sentence
-            if kind in ("color", "material"):
-                assert scene["after"][scene["changed"]["after"]][kind] == new_value != \
-                    scene["before"][scene["changed"]["before"]][kind]
-        count = {"add": 1, "drop": -1}.get(kind, 0)
-        assert len(scene["after"]) == len(scene["before"]) + count
-
-
-def test_synthetic_changes_stay_visible_after_the_224_resize(synth_root):
-    scenes = json.loads((synth_root / data.SYNTH_SCENES_FILE).read_text())["scenes"]
-    for pair in data.load_split("synth", "test", synth_root):
-        scene = scenes[f"CLEVR_default_{pair.id}"]
-        before = data.preprocess_uint8(pair.before, 224).astype(int)
-        after = data.preprocess_uint8(pair.after, 224).astype(int)
-        changed = np.abs(before - after).max(-1)  # (224, 224)
-        named_in = "after" if pair.change_type == "add" else "before"
-        obj = scene[named_in][scene["changed"][named_in]]
-        r = 0.8 * data.SIZE_RADIUS[obj["size"]]  # the object's box, in the 224 x 224 image
-        box = changed[round((obj["y"] - r) * 224 / 320):round((obj["y"] + r) * 224 / 320) + 1,
-                      round((obj["x"] - r) * 224 / 480):round((obj["x"] + r) * 224 / 480) + 1]
-        assert box.max() > 40, (pair.id, pair.change_type)
-        assert (changed > 40).mean() < 0.15  # the rest of the scene is the same
-
-
-def test_the_synthetic_vocabulary_makes_every_grammar_word_one_token(synth_tokenizer, synth_root):
-    lines = gzip.open(synth_root / data.SYNTH_BPE_FILE, "rt").read().split("\n")
-    assert lines[0] == "#version: 0.2" and synth_tokenizer.vocab_size == 512 + len(lines) - 1 + 2
-    for word in sorted(data.grammar_words()):
-        assert len(synth_tokenizer.encode(word)) == 1, word
-    for sentence in data.load_split("synth", "train", synth_root)[0].captions + list(data.NO_CHANGE_SENTENCES):
-        ids = synth_tokenizer.encode(sentence)
-        assert len(ids) == len(sentence.split())
-        assert synth_tokenizer.decode(ids).strip() == sentence
-
-
-def test_learn_bpe_merges_the_most_frequent_pair_first_and_breaks_ties_by_order():
-    assert data.learn_bpe({"ab": 3, "cb": 1}) == [("a", "b</w>"), ("c", "b</w>")]
-    assert data.learn_bpe({"cb": 2, "ab": 2}) == [("a", "b</w>"), ("c", "b</w>")]
-
-
-def test_synthetic_boxes_hold_the_changed_object_in_the_image_it_is_in(synth_root):
-    boxes = json.loads((synth_root / data.CHANGE_BOXES_FILE).read_text())  # RCC's format, keyed "0", "1", ...
-    pairs = {int(p.id[:6]): p for split in data.SPLITS for p in data.load_split("synth", split, synth_root)}
-    for number, pair in pairs.items():
-        entry = boxes[str(number)]
-        assert pair.change_boxes == {"before": entry["bbox_before"], "after": entry["bbox_after"]}
-        assert (entry["bbox_before"] is None) == (pair.change_type == "add")
-        assert (entry["bbox_after"] is None) == (pair.change_type == "drop")
-        if pair.change_type in ("color", "material"):  # only the object's pixels change, and it stays put
-            assert entry["bbox_before"] == entry["bbox_after"]
-            x, y, w, h = entry["bbox_before"]
-            changed = np.argwhere(np.abs(np.asarray(Image.open(pair.before), int)
-                                         - np.asarray(Image.open(pair.after), int)).max(-1) > 0)  # (k, 2): y, x
-            assert changed.size and changed.min(0).tolist() >= [y - 1, x - 1]  # half-transparent edges: 1 pixel
-            assert changed.max(0).tolist() <= [y + h, x + w]
-        if pair.change_type == "move":
-            assert entry["bbox_before"] != entry["bbox_after"]
-
-
-def test_ensure_synth_adds_the_boxes_to_a_folder_drawn_without_them(synth_root, tmp_path):
-    older = shutil.copytree(synth_root, tmp_path / "synth")
-    (older / data.CHANGE_BOXES_FILE).unlink()
-    data.ensure_synth(older, SYNTH)
-    assert (older / data.CHANGE_BOXES_FILE).read_bytes() == (synth_root / data.CHANGE_BOXES_FILE).read_bytes()
-
-
 def test_clevr_change_pairs_carry_rcc_boxes_when_the_file_is_there(clevr_root):
     assert data.load_split("clevr", "test", clevr_root)[0].change_boxes is None  # the file is optional
     write_json(clevr_root / data.CHANGE_BOXES_FILE, {"5": {"bbox_before": [10, 20, 30, 40], "bbox_after": []}})
@@ -1377,20 +1249,6 @@ def test_clevr_change_pairs_carry_rcc_boxes_when_the_file_is_there(clevr_root):
     with pytest.raises(data.DataError, match="id 5: bbox_before should be"):
         data.load_split("clevr", "test", clevr_root)
 
-
-def test_ensure_synth_refuses_a_folder_drawn_with_other_settings(synth_root):
-    assert data.ensure_synth(synth_root, SYNTH) == synth_root
-    with pytest.raises(data.DataError, match=r"drawn with other settings .*'pairs': \(40, 41\)"):
-        data.ensure_synth(synth_root, data.SynthConfig(pairs=41, seed=3))
-
-
-
-def test_ensure_synth_refuses_a_folder_whose_vocabulary_is_not_the_synthetic_clips(synth_root, tmp_path):
-    old = tmp_path / "synth"
-    shutil.copytree(synth_root, old)
-    data.write_bpe(old / data.SYNTH_BPE_FILE, data.synth_vocabulary()[:-1])  # as an older data.py might have learnt it
-    with pytest.raises(data.DataError, match="another vocabulary than the synthetic CLIP's .*remove the folder"):
-        data.ensure_synth(old)
 
 # --- tokens ---
 
@@ -1481,40 +1339,6 @@ def test_the_image_cache_gives_the_decoded_pixels_and_is_rebuilt_when_a_file_cha
     assert torch.equal(data.ImageReader(32, rebuilt)(pairs[0].before), data.ImageReader(32)(pairs[0].before))
 
 
-# --- stage 0's single scenes ---
-
-def test_stage_0_scenes_are_drawn_apart_from_every_idc_scene():
-    cfg = data.SynthConfig()
-    for i in range(20):
-        objects = data.pretrain_objects(i, cfg)
-        assert data.SCENE_OBJECTS[0] <= len(objects) <= data.SCENE_OBJECTS[1]
-        assert objects != data.synth_scene(i, cfg)["before"]  # another seed stream than the IDC pairs'
-    assert data.pretrain_objects(3, cfg) == data.pretrain_objects(3, cfg)
-
-
-def test_a_scene_description_names_every_object_and_fits_clips_32_tokens(synth_tokenizer):
-    longest = {"size": "small", "color": "yellow", "material": "metal", "shape": "cylinder"}
-    objects = [{**longest, "x": i} for i in range(data.SCENE_OBJECTS[1])]
-    description = data.describe_scene(objects, lambda n: n - 1)  # the last order and the last synonyms
-    assert description.count(" and ") == len(objects) - 1 and description.count("metallic cylinder") == 6
-    assert len(synth_tokenizer.encode(description)) + 2 <= data.MAX_WORDS  # with SOT and EOT
-    red = {"size": "large", "color": "red", "material": "rubber", "shape": "cube"}
-    assert data.describe_scene([red, longest]) == "large red rubber cube and small yellow metal cylinder"
-
-
-def test_stage_0_samples_hold_the_scene_pixels_and_a_description_of_them(tmp_path, synth_tokenizer):
-    root = data.make_scenes(tmp_path / "scenes", splits={"train": 6, "val": 2, "test": 2})
-    train = data.SceneSamples(root, "train", synth_tokenizer, train=True)
-    val = data.SceneSamples(root, "val", synth_tokenizer, train=False)
-    assert (len(train), len(val)) == (6, 2)
-    sample = val[1]
-    expected = data.scene_pixels([data.pretrain_objects(7, data.SynthConfig())], data.SynthConfig())[0]  # val: after 6
-    torch.testing.assert_close(sample["image"], clip.normalize(expected))
-    assert synth_tokenizer.decode(sample["caption"][1:sample["caption"].argmax()].tolist()).strip() == \
-        data.describe_scene(data.pretrain_objects(7, data.SynthConfig()))
-    assert clip.read_merges(root / data.SYNTH_BPE_FILE) == data.synth_vocabulary()
-
-
 def test_building_the_image_cache_draws_nothing_from_the_global_generator(synth_root, tmp_path):
     # a DataLoader draws a seed from the global generator when iterated; if the cache's did, a first run
     # (which builds the cache) and a second run (which finds it) would initialise and train differently
@@ -1524,6 +1348,189 @@ def test_building_the_image_cache_draws_nothing_from_the_global_generator(synth_
     torch.manual_seed(0)
     data.image_cache(pairs, tmp_path / "cache", "test")
     assert torch.equal(torch.rand(3), expected)
+
+
+# ======== synth.py ========
+
+# synth_root (40 pairs, drawn once) and synth_tokenizer are the fixtures of data.py's tests above.
+
+
+# --- the synthetic dataset ---
+
+def test_an_incomplete_synthetic_folder_is_an_error_saying_it_will_be_drawn_again(tmp_path):
+    (tmp_path / "synth").mkdir()
+    with pytest.raises(data.DataError, match="not a complete synthetic dataset.*remove it and it will be drawn again"):
+        synth.ensure_synth(tmp_path / "synth")
+
+
+def test_synthetic_dataset_has_the_clevr_change_layout_and_balanced_splits(synth_root):
+    splits = json.loads((synth_root / "splits.json").read_text())
+    assert sorted(splits["train"] + splits["val"] + splits["test"]) == list(range(40))
+    assert (len(splits["train"]), len(splits["val"]), len(splits["test"])) == (30, 5, 5)
+    types = json.loads((synth_root / "type_mapping.json").read_text())
+    assert types["move"][:2] == ["000004.png", "000009.png"]
+    test = data.load_split("synth", "test", synth_root)
+    assert sorted(p.change_type for p in test) == sorted(data.CHANGE_TYPES)  # one of each type
+    assert Image.open(test[0].before).size == (480, 320)
+
+
+def test_synthetic_dataset_is_the_same_bytes_for_the_same_seed_whatever_the_processes(synth_root, tmp_path):
+    again = synth.make_synth(tmp_path / "again", SYNTH, workers=2)
+    files = sorted(p.relative_to(synth_root) for p in synth_root.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
+    assert all((synth_root / f).read_bytes() == (again / f).read_bytes() for f in files)
+    other = synth.make_synth(tmp_path / "other", synth.SynthConfig(pairs=5, seed=4))
+    name = "images/CLEVR_default_000000.png"
+    assert (other / name).read_bytes() != (synth_root / name).read_bytes()
+
+
+WORD_ATTRIBUTE = {w: (attribute, value) for attribute, table in (
+    ("size", synth.SIZE_WORDS), ("material", synth.MATERIAL_WORDS), ("shape", synth.SHAPE_WORDS))
+    for value, words in table.items() for w in words} | {c: ("color", c) for c in synth.COLORS}
+
+
+def named_objects(expression, scene):
+    """The objects of scene that a referring expression like 'the tiny red shiny block' fits."""
+    words = expression.split()
+    assert words[0] == "the" and (words[-1] in synth.NOUN_WORDS or WORD_ATTRIBUTE[words[-1]][0] == "shape")
+    wanted = dict(WORD_ATTRIBUTE[w] for w in words[1:] if w not in synth.NOUN_WORDS)
+    return [i for i, obj in enumerate(scene) if all(obj[a] == v for a, v in wanted.items())]
+
+
+def split_caption(caption, kind):
+    """A change caption -> (referring expression, the verb phrase's new attribute value or None)."""
+    for phrase in synth.VERB_PHRASES[kind]:
+        head = phrase.split(" {new}")[0]
+        if f" {head}" in caption:
+            expression, rest = caption.split(f" {head}", 1)
+            return expression, WORD_ATTRIBUTE[rest.split()[-1]][1] if "{new}" in phrase else None
+    raise AssertionError(f"no {kind} verb phrase in {caption!r}")
+
+
+def test_synthetic_captions_name_exactly_the_changed_object_of_the_drawn_scene(synth_root):
+    scenes = json.loads((synth_root / synth.SYNTH_SCENES_FILE).read_text())["scenes"]
+    captions = json.loads((synth_root / "change_captions.json").read_text())
+    no_change = json.loads((synth_root / "no_change_captions.json").read_text())
+    for name, scene in scenes.items():
+        kind = scene["type"]
+        assert len(set(captions[name])) == SYNTH.captions_per_pair
+        assert set(no_change[name]) <= set(synth.NO_CHANGE_SENTENCES)
+        named_in = "after" if kind == "add" else "before"
+        for sentence in captions[name]:
+            expression, new_value = split_caption(sentence, kind)
+            assert named_objects(expression, scene[named_in]) == [scene["changed"][named_in]], sentence
+            if kind in ("color", "material"):
+                assert scene["after"][scene["changed"]["after"]][kind] == new_value != \
+                    scene["before"][scene["changed"]["before"]][kind]
+        count = {"add": 1, "drop": -1}.get(kind, 0)
+        assert len(scene["after"]) == len(scene["before"]) + count
+
+
+def test_synthetic_changes_stay_visible_after_the_224_resize(synth_root):
+    scenes = json.loads((synth_root / synth.SYNTH_SCENES_FILE).read_text())["scenes"]
+    for pair in data.load_split("synth", "test", synth_root):
+        scene = scenes[f"CLEVR_default_{pair.id}"]
+        before = data.preprocess_uint8(pair.before, 224).astype(int)
+        after = data.preprocess_uint8(pair.after, 224).astype(int)
+        changed = np.abs(before - after).max(-1)  # (224, 224)
+        named_in = "after" if pair.change_type == "add" else "before"
+        obj = scene[named_in][scene["changed"][named_in]]
+        r = 0.8 * synth.SIZE_RADIUS[obj["size"]]  # the object's box, in the 224 x 224 image
+        box = changed[round((obj["y"] - r) * 224 / 320):round((obj["y"] + r) * 224 / 320) + 1,
+                      round((obj["x"] - r) * 224 / 480):round((obj["x"] + r) * 224 / 480) + 1]
+        assert box.max() > 40, (pair.id, pair.change_type)
+        assert (changed > 40).mean() < 0.15  # the rest of the scene is the same
+
+
+def test_the_synthetic_vocabulary_makes_every_grammar_word_one_token(synth_tokenizer, synth_root):
+    lines = gzip.open(synth_root / data.SYNTH_BPE_FILE, "rt").read().split("\n")
+    assert lines[0] == "#version: 0.2" and synth_tokenizer.vocab_size == 512 + len(lines) - 1 + 2
+    for word in sorted(synth.grammar_words()):
+        assert len(synth_tokenizer.encode(word)) == 1, word
+    for sentence in data.load_split("synth", "train", synth_root)[0].captions + list(synth.NO_CHANGE_SENTENCES):
+        ids = synth_tokenizer.encode(sentence)
+        assert len(ids) == len(sentence.split())
+        assert synth_tokenizer.decode(ids).strip() == sentence
+
+
+def test_learn_bpe_merges_the_most_frequent_pair_first_and_breaks_ties_by_order():
+    assert synth.learn_bpe({"ab": 3, "cb": 1}) == [("a", "b</w>"), ("c", "b</w>")]
+    assert synth.learn_bpe({"cb": 2, "ab": 2}) == [("a", "b</w>"), ("c", "b</w>")]
+
+
+def test_synthetic_boxes_hold_the_changed_object_in_the_image_it_is_in(synth_root):
+    boxes = json.loads((synth_root / data.CHANGE_BOXES_FILE).read_text())  # RCC's format, keyed "0", "1", ...
+    pairs = {int(p.id[:6]): p for split in data.SPLITS for p in data.load_split("synth", split, synth_root)}
+    for number, pair in pairs.items():
+        entry = boxes[str(number)]
+        assert pair.change_boxes == {"before": entry["bbox_before"], "after": entry["bbox_after"]}
+        assert (entry["bbox_before"] is None) == (pair.change_type == "add")
+        assert (entry["bbox_after"] is None) == (pair.change_type == "drop")
+        if pair.change_type in ("color", "material"):  # only the object's pixels change, and it stays put
+            assert entry["bbox_before"] == entry["bbox_after"]
+            x, y, w, h = entry["bbox_before"]
+            changed = np.argwhere(np.abs(np.asarray(Image.open(pair.before), int)
+                                         - np.asarray(Image.open(pair.after), int)).max(-1) > 0)  # (k, 2): y, x
+            assert changed.size and changed.min(0).tolist() >= [y - 1, x - 1]  # half-transparent edges: 1 pixel
+            assert changed.max(0).tolist() <= [y + h, x + w]
+        if pair.change_type == "move":
+            assert entry["bbox_before"] != entry["bbox_after"]
+
+
+def test_ensure_synth_adds_the_boxes_to_a_folder_drawn_without_them(synth_root, tmp_path):
+    older = shutil.copytree(synth_root, tmp_path / "synth")
+    (older / data.CHANGE_BOXES_FILE).unlink()
+    synth.ensure_synth(older, SYNTH)
+    assert (older / data.CHANGE_BOXES_FILE).read_bytes() == (synth_root / data.CHANGE_BOXES_FILE).read_bytes()
+
+
+def test_ensure_synth_refuses_a_folder_drawn_with_other_settings(synth_root):
+    assert synth.ensure_synth(synth_root, SYNTH) == synth_root
+    with pytest.raises(data.DataError, match=r"drawn with other settings .*'pairs': \(40, 41\)"):
+        synth.ensure_synth(synth_root, synth.SynthConfig(pairs=41, seed=3))
+
+
+def test_ensure_synth_refuses_a_folder_whose_vocabulary_is_not_the_synthetic_clips(synth_root, tmp_path):
+    old = tmp_path / "synth"
+    shutil.copytree(synth_root, old)
+    synth.write_bpe(old / data.SYNTH_BPE_FILE, synth.synth_vocabulary()[:-1])  # as an older data.py may have learnt it
+    with pytest.raises(data.DataError, match="another vocabulary than the synthetic CLIP's .*remove the folder"):
+        synth.ensure_synth(old)
+
+
+# --- stage 0's single scenes ---
+
+def test_stage_0_scenes_are_drawn_apart_from_every_idc_scene():
+    cfg = synth.SynthConfig()
+    for i in range(20):
+        objects = synth.pretrain_objects(i, cfg)
+        assert synth.SCENE_OBJECTS[0] <= len(objects) <= synth.SCENE_OBJECTS[1]
+        assert objects != synth.synth_scene(i, cfg)["before"]  # another seed stream than the IDC pairs'
+    assert synth.pretrain_objects(3, cfg) == synth.pretrain_objects(3, cfg)
+
+
+def test_a_scene_description_names_every_object_and_fits_clips_32_tokens(synth_tokenizer):
+    longest = {"size": "small", "color": "yellow", "material": "metal", "shape": "cylinder"}
+    objects = [{**longest, "x": i} for i in range(synth.SCENE_OBJECTS[1])]
+    description = synth.describe_scene(objects, lambda n: n - 1)  # the last order and the last synonyms
+    assert description.count(" and ") == len(objects) - 1 and description.count("metallic cylinder") == 6
+    assert len(synth_tokenizer.encode(description)) + 2 <= data.MAX_WORDS  # with SOT and EOT
+    red = {"size": "large", "color": "red", "material": "rubber", "shape": "cube"}
+    assert synth.describe_scene([red, longest]) == "large red rubber cube and small yellow metal cylinder"
+
+
+def test_stage_0_samples_hold_the_scene_pixels_and_a_description_of_them(tmp_path, synth_tokenizer):
+    root = synth.make_scenes(tmp_path / "scenes", splits={"train": 6, "val": 2, "test": 2})
+    train = synth.SceneSamples(root, "train", synth_tokenizer, train=True)
+    val = synth.SceneSamples(root, "val", synth_tokenizer, train=False)
+    assert (len(train), len(val)) == (6, 2)
+    sample = val[1]
+    cfg = synth.SynthConfig()
+    expected = synth.scene_pixels([synth.pretrain_objects(7, cfg)], cfg)[0]  # val: after 6
+    torch.testing.assert_close(sample["image"], clip.normalize(expected))
+    assert synth_tokenizer.decode(sample["caption"][1:sample["caption"].argmax()].tolist()).strip() == \
+        synth.describe_scene(synth.pretrain_objects(7, cfg))
+    assert clip.read_merges(root / data.SYNTH_BPE_FILE) == synth.synth_vocabulary()
 
 
 # ======== metrics.py ========
@@ -1990,8 +1997,7 @@ def test_pointing_game_on_a_hand_made_map_and_box():
     assert table["semantic change"] == pytest.approx({"pairs": 3, "chance": 80 / 3, "inter": 200 / 3})
 
 
-# ======== runtime.py ========
-
+# ======== runtime.py =
 
 KEEP_FREED_MEMORY_PROBE = """
 import ctypes, resource, torch, runtime
@@ -2081,7 +2087,7 @@ def run_adapt(*args, env=None, torchrun=False, **kwargs):
 def synth40_root(tmp_path_factory):
     """A 40-pair synthetic dataset, drawn once for this file's tests."""
     root = tmp_path_factory.mktemp("adapt") / "synth"
-    data.ensure_synth(root, data.SynthConfig(pairs=40))
+    synth.ensure_synth(root, synth.SynthConfig(pairs=40))
     return root
 
 
@@ -2361,7 +2367,7 @@ TINY_SCENES = ["--data", "scenes", "--scratch_width", "64", "--scratch_layers", 
 
 @pytest.fixture(scope="module")
 def scenes_root(tmp_path_factory):
-    return data.make_scenes(tmp_path_factory.mktemp("scenes") / "scenes", splits={"train": 24, "val": 8, "test": 8})
+    return synth.make_scenes(tmp_path_factory.mktemp("scenes") / "scenes", splits={"train": 24, "val": 8, "test": 8})
 
 
 def test_stage_0_pretrains_clip_on_scenes_and_writes_openai_style_weights_the_same_every_time(scenes_root, tmp_path):
@@ -2376,9 +2382,9 @@ def test_stage_0_pretrains_clip_on_scenes_and_writes_openai_style_weights_the_sa
     assert weights.read_bytes() == (tmp_path / "second" / adapt.SYNTH_CLIP_FILE).read_bytes()  # rebuilt bit for bit
     assert f"sha256 {clip.sha256_of(weights)}" in runs[0].stdout
     model, _ = clip.load(weights)  # OpenAI's names and format: clip.load reads it like ViT-B-32.pt
-    assert model.config.vision_width == 64 and model.config.vocab_size == 2 * 256 + len(data.synth_vocabulary()) + 2
+    assert model.config.vision_width == 64 and model.config.vocab_size == 2 * 256 + len(synth.synth_vocabulary()) + 2
     zero_shot = json.loads((tmp_path / "first" / "zero_shot.json").read_text())
-    assert set(zero_shot) == {"object", *data.ATTRIBUTE_ORDER} and all(0 <= v <= 100 for v in zero_shot.values())
+    assert set(zero_shot) == {"object", *synth.ATTRIBUTE_ORDER} and all(0 <= v <= 100 for v in zero_shot.values())
     records = [json.loads(line) for line in (tmp_path / "first" / "log.jsonl").read_text().splitlines()]
     assert [r["split"] for r in records if "split" in r] == ["val", "val", "test"]
     assert records[0]["step"] == 1 and math.isfinite(records[0]["loss"])
@@ -2394,14 +2400,14 @@ def test_zero_shot_attributes_scores_a_model_that_knows_the_answer_100_percent(s
 
         @staticmethod
         def embedding(objects):
-            values = [data.SIZES, list(data.COLORS), data.MATERIALS, data.SHAPES]
-            return torch.tensor([[float(o[a] == v) for a, vs in zip(data.ATTRIBUTE_ORDER, values) for v in vs]
+            values = [synth.SIZES, list(synth.COLORS), synth.MATERIALS, synth.SHAPES]
+            return torch.tensor([[float(o[a] == v) for a, vs in zip(synth.ATTRIBUTE_ORDER, values) for v in vs]
                                  for o in objects])
-    cfg = data.SynthConfig()
-    truth = [data.pretrain_objects(adapt.ZERO_SHOT_FIRST + i, cfg, n_objects=1)[0]
+    cfg = synth.SynthConfig()
+    truth = [synth.pretrain_objects(adapt.ZERO_SHOT_FIRST + i, cfg, n_objects=1)[0]
              for i in range(adapt.ZERO_SHOT_SCENES)]
-    classes = [dict(zip(data.ATTRIBUTE_ORDER, v)) for v in itertools.product(data.SIZES, data.COLORS, data.MATERIALS,
-                                                                              data.SHAPES)]
+    classes = [dict(zip(synth.ATTRIBUTE_ORDER, v))
+               for v in itertools.product(synth.SIZES, synth.COLORS, synth.MATERIALS, synth.SHAPES)]
     config = adapt.Config()
     accuracy = adapt.zero_shot_attributes(Oracle(), synth_tokenizer, config, torch.device("cpu"), contextlib.nullcontext())
     assert accuracy == {"object": 100.0, "size": 100.0, "color": 100.0, "material": 100.0, "shape": 100.0}
