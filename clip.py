@@ -38,8 +38,7 @@ already in the cache are used as found: they are read as data, never executed, b
 Environment: CLIP_CACHE (cache folder, default ~/.cache/clip), CLIP_BPE_PATH (vocabulary file).
 
 Run:  python clip.py            tokenize a caption, push a random tiny CLIP through, print the shapes
-      python clip.py --bench    ViT-B/32 image-tower and tokenizer throughput (CPU, 2 threads)
-      (both find the vocabulary through --bpe-path, CLIP_BPE_PATH or the cache)
+      (it finds the vocabulary through --bpe-path, CLIP_BPE_PATH or the cache; timings: python bench.py clip)
 
 Shape letters: B batch, R image side in pixels (224), P patch side (32), G = R/P patches per side (7),
 N = G*G patches per image (49), D vision width (768), W text width (512), E joint embedding width (512),
@@ -50,12 +49,10 @@ import collections
 import gzip
 import hashlib
 import html
-import itertools
 import math
 import os
 import pickle
 import tempfile
-import time
 import urllib.parse
 import urllib.request
 import warnings
@@ -784,60 +781,8 @@ def load(name_or_path: str | os.PathLike = "ViT-B/32", device: str | torch.devic
 
 
 # ---------------------------------------------------------------------------------------------------
-# Demo and benchmarks
+# Demo
 # ---------------------------------------------------------------------------------------------------
-
-def clevr_style_captions(n: int) -> list[str]:
-    """n distinct CLEVR-Change-like difference captions (for the tokenizer benchmark)."""
-    sizes = ["small", "large", "tiny", "big"]
-    colors = ["gray", "red", "blue", "green", "brown", "purple", "cyan", "yellow"]
-    materials = ["metal", "rubber", "shiny", "matte"]
-    shapes = ["cube", "sphere", "cylinder", "block", "ball", "thing"]
-    templates = ["the {} {} {} {} changed to {}", "the {} {} {} {} that was behind the {} object has moved",
-                 "someone added a {} {} {} {} next to the {} one", "the {} {} {} {} disappeared ; it was {}",
-                 "a {} {} {} {} became {} ."]
-    combos = itertools.product(sizes, colors, materials, shapes, colors, templates)  # templates vary fastest
-    return [t.format(s, c, m, sh, c2) for s, c, m, sh, c2, t in itertools.islice(combos, n)]
-
-
-def benchmark(bpe_path: str | None = None, batch: int = 32, repeats: int = 3, n_captions: int = 5000):
-    """Throughput on the CPU with 2 threads: the best of `repeats` timed runs, in wall-clock and in CPU time.
-
-    On a shared machine the wall clock includes waiting for the CPU; the CPU time does not.
-    """
-    torch.set_num_threads(2)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, best of {repeats} runs")
-
-    def best_seconds(run, setup=lambda: None) -> tuple[float, float]:
-        wall, cpu = [], []
-        for _ in range(repeats):
-            setup()
-            start_wall, start_cpu = time.perf_counter(), time.process_time()
-            run()
-            wall.append(time.perf_counter() - start_wall)
-            cpu.append(time.process_time() - start_cpu)
-        return min(wall), min(cpu)
-
-    visual = CLIP(CLIPConfig()).visual.eval()  # ViT-B/32-shaped, random weights, float32
-    images = torch.randn(batch, 3, visual.input_resolution, visual.input_resolution)
-    with torch.inference_mode():
-        visual(images)  # warm-up
-        wall, cpu = best_seconds(lambda: visual(images))
-    print(f"ViT-B/32 image tower, batch {batch}, float32: {batch / wall:.1f} images/s "
-          f"({wall * 1000:.0f} ms wall, {cpu * 1000:.0f} ms CPU per batch; {batch / cpu:.1f} images per CPU-second)")
-
-    captions = clevr_style_captions(n_captions)
-    tokenizer = SimpleTokenizer(bpe_path)
-
-    def empty_cache():  # back to a fresh tokenizer's cache, which holds only the two special tokens
-        tokenizer.cache = {SOT: [tokenizer.sot_id], EOT: [tokenizer.eot_id]}
-
-    cold = best_seconds(lambda: tokenize(captions, tokenizer=tokenizer), setup=empty_cache)
-    warm = best_seconds(lambda: tokenize(captions, tokenizer=tokenizer))
-    for label, (wall, cpu) in (("cold (empty encode cache)", cold), ("warm (every word cached)", warm)):
-        print(f"tokenizer, {len(captions)} CLEVR-style captions, {label}: {len(captions) / wall:,.0f} captions/s "
-              f"({len(captions) / cpu:,.0f} per CPU-second)")
-
 
 def demo(bpe_path: str | None = None):
     caption = "The small red metal cube changed to blue."
@@ -869,11 +814,7 @@ def demo(bpe_path: str | None = None):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="CLIP demo (default) or benchmarks (--bench)")
-    parser.add_argument("--bench", action="store_true", help="measure image-tower and tokenizer throughput")
+    parser = argparse.ArgumentParser(description="CLIP demo: tokenize a caption, push a tiny random CLIP through "
+                                                 "(timings: python bench.py clip)")
     parser.add_argument("--bpe-path", default=None, help="BPE vocabulary file (default: $CLIP_BPE_PATH or the cache)")
-    args = parser.parse_args()
-    if args.bench:
-        benchmark(args.bpe_path)
-    else:
-        demo(args.bpe_path)
+    demo(parser.parse_args().bpe_path)

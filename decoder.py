@@ -36,16 +36,12 @@ Use (caption.py):
     texts = [ids_to_text(row, tokenizer.decode, eot_id) for row in tokens]
 
 Run:  python decoder.py                        a tiny random decoder decodes a batch with and without the cache
-      python decoder.py --bench                full-size timings (greedy decoding, training step), 2 CPU threads
-      python decoder.py --bench --dtype bfloat16   the same under CPU autocast
+      (full-size timings of greedy decoding and of a training step: python bench.py decoder)
 
 Shape letters: B pairs in the batch, M = 100 visual tokens per pair, T caption tokens, E = 512 width,
 H = 8 attention heads, E/H = 64 width per head, V = 49408 vocabulary, L = 3 layers per stack.
 """
 import argparse
-import math
-import os
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -372,7 +368,7 @@ def ids_to_text(ids: Sequence[int], decode: Callable[[list[int]], str], eot_id: 
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Demo and benchmark
+# Demo
 
 
 def demo():
@@ -392,107 +388,7 @@ def demo():
     print("as text (ids shown as words):", ids_to_text(cached[0], lambda ids: " ".join(f"w{i}" for i in ids), eot_id))
 
 
-def cpu_seconds() -> tuple[float, float, float]:
-    """(wall clock, CPU seconds of this process, busy CPU seconds of the whole machine from /proc/stat or NaN)."""
-    try:
-        with open("/proc/stat") as stat:
-            jiffies = [int(value) for value in stat.readline().split()[1:9]]
-        machine = (sum(jiffies) - jiffies[3] - jiffies[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
-    except OSError:
-        machine = math.nan
-    own = os.times()
-    return time.perf_counter(), own.user + own.system, machine
-
-
-def others_load(since: tuple[float, float, float]) -> str:
-    """How many cores other processes kept busy since `since`: they slow every figure down."""
-    wall, own, machine = (now - then for now, then in zip(cpu_seconds(), since))
-    return f"other processes used {max(machine - own, 0.0) / wall:.2f} cores meanwhile"
-
-
-def bench(threads: int, batch_decode: int, steps: int, batch_train: int, length: int, repeats: int, dtype: str):
-    """Full-size timings: greedy decoding cached vs recomputed, and one training step on cached features.
-
-    Weights stay float32; dtype "bfloat16" runs the same code under CPU autocast.
-    """
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    config = DecoderConfig()
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {dtype}, full-size decoder "
-          f"(E={config.hidden}, V={config.vocab_size}, M={config.visual_tokens}, L={config.layers})")
-    decoder = CaptionDecoder(config).eval()
-    sot_id, eot_id = config.vocab_size - 2, config.vocab_size - 1
-    with torch.no_grad():
-        decoder.output_bias[eot_id] = -1e4  # random weights: never emit EOT, so every caption runs all steps
-    visual = torch.randn(batch_decode, config.visual_tokens, config.hidden)  # (B, M, E)
-
-    def captions_per_second(use_cache: bool) -> tuple[float, torch.Tensor]:
-        best = math.inf
-        for _ in range(repeats):
-            start = time.perf_counter()
-            with autocast:
-                tokens = decoder.greedy_decode(visual, sot_id, eot_id, max_len=steps, use_cache=use_cache)
-            best = min(best, time.perf_counter() - start)
-        return batch_decode / best, tokens
-
-    decoder.greedy_decode(visual[:2], sot_id, eot_id, max_len=2)  # warm-up
-    since = cpu_seconds()
-    cached_rate, cached_tokens = captions_per_second(True)
-    full_rate, full_tokens = captions_per_second(False)
-    assert cached_tokens.shape == (batch_decode, steps), cached_tokens.shape
-    print(f"greedy decoding, {batch_decode} pairs x {steps} steps: cached {cached_rate:.2f} captions/s, "
-          f"full recompute (reference algorithm) {full_rate:.2f} captions/s, speed-up {cached_rate / full_rate:.1f}x, "
-          f"same tokens: {torch.equal(cached_tokens, full_tokens)}; {others_load(since)}")
-
-    def pairs_per_second(freeze_embeddings: bool, loss_positions: Optional[int]) -> float:
-        model = CaptionDecoder(config).train()
-        model.word_embedding.requires_grad_(not freeze_embeddings)
-        model.position_embedding.requires_grad_(not freeze_embeddings)
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01)
-        features = torch.randn(batch_train, config.visual_tokens, config.hidden)  # (B, M, E), cached pair features
-        caption_in = torch.randint(0, config.vocab_size - 2, (batch_train, length))  # (B, T)
-        caption_out = torch.randint(0, config.vocab_size - 2, (batch_train, length))  # (B, T)
-        real = torch.zeros(batch_train, length, dtype=torch.bool)
-        real[:, :loss_positions or length] = True  # (B, T) positions the loss counts
-        times = []
-        for _ in range(repeats + 1):  # the first step warms up
-            start = time.perf_counter()
-            with autocast:
-                if loss_positions is None:
-                    logits = model(features, caption_in)  # (B, T, V)
-                    loss = F.cross_entropy(logits.flatten(0, 1), caption_out.flatten())
-                else:
-                    states = model.caption_states(features, caption_in)  # (B, T, E)
-                    loss = F.cross_entropy(model.to_logits(states[real]), caption_out[real])  # head on loss positions
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - start)
-        return batch_train / min(times[1:])
-
-    for freeze, positions, what in ((False, None, "all parameters trained (Spot-the-Diff: embeddings at a low lr)"),
-                                    (True, None, "tied CLIP embeddings frozen (CLEVR-Change)"),
-                                    (True, length // 2, f"embeddings frozen, head on {length // 2} of {length} "
-                                                        "positions (loss positions only)")):
-        since = cpu_seconds()
-        print(f"training step, batch {batch_train}, T={length}, forward+backward+AdamW, {what}: "
-              f"{pairs_per_second(freeze, positions):.1f} pairs/s; {others_load(since)}")
-
-
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Caption decoder demo; --bench times the full-size decoder.")
-    parser.add_argument("--bench", action="store_true", help="time full-size decoding and training (takes ~3 min)")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads for --bench")
-    parser.add_argument("--batch-decode", type=int, default=32, help="pairs per decoding batch for --bench")
-    parser.add_argument("--steps", type=int, default=22, help="decoding steps for --bench")
-    parser.add_argument("--batch-train", type=int, default=16, help="pairs per training step for --bench")
-    parser.add_argument("--length", type=int, default=32, help="caption tokens T per training pair for --bench")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats of each --bench figure; the fastest is reported")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="--bench arithmetic: float32, or bfloat16 under CPU autocast (weights stay float32)")
-    args = parser.parse_args()
-    if args.bench:
-        bench(args.threads, args.batch_decode, args.steps, args.batch_train, args.length, args.repeats, args.dtype)
-    else:
-        demo()
+    argparse.ArgumentParser(description="Caption decoder demo: a tiny random decoder decodes a batch with and "
+                                        "without the cache (timings: python bench.py decoder)").parse_args()
+    demo()

@@ -36,6 +36,7 @@ from PIL import Image
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import adapt
+import bench
 import caption
 import clip
 import data
@@ -2646,3 +2647,21 @@ def test_resuming_with_another_decoder_config_is_refused(stage1, tmp_path):
     assert stage2(stage1, out, "--epochs", "1").returncode == 0
     result = stage2(stage1, out, "--epochs", "2", "--resume", "--decoder_ffn", "256")
     assert result.returncode == 1 and "decoder_ffn" in result.stderr
+
+
+# ======== bench.py ========
+
+
+def test_bench_clip_prints_the_image_tower_rate_and_the_tokenizer_rates_cold_and_warm(capsys):
+    vocabulary = shared("clip_vectors", "bpe_simple_vocab_16e6.txt.gz")
+    # the cheapest figure, on tiny inputs: a full-size ViT-B/32 timed once on one image, 20 captions tokenized;
+    # the thread count is the one already set, so the call leaves it as it was
+    bench.main(["clip", "--bpe-path", str(vocabulary), "--threads", str(torch.get_num_threads()),
+                "--batch", "1", "--repeats", "1", "--captions", "20"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and "best of 1 runs" in lines[0]
+    assert lines[1].startswith("ViT-B/32 image tower, batch 1, float32: ") and " images/s (" in lines[1]
+    assert [line.split(":")[0] for line in lines[2:]] == [
+        "tokenizer, 20 CLEVR-style captions, cold (empty encode cache)",
+        "tokenizer, 20 CLEVR-style captions, warm (every word cached)"]
+    assert all(line.endswith(" per CPU-second)") for line in lines[1:])
