@@ -19,11 +19,17 @@ figures in BENCHMARKS.md; smaller values (see each subcommand's --help) make a s
             its GFLOP/s next to this machine's matrix-multiply rate; JSON                            section 2
   caption   stage 2 through caption.py's captioner: encoding pairs, decoding (cached and recomputed),
             a training step on cached features, and what they make of CLEVR-Change's splits; JSON  section 3
+  metrics   metrics.py on a CLEVR-Change-sized corpus, the whole process, next to the Java toolkit   section 5
+  load      stage-1 training batches: PNG decoding against the uint8 cache, 0 and 2 workers         section 6
+  draw      drawing the synthetic dataset: pairs/s and pairs per CPU second                          section 6
 
 Run:  python bench.py clip [--bpe-path FILE]       (the vocabulary from --bpe-path, CLIP_BPE_PATH or the cache)
       python bench.py decoder [--dtype bfloat16]   (about 2 minutes at the defaults)
       python bench.py adapt [--compile]
       python bench.py caption
+      python bench.py metrics [--runs 5] [--processes 2]
+      python bench.py load --root /tmp/bench_synth --batches 40
+      python bench.py draw /tmp/gen1 --pairs 2000 [--workers 2]
       python bench.py decoder --batch-decode 2 --steps 2 --batch-train 2 --length 4 --repeats 1   (a smoke run)
       python bench.py FIGURE --help                (the flags of one figure)
 
@@ -40,16 +46,25 @@ import itertools
 import json
 import math
 import os
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.utils import flop_counter
+from torch.utils.data import DataLoader
 
 import adapt
 import caption
 import clip
+import data
+import metrics
 import runtime
+import synth
 from decoder import CaptionDecoder, DecoderConfig
 from encoder import EncoderConfig, PairEncoder
 
@@ -341,6 +356,101 @@ def caption_costs(threads: int = 2, pairs: int = 64, batch: int = 32, steps: int
 
 
 # ---------------------------------------------------------------------------------------------------------
+# data.py and synth.py: loading stage-1 batches (section 6), drawing the synthetic dataset (section 6)
+
+
+def loading_rate(pairs: list[data.ImagePair], tokenizer: clip.SimpleTokenizer, batch_size: int, batches: int,
+                 workers: int, images: data.ImageReader) -> dict[str, float]:
+    """Stage-1 training batches (decode or cache, resize, normalise, tokenize, collate), in pairs per second.
+
+    "wall": after one warm-up batch, pairs per second of wall time. "cpu": all pairs, warm-up included,
+    per second of CPU time of this process and its DataLoader workers, which a busy machine does not change.
+    """
+    torch.manual_seed(0)
+    samples = data.AdaptationSamples(pairs, tokenizer, train=True, images=images)
+    loader = DataLoader(samples, batch_size=batch_size, shuffle=True, num_workers=workers, drop_last=True)
+    cpu_start = os.times()
+    iterator = iter(loader)
+    next(iterator)  # warm-up: worker start, first decode
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(iterator)
+    seconds = time.perf_counter() - start
+    del iterator  # joins the workers, so that their CPU time is counted below
+    cpu = os.times()
+    cpu_seconds = sum(cpu[:4]) - sum(cpu_start[:4])  # user + system, this process and its finished workers
+    return {"wall": batches * batch_size / seconds, "cpu": (batches + 1) * batch_size / cpu_seconds}
+
+
+def loading(name: str = "synth", root: str | None = None, batch_size: int = 16, batches: int = 20) -> None:
+    """The stage-1 loading pipeline: PNG decoding against the uint8 cache, with 0 and 2 DataLoader workers."""
+    torch.set_num_threads(1)
+    root = data.dataset_root(name, root)
+    if name == "synth":
+        synth.ensure_synth(root)  # data.load_split reads the synthetic set; drawing it is synth.py's
+    pairs = data.load_split(name, "train", root)
+    tokenizer = clip.get_tokenizer(data.bpe_path(name, root))
+    print(f"{name} train: {len(pairs)} pairs; batch {batch_size}, {batches} batches after one warm-up")
+    start = time.perf_counter()
+    cache = data.image_cache(pairs, root / "cache", "train", data.IMAGE_SIZE, workers=2)
+    print(f"uint8 cache of {len(cache.row)} images ready in {time.perf_counter() - start:.1f} s: "
+          f"{cache.array_path}")
+    for name, images in (("decode PNG", data.ImageReader()), ("uint8 cache", data.ImageReader(cache=cache))):
+        for workers in (0, 2):
+            rate = loading_rate(pairs, tokenizer, batch_size, batches, workers, images)
+            print(f"{name:12s} workers={workers}: {rate['wall']:7.1f} pairs/s, "
+                  f"{rate['cpu']:7.1f} pairs per CPU second")
+
+
+def drawing(folder: str, pairs: int, seed: int, workers: int = 1) -> None:
+    """Drawing the synthetic dataset: wall time, pairs/s, and pairs per CPU second (of all the processes)."""
+    cfg = synth.SynthConfig(pairs=pairs, seed=seed)
+    start, cpu_start = time.perf_counter(), os.times()
+    synth.make_synth(folder, cfg, workers)
+    seconds, cpu = time.perf_counter() - start, os.times()
+    cpu_seconds = sum(cpu[:4]) - sum(cpu_start[:4])  # user + system, this process and its finished workers
+    print(f"{cfg.pairs} pairs in {folder} with {workers} process(es): {seconds:.1f} s, "
+          f"{cfg.pairs / seconds:.1f} pairs/s; {cpu_seconds:.1f} CPU s, "
+          f"{cfg.pairs / cpu_seconds:.1f} pairs per CPU second")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# metrics.py: scoring a CLEVR-Change-sized corpus, the whole process as a user runs it (section 5)
+
+JAVA_TOOLKIT_S = 54.2   # ../shared/metrics_vectors/README.md, "Timing": the toolkit's whole process, median of 7
+
+
+def metrics_scoring(corpus: str = "../shared/metrics_vectors/clevr_size_timing.json", runs: int = 5,
+                    processes: int = 2) -> dict:
+    """Wall seconds and peak RSS of each whole-process run of metrics.py on `corpus`, with its per-step seconds."""
+    if metrics.load_meteor_resources() is None:
+        raise SystemExit("metrics bench: the METEOR 1.5 data is missing (pip install --no-deps pycocoevalcap==1.2)")
+    script = Path(metrics.__file__).resolve()
+    command = [sys.executable, str(script), str(corpus), "--json", "--processes", str(processes)]
+    rows = []
+    for _ in range(runs):
+        with tempfile.TemporaryFile() as err:
+            started = time.perf_counter()
+            child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err)
+            out = child.stdout.read()
+            _, status, usage = os.wait4(child.pid, 0)     # this child's own rusage (its worker's too, once reaped)
+            wall = time.perf_counter() - started
+            child.returncode = os.waitstatus_to_exitcode(status)
+            if child.returncode != 0:
+                err.seek(0)
+                raise SystemExit(f"metrics bench: {' '.join(command)} failed:\n{err.read().decode()}")
+        result = json.loads(out)
+        rows.append({"wall_s": round(wall, 2), "peak_rss_gb": round(usage.ru_maxrss / 1e6, 2),
+                     "timing_s": result["info"]["timing_s"],
+                     "meteor_items_in_worker": result["info"]["meteor_items_in_worker"],
+                     "corpus": {k: round(v, 4) for k, v in result["corpus"].items()}})
+    walls = [row["wall_s"] for row in rows]
+    median = statistics.median(walls)
+    return {"command": " ".join(command), "runs": rows, "wall_s": walls, "median_s": median,
+            "x_java_toolkit": round(JAVA_TOOLKIT_S / median, 1), "cpus": os.cpu_count()}
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The command line: one subcommand per figure; its flags are the figure's arguments, its defaults BENCHMARKS.md's
 
 
@@ -386,6 +496,27 @@ def main(argv=None):
     p.add_argument("--train-batch", type=int, default=16, help="pairs per training step (two captions each)")
     p.set_defaults(run=lambda a: print(json.dumps(caption_costs(a.threads, a.pairs, a.batch, a.steps, a.train_batch),
                                                   indent=2)))
+
+    p = figure("load", "loading stage-1 training batches: PNG decoding against the uint8 cache, 0 and 2 workers")
+    p.add_argument("--data", default="synth", help="dataset name (data.py's SOURCES)")
+    p.add_argument("--root", "--data_root", default=None, help="dataset folder (default: data/<name>)")
+    p.add_argument("--batch-size", type=int, default=16, help="pairs per batch")
+    p.add_argument("--batches", type=int, default=20, help="timed batches after one warm-up")
+    p.set_defaults(run=lambda a: loading(a.data, a.root, a.batch_size, a.batches))
+
+    p = figure("draw", "drawing the synthetic dataset into a new folder")
+    p.add_argument("folder", help="where to draw (must not exist)")
+    p.add_argument("--pairs", type=int, default=synth.SynthConfig.pairs, help="pairs to draw")
+    p.add_argument("--seed", type=int, default=synth.SynthConfig.seed, help="the drawing's seed")
+    p.add_argument("--workers", type=int, default=1, help="processes drawing pairs")
+    p.set_defaults(run=lambda a: drawing(a.folder, a.pairs, a.seed, a.workers))
+
+    p = figure("metrics", "scoring a CLEVR-Change-sized corpus with metrics.py, whole process, against the Java "
+                          "toolkit's time (JSON)")
+    p.add_argument("--corpus", default="../shared/metrics_vectors/clevr_size_timing.json", help="metrics.py input")
+    p.add_argument("--runs", type=int, default=5, help="whole-process runs; each is reported, and the median")
+    p.add_argument("--processes", type=int, default=2, help="metrics.py's --processes")
+    p.set_defaults(run=lambda a: print(json.dumps(metrics_scoring(a.corpus, a.runs, a.processes), indent=2)))
 
     args = parser.parse_args(argv)
     args.run(args)

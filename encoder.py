@@ -21,7 +21,7 @@ Differs from reference:
 - The no-decay set also holds the LayerNorm weights (see `no_decay_names`).
 
 Run `python encoder.py` to push a random image pair through a tiny random CLIP and print every shape.
-The benchmark of one full-size training step is `python adapt.py --bench`.
+The benchmark of one full-size training step is `python bench.py adapt`.
 
 Shape letters: B pairs in the batch, R image side (224), N patches per image ((224/32)^2 = 49),
 D vision width (768), E joint embedding width (512), T caption tokens, L = 2(N+1) joint tokens (100).
