@@ -811,17 +811,8 @@ def _ptb_lex(text):
     return tokens
 
 
-def ptb_tokenize(text):
-    """The text every coco-caption scorer sees: PTB tokens, lower-cased, 17 punctuation tokens dropped.
-
-    >>> ptb_tokenize("The cube can't move, it's RED!")
-    "the cube ca n't move it 's red"
-    """
-    if _PTB_FAST.fullmatch(text) and not _PTB_DIGITS_SPACED.search(text):   # words and spaces: split on spaces
-        tokens = []
-        for word in text.lower().split():
-            tokens.extend(_PTB_SPLIT_WORDS.get(word, (word,)))
-        return " ".join(tokens)
+def _ptb_tokenize_by_lexer(text):
+    """ptb_tokenize(text) for any text, by the lexer."""
     # differs from reference: line breaks other than "\n" are spaces here; the toolkit starts a new output line at
     # them and shifts every later caption onto the wrong item.
     for ch in LINE_BREAKS:
@@ -832,6 +823,21 @@ def ptb_tokenize(text):
     # next caption follows too, which a few abbreviation rules read as trailing context.
     tokens = [tok.lower() for tok in _ptb_lex(text + "\n")]
     return " ".join(tok for tok in " ".join(tokens).split(" ") if tok not in PTB_DROPPED)
+
+
+def ptb_tokenize(text):
+    """The text every coco-caption scorer sees: PTB tokens, lower-cased, 17 punctuation tokens dropped.
+
+    >>> ptb_tokenize("The cube can't move, it's RED!")
+    "the cube ca n't move it 's red"
+    """
+    if _PTB_FAST.fullmatch(text) and not _PTB_DIGITS_SPACED.search(text):
+        # speed: words and spaces only (most captions): the lexer's tokens are these, a test checks it.
+        tokens = []
+        for word in text.lower().split():
+            tokens.extend(_PTB_SPLIT_WORDS.get(word, (word,)))
+        return " ".join(tokens)
+    return _ptb_tokenize_by_lexer(text)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -946,10 +952,8 @@ def _norm_patterns():
             re.compile(r"[ \u2000-\u200a\u202f\u205f\u3000\u00a0]+"))
 
 
-def meteor_normalize(line):
-    """Normalizer.normalizeLine(line, English, keepPunctuation=true), then lower-cased; returns the words."""
-    if _PTB_FAST.fullmatch(line):               # letters, digits, spaces: nothing to normalise
-        return line.lower().split()
+def _meteor_normalize_by_rules(line):
+    """meteor_normalize(line) for any line, by the normaliser's rules."""
     sep, multi_dot, commas, contractions, dash, has_alpha, white = _norm_patterns()
     s = " " + line + " "
     for rx, rep in sep:
@@ -988,6 +992,15 @@ def meteor_normalize(line):
     s = s.replace("DOTMULTI", ".")
     s = white.sub(" ", s).strip(_JAVA_WHITESPACE)
     return _JAVA_TOKENS.findall(s.lower())
+
+
+def meteor_normalize(line):
+    """Normalizer.normalizeLine(line, English, keepPunctuation=true), then lower-cased; returns the words."""
+    if _PTB_FAST.fullmatch(line):
+        # speed: letters, digits and spaces: no rule changes them (on lower-case text, as the PTB tokenizer gives;
+        # the rules would turn an upper-case "DOTMULTI" into "."), a test checks it.
+        return line.lower().split()
+    return _meteor_normalize_by_rules(line)
 
 
 # 8.4 The Snowball English ("Porter2") stemmer, org.tartarus.snowball.ext.englishStemmer, written from the

@@ -1794,6 +1794,17 @@ def test_ptb_tokenizer_splits_contractions_keeps_brackets_and_drops_punctuation(
     assert metrics.ptb_tokenize("   \t ") == ""
 
 
+def test_captions_of_words_and_spaces_skip_the_lexer_and_get_the_lexers_tokens():
+    captions = {"Cannot you see  the 3D cube gonna move", "No 5 St Mr US  ", "the cube 555 moved", ""}
+    for name in CORPORA:
+        items, _ = load_corpus(name)
+        captions.update(text for item in items for text in [item["candidate"], *item["references"]])
+    plain = sorted(c for c in captions if metrics._PTB_FAST.fullmatch(c) and not metrics._PTB_DIGITS_SPACED.search(c))
+    assert len(plain) > 10_000
+    plain = plain[::4]                        # 5,000 of them, for time
+    assert [metrics.ptb_tokenize(c) for c in plain] == [metrics._ptb_tokenize_by_lexer(c) for c in plain]
+
+
 # --- METEOR ---
 
 def test_snowball_stemmer_gives_the_english_stems():
@@ -1812,6 +1823,18 @@ def test_meteor_normaliser_joins_hyphens_splits_apostrophes_and_keeps_abbreviati
     assert metrics.meteor_normalize("the u.s. cube") == ["the", "us", "cube"]
     assert metrics.meteor_normalize("mr. smith moved") == ["mr.", "smith", "moved"]
     assert metrics.meteor_normalize("the end .") == ["the", "end", "."]
+
+
+def test_lines_of_words_and_spaces_skip_the_normaliser_and_get_its_words():
+    lines = {"the 3d cube  moved ", "no 5 st mr us", ""}
+    for name in CORPORA:
+        _, coco = load_corpus(name)
+        lines.update(text for item in coco["items"] for text in [item["candidate_tok"], *item["references_tok"]])
+    plain = sorted(line for line in lines if metrics._PTB_FAST.fullmatch(line))
+    assert len(plain) > 5_000
+    plain = plain[::4]                        # 5,000 of them, for time
+    assert [metrics.meteor_normalize(line) for line in plain] == \
+        [metrics._meteor_normalize_by_rules(line) for line in plain]
 
 
 @pytest.mark.parametrize("name", CORPORA)
