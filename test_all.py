@@ -7,6 +7,7 @@ toolkit's scores) skip with the reason when that folder is missing, and fail ins
 """
 import contextlib
 import functools
+import gc
 import gzip
 import hashlib
 import http.server
@@ -1574,27 +1575,6 @@ def scored():
     return get
 
 
-# --- the PTB tokenizer ---
-
-@pytest.mark.parametrize("name", CORPORA)
-def test_ptb_tokenizer_gives_the_toolkits_tokens_for_every_raw_caption(name):
-    items, coco = load_corpus(name)
-    for item, expected in zip(items, coco["items"]):
-        assert metrics.ptb_tokenize(item["candidate"]) == expected["candidate_tok"], item["id"]
-        assert [metrics.ptb_tokenize(r) for r in item["references"]] == expected["references_tok"], item["id"]
-
-
-def test_ptb_tokenizer_splits_contractions_keeps_brackets_and_drops_punctuation():
-    assert metrics.ptb_tokenize("It's the car's door, can't you see?") == "it 's the car 's door ca n't you see"
-    assert metrics.ptb_tokenize("The cube cannot move!!!") == "the cube can not move !!!"
-    assert metrics.ptb_tokenize("the (big) cube [red]") == "the -lrb- big -rrb- cube -lsb- red -rsb-"
-    assert metrics.ptb_tokenize("10% of $5 costs #1 \u2014 a*b") == "10 % of $ 5 costs # 1 a * b"
-    assert metrics.ptb_tokenize("the U.S. cube, e.g. the red one\u2026") == "the u.s. cube e.g. the red one"
-    assert metrics.ptb_tokenize("the cube \U0001F642 moved") == "the cube moved"          # emoji are dropped
-    assert metrics.ptb_tokenize("the small red cube\r\nmoved") == "the small red cube moved"
-    assert metrics.ptb_tokenize("   \t ") == ""
-
-
 # --- BLEU, ROUGE-L and CIDEr-D, from the toolkit's tokens ---
 
 @pytest.mark.parametrize("name", CORPORA)
@@ -1669,137 +1649,6 @@ def test_a_subset_is_rescored_on_its_own_so_its_cider_differs_from_its_items_ins
     assert result["all"]["corpus"]["CIDEr"] == pytest.approx(coco["corpus"]["CIDEr"], abs=1e-6)
 
 
-# --- METEOR ---
-
-def test_snowball_stemmer_gives_the_english_stems():
-    # Checked against org.tartarus.snowball.ext.englishStemmer of meteor-1.5.jar, which agrees on 168,703 words.
-    examples = {"generously": "generous", "running": "run", "skies": "sky", "cubes": "cube", "moved": "move",
-                "dying": "die", "hopped": "hop", "hoping": "hope", "agreed": "agre", "feed": "feed", "bus": "bus",
-                "gaps": "gap", "communication": "communic", "spheres": "sphere", "metallic": "metal",
-                "shiny": "shini", "largest": "largest", "disappeared": "disappear"}
-    assert {word: metrics.snowball_stem(word) for word in examples} == examples
-
-
-def test_meteor_normaliser_joins_hyphens_splits_apostrophes_and_keeps_abbreviations():
-    # Checked against edu.cmu.meteor.util.Normalizer of meteor-1.5.jar, which agrees on 25,470 lines.
-    assert metrics.meteor_normalize("the café-coloured cube") == ["the", "café", "coloured", "cube"]
-    assert metrics.meteor_normalize("it 's red") == ["it", "'", "s", "red"]
-    assert metrics.meteor_normalize("the u.s. cube") == ["the", "us", "cube"]
-    assert metrics.meteor_normalize("mr. smith moved") == ["mr.", "smith", "moved"]
-    assert metrics.meteor_normalize("the end .") == ["the", "end", "."]
-
-
-@pytest.mark.parametrize("name", CORPORA)
-def test_meteor_with_its_data_equals_the_toolkit(name):
-    needs_meteor_data()
-    _, coco = load_corpus(name)
-    result = metrics.score_captions(*tokenized(coco), metrics=("METEOR",), tokenize=False)
-    assert result["info"]["meteor_modules"] == "exact+stem+synonym+paraphrase"
-    assert result["corpus"]["METEOR"] == pytest.approx(coco["corpus"]["METEOR"], abs=1e-3)
-    close = [abs(result["items"][e["id"]]["METEOR"] - e["METEOR"]) <= 0.01 for e in coco["items"]]
-    assert np.mean(close) >= 0.99
-    assert all(result["items"][e["id"]]["METEOR"] == pytest.approx(e["METEOR"], abs=1e-12) for e in coco["items"])
-
-
-@pytest.mark.parametrize("name, modules, toolkit", [
-    ("clevr_style_public", ("exact",), 0.3379), ("clevr_style_public", ("exact", "stem"), 0.3414),
-    ("spot_public", ("exact",), 0.1663), ("spot_public", ("exact", "stem"), 0.1685)])
-def test_meteor_without_its_data_lands_on_the_toolkits_own_exact_and_stem_scores(name, modules, toolkit):
-    # The vectors' README gives the toolkit's corpus METEOR run with `-m exact` and `-m "exact stem"`.
-    _, coco = load_corpus(name)
-    result = metrics.score_captions(*tokenized(coco), metrics=("METEOR",), tokenize=False, meteor_modules=modules)
-    assert round(result["corpus"]["METEOR"], 4) == toolkit
-    assert result["info"]["meteor_modules"] == "+".join(modules)
-    assert "meteor_note" in result["info"]
-
-
-@pytest.fixture
-def no_meteor_data(monkeypatch, tmp_path):
-    monkeypatch.setenv(metrics.METEOR_DATA_ENV, str(tmp_path))        # a folder without the jar
-    metrics.load_meteor_resources.cache_clear()
-    yield
-    metrics.load_meteor_resources.cache_clear()
-
-
-def test_without_the_meteor_data_scoring_falls_back_to_exact_and_stem_and_says_so(no_meteor_data):
-    result = metrics.score_captions({1: "the cubes moved"}, {1: ["the cube has moved"]}, metrics=("METEOR",))
-    assert result["info"]["meteor_modules"] == "exact+stem"
-    assert "the METEOR 1.5 data was not found" in result["info"]["meteor_note"]
-    with pytest.raises(metrics.CaptionInputError, match="pip install --no-deps pycocoevalcap"):
-        metrics.score_captions({1: "a"}, {1: ["a"]}, metrics=("METEOR",), meteor_modules=metrics.METEOR_MODULES)
-
-
-def test_meteor_builtin_word_lists_equal_the_jars_files():
-    needs_meteor_data()
-    jar = metrics._find_meteor_files()[0]
-    with zipfile.ZipFile(jar) as archive:
-        words = archive.read("function/english.words").decode("utf-8").split("\n")
-        prefixes = archive.read("nonbreaking/english.prefixes").decode("utf-8").split("\n")
-    assert metrics.METEOR_FUNCTION_WORDS == {w for w in words if w}
-    table = {}
-    for line in prefixes:
-        parts = line.split()
-        if parts and not parts[0].startswith("#"):
-            table[parts[0]] = 2 if parts[1:2] == ["#NUMERIC_ONLY#"] else 1
-    assert metrics.METEOR_NONBREAKING == table
-
-
-def test_batched_beam_search_chooses_the_same_alignments_as_the_readable_one():
-    needs_meteor_data()
-    items, _ = load_corpus("clevr_style_public")
-    meteor = metrics.Meteor(resources=metrics.load_meteor_resources())
-    pairs = [(metrics.ptb_tokenize(it["candidate"]), metrics.ptb_tokenize(r)) for it in items[:300]
-             for r in it["references"]]
-    meteor.prepare([text for pair in pairs for text in pair])
-    problems, readable = [], []
-    for hypothesis, reference in pairs:
-        cands, cover1, cover2 = meteor._candidates(meteor.sentence(hypothesis), meteor.sentence(reference))
-        fixed, used1, used2, open_choice = metrics._fixed_matches(cands, cover1, cover2)
-        if open_choice:
-            problems.append((cands, fixed, used1, used2))
-            readable.append(meteor._resolve(cands, cover1, cover2, len(cands)))
-            meteor._structures.clear()
-    assert len(problems) > 100
-    assert meteor._resolve_batch(problems) == readable
-
-
-def test_paraphrase_index_is_built_once_and_keeps_the_tables_order(tmp_path, monkeypatch):
-    table = tmp_path / "paraphrase-en.gz"
-    triples = [("0.1", "the cube", "the block"), ("0.2", "cube", "block"), ("0.3", "cube", "dice"),
-               ("0.4", "red", "crimson"), ("0.5", "the cube", "this cube")]
-    table.write_bytes(gzip.compress("".join(f"{p}\n{a}\n{b}\n" for p, a, b in triples).encode()))
-    monkeypatch.setenv(metrics.METEOR_CACHE_ENV, str(tmp_path / "cache"))
-    resources = metrics.MeteorResources({}, {}, table, str(tmp_path))
-    vocabulary = {"the", "cube", "block", "dice", "this"}
-    expected = {("the", "cube"): [("the", "block"), ("this", "cube")], ("cube",): [("block",), ("dice",)]}
-    assert metrics.load_paraphrases(resources, vocabulary) == expected         # "red" -> "crimson" cannot match
-    assert any((tmp_path / "cache").iterdir())
-    assert metrics.load_paraphrases(resources, vocabulary) == expected         # now read from the cache
-
-
-def test_a_forked_meteor_worker_gives_the_same_numbers():
-    needs_meteor_data()
-    _, coco = load_corpus("clevr_style_public")                               # 2,000 items: above the threshold
-    one = metrics.score_captions(*tokenized(coco), tokenize=False, processes=1)
-    two = metrics.score_captions(*tokenized(coco), tokenize=False, processes=2)
-    assert one["corpus"] == two["corpus"] and one["items"] == two["items"]
-    assert one["info"]["meteor_items_in_worker"] == 0 and two["info"]["meteor_items_in_worker"] > 0
-    # METEOR alone: this process has nothing else to do, so it takes chunks from the end at once
-    alone = metrics.score_captions(*tokenized(coco), metrics=("METEOR",), tokenize=False, processes=2)
-    assert alone["corpus"]["METEOR"] == one["corpus"]["METEOR"]
-    assert all(alone["items"][i]["METEOR"] == one["items"][i]["METEOR"] for i in one["items"])
-    assert 0 < alone["info"]["meteor_items_in_worker"] < len(coco["items"])
-
-
-def test_end_to_end_from_raw_text_gives_the_toolkits_numbers():
-    needs_meteor_data()
-    items, coco = load_corpus("edge_cases")
-    result = metrics.score_captions({it["id"]: it["candidate"] for it in items},
-                                    {it["id"]: it["references"] for it in items})
-    for metric, value in coco["corpus"].items():
-        assert result["corpus"][metric] == pytest.approx(value, abs=1e-6), metric
-
-
 # --- retrieval metrics ---
 
 def test_retrieval_ranks_each_caption_against_all_pairs_and_each_pair_against_caption_groups():
@@ -1845,7 +1694,7 @@ def test_retrieval_refuses_a_pair_without_captions():
         metrics.retrieval_metrics(np.eye(3), [0, 1, 1])
 
 
-# --- inputs and the command line ---
+# --- scoring a corpus: inputs, the command line, end to end ---
 
 def write(path, data):
     path.write_text(data if isinstance(data, str) else json.dumps(data), encoding="utf-8")
@@ -1931,6 +1780,220 @@ def test_items_whose_only_reference_is_empty_score_as_the_toolkit_scores_them_in
 def test_an_empty_reference_list_is_refused():
     with pytest.raises(metrics.CaptionInputError, match="empty list of references"):
         metrics.score_captions({"a": "a cube"}, {"a": []})
+
+
+def test_end_to_end_from_raw_text_gives_the_toolkits_numbers():
+    needs_meteor_data()
+    items, coco = load_corpus("edge_cases")
+    result = metrics.score_captions({it["id"]: it["candidate"] for it in items},
+                                    {it["id"]: it["references"] for it in items})
+    for metric, value in coco["corpus"].items():
+        assert result["corpus"][metric] == pytest.approx(value, abs=1e-6), metric
+
+
+# --- the PTB tokenizer ---
+
+@pytest.mark.parametrize("name", CORPORA)
+def test_ptb_tokenizer_gives_the_toolkits_tokens_for_every_raw_caption(name):
+    items, coco = load_corpus(name)
+    for item, expected in zip(items, coco["items"]):
+        assert metrics.ptb_tokenize(item["candidate"]) == expected["candidate_tok"], item["id"]
+        assert [metrics.ptb_tokenize(r) for r in item["references"]] == expected["references_tok"], item["id"]
+
+
+def test_ptb_tokenizer_splits_contractions_keeps_brackets_and_drops_punctuation():
+    assert metrics.ptb_tokenize("It's the car's door, can't you see?") == "it 's the car 's door ca n't you see"
+    assert metrics.ptb_tokenize("The cube cannot move!!!") == "the cube can not move !!!"
+    assert metrics.ptb_tokenize("the (big) cube [red]") == "the -lrb- big -rrb- cube -lsb- red -rsb-"
+    assert metrics.ptb_tokenize("10% of $5 costs #1 \u2014 a*b") == "10 % of $ 5 costs # 1 a * b"
+    assert metrics.ptb_tokenize("the U.S. cube, e.g. the red one\u2026") == "the u.s. cube e.g. the red one"
+    assert metrics.ptb_tokenize("the cube \U0001F642 moved") == "the cube moved"          # emoji are dropped
+    assert metrics.ptb_tokenize("the small red cube\r\nmoved") == "the small red cube moved"
+    assert metrics.ptb_tokenize("   \t ") == ""
+
+
+def test_captions_of_words_and_spaces_skip_the_lexer_and_get_the_lexers_tokens():
+    captions = {"Cannot you see  the 3D cube gonna move", "No 5 St Mr US  ", "the cube 555 moved", ""}
+    for name in CORPORA:
+        items, _ = load_corpus(name)
+        captions.update(text for item in items for text in [item["candidate"], *item["references"]])
+    plain = sorted(c for c in captions if metrics._PTB_FAST.fullmatch(c) and not metrics._PTB_DIGITS_SPACED.search(c))
+    assert len(plain) > 10_000
+    plain = plain[::4]                        # 5,000 of them, for time
+    assert [metrics.ptb_tokenize(c) for c in plain] == [metrics._ptb_tokenize_by_lexer(c) for c in plain]
+
+
+# --- METEOR ---
+
+def test_snowball_stemmer_gives_the_english_stems():
+    # Checked against org.tartarus.snowball.ext.englishStemmer of meteor-1.5.jar, which agrees on 168,703 words.
+    examples = {"generously": "generous", "running": "run", "skies": "sky", "cubes": "cube", "moved": "move",
+                "dying": "die", "hopped": "hop", "hoping": "hope", "agreed": "agre", "feed": "feed", "bus": "bus",
+                "gaps": "gap", "communication": "communic", "spheres": "sphere", "metallic": "metal",
+                "shiny": "shini", "largest": "largest", "disappeared": "disappear"}
+    assert {word: metrics.snowball_stem(word) for word in examples} == examples
+
+
+def test_meteor_normaliser_joins_hyphens_splits_apostrophes_and_keeps_abbreviations():
+    # Checked against edu.cmu.meteor.util.Normalizer of meteor-1.5.jar, which agrees on 25,470 lines.
+    assert metrics.meteor_normalize("the café-coloured cube") == ["the", "café", "coloured", "cube"]
+    assert metrics.meteor_normalize("it 's red") == ["it", "'", "s", "red"]
+    assert metrics.meteor_normalize("the u.s. cube") == ["the", "us", "cube"]
+    assert metrics.meteor_normalize("mr. smith moved") == ["mr.", "smith", "moved"]
+    assert metrics.meteor_normalize("the end .") == ["the", "end", "."]
+
+
+def test_lines_of_words_and_spaces_skip_the_normaliser_and_get_its_words():
+    lines = {"the 3d cube  moved ", "no 5 st mr us", ""}
+    for name in CORPORA:
+        _, coco = load_corpus(name)
+        lines.update(text for item in coco["items"] for text in [item["candidate_tok"], *item["references_tok"]])
+    plain = sorted(line for line in lines if metrics._PTB_FAST.fullmatch(line))
+    assert len(plain) > 5_000
+    plain = plain[::4]                        # 5,000 of them, for time
+    assert [metrics.meteor_normalize(line) for line in plain] == \
+        [metrics._meteor_normalize_by_rules(line) for line in plain]
+
+
+@pytest.mark.parametrize("name", CORPORA)
+def test_meteor_with_its_data_equals_the_toolkit(name):
+    needs_meteor_data()
+    _, coco = load_corpus(name)
+    result = metrics.score_captions(*tokenized(coco), metrics=("METEOR",), tokenize=False)
+    assert result["info"]["meteor_modules"] == "exact+stem+synonym+paraphrase"
+    assert result["corpus"]["METEOR"] == pytest.approx(coco["corpus"]["METEOR"], abs=1e-3)
+    close = [abs(result["items"][e["id"]]["METEOR"] - e["METEOR"]) <= 0.01 for e in coco["items"]]
+    assert np.mean(close) >= 0.99
+    assert all(result["items"][e["id"]]["METEOR"] == pytest.approx(e["METEOR"], abs=1e-12) for e in coco["items"])
+
+
+@pytest.mark.parametrize("name, modules, toolkit", [
+    ("clevr_style_public", ("exact",), 0.3379), ("clevr_style_public", ("exact", "stem"), 0.3414),
+    ("spot_public", ("exact",), 0.1663), ("spot_public", ("exact", "stem"), 0.1685)])
+def test_meteor_without_its_data_lands_on_the_toolkits_own_exact_and_stem_scores(name, modules, toolkit):
+    # The vectors' README gives the toolkit's corpus METEOR run with `-m exact` and `-m "exact stem"`.
+    _, coco = load_corpus(name)
+    result = metrics.score_captions(*tokenized(coco), metrics=("METEOR",), tokenize=False, meteor_modules=modules)
+    assert round(result["corpus"]["METEOR"], 4) == toolkit
+    assert result["info"]["meteor_modules"] == "+".join(modules)
+    assert "meteor_note" in result["info"]
+
+
+@pytest.fixture
+def no_meteor_data(monkeypatch, tmp_path):
+    monkeypatch.setenv(metrics.METEOR_DATA_ENV, str(tmp_path))        # a folder without the jar
+    metrics.load_meteor_resources.cache_clear()
+    yield
+    metrics.load_meteor_resources.cache_clear()
+
+
+def test_without_the_meteor_data_scoring_falls_back_to_exact_and_stem_and_says_so(no_meteor_data):
+    result = metrics.score_captions({1: "the cubes moved"}, {1: ["the cube has moved"]}, metrics=("METEOR",))
+    assert result["info"]["meteor_modules"] == "exact+stem"
+    assert "the METEOR 1.5 data was not found" in result["info"]["meteor_note"]
+    with pytest.raises(metrics.CaptionInputError, match="pip install --no-deps pycocoevalcap"):
+        metrics.score_captions({1: "a"}, {1: ["a"]}, metrics=("METEOR",), meteor_modules=metrics.METEOR_MODULES)
+
+
+def test_meteor_builtin_word_lists_equal_the_jars_files():
+    needs_meteor_data()
+    jar = metrics._find_meteor_files()[0]
+    with zipfile.ZipFile(jar) as archive:
+        words = archive.read("function/english.words").decode("utf-8").split("\n")
+        prefixes = archive.read("nonbreaking/english.prefixes").decode("utf-8").split("\n")
+    assert metrics.METEOR_FUNCTION_WORDS == {w for w in words if w}
+    table = {}
+    for line in prefixes:
+        parts = line.split()
+        if parts and not parts[0].startswith("#"):
+            table[parts[0]] = 2 if parts[1:2] == ["#NUMERIC_ONLY#"] else 1
+    assert metrics.METEOR_NONBREAKING == table
+
+
+# --- METEOR's speed variants give what the readable code gives ---
+
+def test_many_items_at_once_give_the_statistics_of_one_item_at_a_time():
+    needs_meteor_data()
+    items = []
+    for name in CORPORA:
+        _, coco = load_corpus(name)
+        items += [(e["candidate_tok"], e["references_tok"]) for e in coco["items"][:250]]
+    meteor = metrics.BatchedMeteor(resources=metrics.load_meteor_resources())
+    batched = meteor.item_stats_many(items)
+    meteor._structures.clear()                # so that the readable search solves every alignment again
+    assert [meteor.item_stats(hypothesis, references) for hypothesis, references in items] == batched
+
+
+def test_batched_beam_search_chooses_the_same_alignments_as_the_readable_one():
+    needs_meteor_data()
+    items, _ = load_corpus("clevr_style_public")
+    meteor = metrics.BatchedMeteor(resources=metrics.load_meteor_resources())
+    pairs = [(metrics.ptb_tokenize(it["candidate"]), metrics.ptb_tokenize(r)) for it in items[:300]
+             for r in it["references"]]
+    meteor.prepare([text for pair in pairs for text in pair])
+    problems, readable = [], []
+    for hypothesis, reference in pairs:
+        cands, cover1, cover2 = meteor._candidates(meteor.sentence(hypothesis), meteor.sentence(reference))
+        fixed, used1, used2, open_choice = metrics._fixed_matches(cands, cover1, cover2)
+        if open_choice:
+            problems.append((cands, fixed, used1, used2))
+            readable.append(meteor._resolve(cands, cover1, cover2, len(cands)))
+            meteor._structures.clear()
+    assert len(problems) > 100
+    assert meteor._resolve_batch(problems) == readable
+
+
+def test_paraphrase_index_is_built_once_and_keeps_the_tables_order(tmp_path, monkeypatch):
+    table = tmp_path / "paraphrase-en.gz"
+    triples = [("0.1", "the cube", "the block"), ("0.2", "cube", "block"), ("0.3", "cube", "dice"),
+               ("0.4", "red", "crimson"), ("0.5", "the cube", "this cube")]
+    table.write_bytes(gzip.compress("".join(f"{p}\n{a}\n{b}\n" for p, a, b in triples).encode()))
+    monkeypatch.setenv(metrics.METEOR_CACHE_ENV, str(tmp_path / "cache"))
+    resources = metrics.MeteorResources({}, {}, table, str(tmp_path))
+    vocabulary = {"the", "cube", "block", "dice", "this"}
+    expected = {("the", "cube"): [("the", "block"), ("this", "cube")], ("cube",): [("block",), ("dice",)]}
+    assert metrics.load_paraphrases(resources, vocabulary) == expected         # "red" -> "crimson" cannot match
+    assert any((tmp_path / "cache").iterdir())
+    assert metrics.load_paraphrases(resources, vocabulary) == expected         # now read from the cache
+
+
+def test_the_paraphrase_index_gives_what_reading_the_table_plainly_gives(tmp_path, monkeypatch):
+    needs_meteor_data()
+    with gzip.open(metrics.load_meteor_resources().paraphrase_gz, "rb") as f:
+        lines = [f.readline() for _ in range(3 * 20_000)]            # the real table's first 20,000 pairs
+    table = tmp_path / "paraphrase-en.gz"
+    table.write_bytes(gzip.compress(b"".join(lines)))
+    monkeypatch.setenv(metrics.METEOR_CACHE_ENV, str(tmp_path / "cache"))
+    resources = metrics.MeteorResources({}, {}, table, str(tmp_path))
+    words = sorted({w for line in lines[1::3] + lines[2::3] for w in line.decode().split()})
+    rng = np.random.default_rng(0)
+    for vocabulary in [set(words), set(rng.choice(words, len(words) // 2)), set(rng.choice(words, 500))]:
+        expected = metrics.read_paraphrases(resources, vocabulary)
+        assert len(expected) > 10
+        assert metrics.load_paraphrases(resources, vocabulary) == expected
+
+
+def test_a_forked_meteor_worker_gives_the_same_numbers():
+    needs_meteor_data()
+    _, coco = load_corpus("clevr_style_public")                               # 2,000 items: above the threshold
+    one = metrics.score_captions(*tokenized(coco), tokenize=False, processes=1)
+    two = metrics.score_captions(*tokenized(coco), tokenize=False, processes=2)
+    assert one["corpus"] == two["corpus"] and one["items"] == two["items"]
+    assert one["info"]["meteor_items_in_worker"] == 0 and two["info"]["meteor_items_in_worker"] > 0
+    # METEOR alone: this process has nothing else to do, so it takes chunks from the end at once
+    alone = metrics.score_captions(*tokenized(coco), metrics=("METEOR",), tokenize=False, processes=2)
+    assert alone["corpus"]["METEOR"] == one["corpus"]["METEOR"]
+    assert all(alone["items"][i]["METEOR"] == one["items"][i]["METEOR"] for i in one["items"])
+    assert 0 < alone["info"]["meteor_items_in_worker"] < len(coco["items"])
+
+
+def test_pausing_the_garbage_collector_changes_no_score_and_turns_it_back_on(monkeypatch):
+    _, coco = load_corpus("edge_cases")
+    paused = metrics.score_captions(*tokenized(coco), tokenize=False)
+    assert gc.isenabled()
+    monkeypatch.setattr(metrics, "_collector_paused", contextlib.nullcontext)
+    running = metrics.score_captions(*tokenized(coco), tokenize=False)
+    assert paused["corpus"] == running["corpus"] and paused["items"] == running["items"]
 
 
 # ======== explain.py ========
