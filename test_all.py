@@ -45,8 +45,10 @@ import explain
 import metrics
 import runtime
 import synth
-from decoder import CaptionDecoder, DecoderConfig, ids_to_text
-from encoder import FROZEN_IN_REFERENCE, EncoderConfig, IntraTokens, PairEncoder, rename_reference_keys
+from decoder import (REFERENCE_OUTPUT_WEIGHT, CaptionDecoder, DecoderConfig, ids_to_text, release_decoder,
+                     rename_reference_decoder_keys, to_reference_decoder_keys)
+from encoder import (FROZEN_IN_REFERENCE, EncoderConfig, IntraTokens, PairEncoder, read_release, release_encoder,
+                     rename_reference_keys, to_reference_keys)
 from losses import caption_loss, contrastive_loss, gather_with_grad
 
 HERE = Path(__file__).resolve().parent
@@ -747,6 +749,117 @@ def test_a_reference_checkpoint_loads_after_renaming_its_new_parameters():
     torch.testing.assert_close(fresh.before_embedding, model.before_embedding.half().float())
 
 
+# --- the reference's released weights ---
+
+RELEASE_CLIP = {**TINY, "transformer_width": 32}  # the decoder ties CLIP's word embedding: text width = joint width E
+RELEASE_DECODER = dict(layers=3, width=32, ffn=64, vocab=TINY["vocab_size"], positions=TINY["context_length"])
+
+
+def reference_decoder_shapes(layers, width, ffn, vocab, positions):
+    """The decoder.* keys and shapes of the reference's caption model, written out from its modules
+    (C4I:modules/module_decoder.py, DecoderModel): BERT-style layers, the word embedding also saved as the
+    output weight (classifier.cls.predictions.decoder.weight)."""
+    def linear(name, n_in, n_out):
+        return {f"{name}.weight": (n_out, n_in), f"{name}.bias": (n_out,)}
+
+    def norm(name):
+        return {f"{name}.weight": (width,), f"{name}.bias": (width,)}
+
+    def attention(name):  # DecoderAttention: att (MultiHeadAttention) and output (BertSelfOutput)
+        return {**linear(f"{name}.att.query", width, width), **linear(f"{name}.att.key", width, width),
+                **linear(f"{name}.att.value", width, width), **linear(f"{name}.output.dense", width, width),
+                **norm(f"{name}.output.LayerNorm")}
+
+    shapes = {"decoder.embeddings.word_embeddings.weight": (vocab, width),
+              "decoder.embeddings.position_embeddings.weight": (positions, width),
+              **norm("decoder.embeddings.LayerNorm")}
+    for i in range(layers):
+        for stack, attentions in (("encoder", ("slf_attn",)), ("decoder", ("slf_attn", "enc_attn"))):
+            layer = f"decoder.{stack}.layer.{i}"
+            for name in attentions:
+                shapes.update(attention(f"{layer}.{name}"))
+            shapes.update({**linear(f"{layer}.intermediate.dense", width, ffn),
+                           **linear(f"{layer}.output.dense", ffn, width), **norm(f"{layer}.output.LayerNorm")})
+    head = "decoder.classifier.cls.predictions"
+    shapes.update({**linear(f"{head}.transform.dense", width, width), **norm(f"{head}.transform.LayerNorm"),
+                   f"{head}.decoder.weight": (vocab, width), f"{head}.bias": (vocab,)})
+    return shapes
+
+
+def reference_release(stage: int, seed: int = 0) -> dict:
+    """A tiny state dict as the reference saves it (torch.save(model.state_dict())): CLIP under OpenAI's names
+    (clip.py keeps them), the pair parameters under clip.visual.*, the weights its convert_weights halves in
+    float16; stage 2 adds the decoder, the tied embeddings stored under each of their names."""
+    generator = torch.Generator().manual_seed(seed)
+    tiny_clip = clip.CLIP(clip.CLIPConfig(**RELEASE_CLIP))
+    shapes = {f"clip.{key}": tuple(value.shape) for key, value in tiny_clip.state_dict().items()}
+    shapes.update({"clip.visual.bef_embedding": (D,), "clip.visual.aft_embedding": (D,),
+                   "clip.visual.joint_positional_embedding": (2 * (N + 1), D),
+                   "clip.visual.ln_mid.weight": (D,), "clip.visual.ln_mid.bias": (D,)})
+    if stage == 2:
+        shapes.update(reference_decoder_shapes(**RELEASE_DECODER))
+    state = {key: torch.randn(shape, generator=generator) for key, shape in shapes.items()}
+    halved = ("conv1.weight", "in_proj_weight", "in_proj_bias", "clip.visual.proj", "clip.text_projection")
+    for key in state:  # Conv, Linear and attention weights and biases, and CLIP's two projections
+        if key.startswith("clip.") and (key.endswith(halved) or any(linear in key for linear in (".out_proj.", ".c_"))):
+            state[key] = state[key].half()
+    if stage == 2:  # one Parameter in the reference, saved under every name
+        for key in ("decoder.embeddings.word_embeddings.weight", "decoder.classifier.cls.predictions.decoder.weight"):
+            state[key] = state["clip.token_embedding.weight"]
+        state["decoder.embeddings.position_embeddings.weight"] = state["clip.positional_embedding"]
+    return state
+
+
+def test_a_reference_adaptation_file_is_stage_1_and_loads_strictly_with_every_tensor_in_place(tmp_path):
+    release = reference_release(stage=1)
+    torch.save(release, tmp_path / "pytorch_model.bin.clevr")
+    stage, state = read_release(tmp_path / "pytorch_model.bin.clevr")
+    assert stage == 1 and len(state) == len(release)
+    model = release_encoder(state, EncoderConfig(intra_layers=3))  # strict: every parameter from the file
+    assert model.clip.config == clip.CLIPConfig(**RELEASE_CLIP)  # sized from the tensors
+    assert torch.equal(model.before_embedding, release["clip.visual.bef_embedding"])
+    assert torch.equal(model.after_embedding, release["clip.visual.aft_embedding"])
+    assert torch.equal(model.joint_positional_embedding, release["clip.visual.joint_positional_embedding"])
+    assert torch.equal(model.ln_mid.bias, release["clip.visual.ln_mid.bias"])
+    assert torch.equal(model.clip.visual.transformer.resblocks[3].mlp.c_fc.bias,
+                       release["clip.visual.transformer.resblocks.3.mlp.c_fc.bias"].float())
+    assert not model.training
+
+
+def test_a_float16_release_loads_as_float32_with_the_same_values(tmp_path):
+    release = reference_release(stage=1)
+    assert release["clip.visual.proj"].dtype == torch.float16
+    torch.save(release, tmp_path / "pytorch_model.bin.clevr")
+    model = release_encoder(read_release(tmp_path / "pytorch_model.bin.clevr")[1], EncoderConfig(intra_layers=3))
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert torch.equal(model.clip.visual.proj, release["clip.visual.proj"].float())
+
+
+def test_the_pair_encoders_names_to_the_references_and_back_are_the_identity():
+    ours = _tiny_encoder().state_dict()
+    theirs = to_reference_keys(ours)
+    assert "clip.visual.bef_embedding" in theirs and "before_embedding" not in theirs
+    back = rename_reference_keys(theirs)
+    assert back.keys() == ours.keys() and all(torch.equal(back[key], ours[key]) for key in ours)
+
+
+@pytest.mark.parametrize("kind", ["a checkpoint of this project", "a plain CLIP", "text", "a pickled object"])
+def test_a_file_of_another_kind_is_refused_in_one_line_saying_what_a_release_is(kind, tmp_path):
+    path = tmp_path / "weights.bin"
+    if kind == "a checkpoint of this project":
+        torch.save({"model": _tiny_encoder().state_dict(), "config": {}}, path)
+    elif kind == "a plain CLIP":
+        torch.save(clip.CLIP(clip.CLIPConfig(**TINY)).state_dict(), path)
+    elif kind == "text":
+        path.write_text("not weights")
+    else:
+        torch.save(types.SimpleNamespace(model=1), path)  # weights_only refuses to build it
+    with pytest.raises(ValueError) as error:
+        read_release(path)
+    assert "\n" not in str(error.value) and str(path) in str(error.value)
+    assert "CLIP4IDC release file" in str(error.value) and "decoder.*" in str(error.value)
+
+
 # ======== decoder.py ========
 
 # A tiny decoder: 3 + 3 layers as the reference, narrow and with a 50-token vocabulary. Its init is wider than
@@ -971,6 +1084,64 @@ def test_ids_to_text_cuts_at_eot_then_at_the_pad_text():
     assert ids_to_text([1, 2, 3, 9, 1, 1], decode, eot_id=9) == "the cube moved"
     assert ids_to_text(torch.tensor([1, 2, 0, 3]), decode, eot_id=9) == "the cube"
     assert ids_to_text([9, 1], decode, eot_id=9) == ""
+
+
+# --- the reference's names ---
+
+
+def test_the_decoders_names_to_the_references_and_back_are_the_identity():
+    ours = tiny_decoder().state_dict()
+    theirs = to_reference_decoder_keys(ours)
+    config = TINY_DECODER_CONFIG
+    assert {key: tuple(value.shape) for key, value in theirs.items()} == reference_decoder_shapes(
+        config.layers, config.hidden, config.ffn, config.vocab_size, config.max_positions)
+    back = rename_reference_decoder_keys(theirs)
+    assert back.keys() == ours.keys() and all(torch.equal(back[key], ours[key]) for key in ours)
+
+
+def test_the_reference_caption_model_saves_136_decoder_tensors():
+    # measured on the reference's own model (modules/modeling.py, task_type caption): 443 tensors, 307 under clip.
+    assert len(reference_decoder_shapes(layers=3, width=512, ffn=2048, vocab=49408, positions=77)) == 443 - 307
+
+
+def test_a_reference_captioning_file_is_stage_2_and_its_decoder_loads_strictly_tied_to_clip(tmp_path):
+    release = reference_release(stage=2)
+    torch.save(release, tmp_path / "pytorch_model.bin.clevr")
+    stage, state = read_release(tmp_path / "pytorch_model.bin.clevr")
+    assert stage == 2
+    pair_encoder = release_encoder(state, EncoderConfig(intra_layers=3))
+    decoder = release_decoder(state, 2 * (N + 1), pair_encoder.clip.token_embedding.weight,
+                              pair_encoder.clip.positional_embedding)
+    assert decoder.config == DecoderConfig(hidden=32, heads=1, ffn=64, layers=3, vocab_size=TINY["vocab_size"],
+                                           max_positions=77, visual_tokens=2 * (N + 1))
+    assert decoder.word_embedding is pair_encoder.clip.token_embedding.weight and not decoder.training
+    ours = decoder.state_dict()
+    for our_name, their_name in [
+            ("embedding_norm.weight", "decoder.embeddings.LayerNorm.weight"),
+            ("visual_layers.1.self_attention.out.weight", "decoder.encoder.layer.1.slf_attn.output.dense.weight"),
+            ("visual_layers.2.self_attention.norm.bias", "decoder.encoder.layer.2.slf_attn.output.LayerNorm.bias"),
+            ("caption_layers.2.cross_attention.query.bias", "decoder.decoder.layer.2.enc_attn.att.query.bias"),
+            ("caption_layers.0.self_attention.value.weight", "decoder.decoder.layer.0.slf_attn.att.value.weight"),
+            ("caption_layers.1.feed_forward.up.weight", "decoder.decoder.layer.1.intermediate.dense.weight"),
+            ("caption_layers.0.feed_forward.norm.weight", "decoder.decoder.layer.0.output.LayerNorm.weight"),
+            ("head_dense.bias", "decoder.classifier.cls.predictions.transform.dense.bias"),
+            ("head_norm.weight", "decoder.classifier.cls.predictions.transform.LayerNorm.weight"),
+            ("output_bias", "decoder.classifier.cls.predictions.bias"),
+            ("word_embedding", "clip.token_embedding.weight"), ("position_embedding", "clip.positional_embedding")]:
+        assert torch.equal(ours[our_name], release[their_name]), our_name
+    visual = pair_encoder.encode_pair(_images(), _images(seed=2))["pair_tokens"]  # (2, 2(N+1), E)
+    assert decoder.greedy_decode(visual, sot_id=998, eot_id=999, max_len=5).shape[0] == 2
+
+
+def test_a_captioning_release_with_a_missing_or_untied_decoder_tensor_is_refused_by_name():
+    missing = reference_release(stage=2)
+    del missing["decoder.decoder.layer.1.enc_attn.att.key.bias"]
+    with pytest.raises(ValueError, match=r"missing \['decoder.decoder.layer.1.enc_attn.att.key.bias'\]"):
+        rename_reference_decoder_keys(missing)
+    untied = reference_release(stage=2)
+    untied[REFERENCE_OUTPUT_WEIGHT] = untied[REFERENCE_OUTPUT_WEIGHT] + 1
+    with pytest.raises(ValueError, match="ties them"):
+        rename_reference_decoder_keys(untied)
 
 
 # ======== data.py ========
