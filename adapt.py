@@ -38,6 +38,8 @@ Run:  python adapt.py --data synth            the synthetic CLIP adapted to pair
       python adapt.py --data clevr            the paper's run on CLEVR-Change (GPUs recommended)
       torchrun --standalone --nproc_per_node=2 adapt.py --data clevr
       python adapt.py --data synth --resume   continue an interrupted run from out_dir/ckpt_last.pt
+      python adapt.py --data clevr --eval --checkpoint pretrained/pytorch_model.bin.clevr
+                                              the test retrieval of the reference's released stage-1 weights
 
 Shape letters: B pairs in a batch, R image side (224), T caption tokens (32), E joint embedding width.
 """
@@ -116,6 +118,8 @@ class Config:
     save_every: int = 200          # optimizer steps between ckpt_last.pt saves (and at every epoch end)
     eval_batch_size: int = 128     # pairs per batch when encoding the evaluation split
     resume: bool = False           # continue from out_dir/ckpt_last.pt
+    eval: bool = False             # score the test split's retrieval with --checkpoint, then exit
+    checkpoint: str = ""           # --eval: ours ("" = out_dir/ckpt_best.pt) or a release, pretrained/pytorch_model.bin.*
 
     def __post_init__(self):  # a bad value fails here, before any data is read
         runtime.check_settings(self, positive=("synth_pairs", "max_words", "intra_layers", "scratch_width",
@@ -269,6 +273,10 @@ def evaluate(model: nn.Module, split, tokenizer, images, config: Config, device,
     return {f"{direction}_{name}": value for direction, by_name in scores.items() for name, value in by_name.items()}
 
 
+def retrieval_table(scores: dict) -> str:
+    return "\n".join(f"  {k:<18} {v:8.2f}" for k, v in scores.items())
+
+
 def summary(scores: dict) -> str:
     return ", ".join(f"{k} {v:.1f}" for k, v in scores.items() if k.endswith(("R1", "R5")))
 
@@ -303,8 +311,10 @@ def setup(config: Config) -> tuple[runtime.Distributed, str, object, torch.amp.G
 # Stage 1's data: image pairs and their change captions
 
 
-def read_pairs(config: Config, dist_) -> tuple[dict, clip.SimpleTokenizer, data.ImageReader]:
-    """The dataset's splits of image pairs, its tokenizer and image reader (the synthetic set drawn if missing)."""
+def read_pairs(config: Config, dist_, resolution: int = data.IMAGE_SIZE) -> tuple[dict, clip.SimpleTokenizer,
+                                                                                  data.ImageReader]:
+    """The dataset's splits of image pairs, its tokenizer and image reader of resolution x resolution images (the
+    synthetic set drawn if missing)."""
     root = data.dataset_root(config.data, config.data_root or None)
     if config.data == "synth":  # drawn once, by the master, while the other processes wait
         if dist_.master:
@@ -313,14 +323,14 @@ def read_pairs(config: Config, dist_) -> tuple[dict, clip.SimpleTokenizer, data.
             dist.barrier()
     splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
     tokenizer = clip.get_tokenizer(data.bpe_path(config.data, root))
-    images = data.ImageReader()
+    images = data.ImageReader(resolution)
     if config.image_cache:
-        cache_dir = root / ".cache"
-        if dist_.master:
-            data.image_cache([p for s in splits.values() for p in s], cache_dir, "all")
+        every_pair = [p for s in splits.values() for p in s]
+        if dist_.master:  # written once, by the master, while the others wait
+            data.image_cache(every_pair, root / ".cache", "all", resolution)
         if dist_.ddp:
             dist.barrier()
-        images = data.ImageReader(cache=data.image_cache([p for s in splits.values() for p in s], cache_dir, "all"))
+        images = data.ImageReader(resolution, data.image_cache(every_pair, root / ".cache", "all", resolution))
     return splits, tokenizer, images
 
 
@@ -495,8 +505,24 @@ def test(model: nn.Module, splits: dict, tokenizer, images, config: Config, devi
     runtime.JsonlLog(out_dir / "log.jsonl").write(step=step, split="test", best_epoch=best_epoch, **scores)
     runtime.save_json({"best_epoch": best_epoch, "val_text_to_pair_R1": state["best_metric"], **scores},
                       out_dir / "test_retrieval.json")
-    print(f"test retrieval of the best epoch ({best_epoch + 1}, chosen on validation):")
-    print("\n".join(f"  {k:<18} {v:8.2f}" for k, v in scores.items()))
+    print(f"test retrieval of the best epoch ({best_epoch + 1}, chosen on validation):\n{retrieval_table(scores)}")
+
+
+def evaluate_checkpoint(config: Config, dist_, ctx, out_dir: Path) -> None:
+    """--eval: the test split's retrieval with a stage-1 checkpoint: adapt.py's (out_dir/ckpt_best.pt), or the
+    adaptation stage of a CLIP4IDC release (--checkpoint pretrained/pytorch_model.bin.clevr), the paper's table."""
+    if config.pretrain:
+        raise runtime.ConfigError("--eval scores a pair encoder; stage 0 prints its test retrieval when it ends")
+    path = Path(config.checkpoint or out_dir / "ckpt_best.pt")
+    model, _ = runtime.load_encoder(path, config.intra_layers)
+    splits, tokenizer, images = read_pairs(config, dist_, model.clip.visual.input_resolution)
+    if tokenizer.vocab_size != model.clip.config.vocab_size:
+        raise runtime.ConfigError(f"{path} has a vocabulary of {model.clip.config.vocab_size} tokens but the "
+                                  f"{config.data} dataset's tokenizer has {tokenizer.vocab_size}")
+    scores = evaluate(model.to(dist_.device), splits["test"], tokenizer, images, config, dist_.device, ctx)
+    if dist_.master:
+        runtime.save_json({"checkpoint": str(path), **scores}, out_dir / "test_retrieval.json")
+        print(f"test retrieval of {path}:\n{retrieval_table(scores)}")
 
 
 def main(argv=None):
@@ -506,6 +532,9 @@ def main(argv=None):
     device, master = dist_.device, dist_.master
     runtime.seed_everything(config.seed + dist_.rank)
     out_dir = Path(config.out_dir or f"runs/adapt_{config.data}")
+    if config.eval:
+        evaluate_checkpoint(config, dist_, ctx, out_dir)
+        return
     if config.pretrain:  # stage 0: single scenes, each with its description
         splits, tokenizer = read_scenes(config, dist_)
         train_set, images = splits["train"], None

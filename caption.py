@@ -29,7 +29,9 @@ Differs from reference (REFERENCE.md section 3):
   - the best epoch is chosen on the validation split (the reference uses the test split);
   - by default the decoder trains on cached encoder features (--finetune_encoder, the synth preset's, for the
     reference's way);
-  - decoding stops at EOT, after at most max_len = 22 tokens (the reference always runs 32 steps);
+  - greedy decoding stops once every caption of the batch has written EOT (the reference always runs 32 steps;
+    the text, cut at EOT, is the same); it writes at most max_len = 32 tokens as the reference, 22 in the synth
+    preset, whose captions are shorter;
   - the output layer runs only at caption positions that are not padding, and batches are cut to their
     longest caption: the same loss, less work;
   - float32 weights with optional autocast, torch's AdamW instead of BertAdam, LayerNorms not decayed;
@@ -40,6 +42,10 @@ Run:  python caption.py --data synth                  train on the synthetic set
       python caption.py --data synth --pair A.png B.png   caption one pair of your own images
       python caption.py --data synth --pair A.png B.png --explain OUT.png   ... and show where the models looked
       python caption.py --data clevr                  the paper's run; torchrun works as for adapt.py
+      python caption.py --data clevr --eval --checkpoint trained/pytorch_model.bin.clevr
+                                                      the reference's released captioner on the test split
+      python caption.py --data clevr --encoder_ckpt pretrained/pytorch_model.bin.clevr
+                                                      stage 2 on the reference's released stage-1 weights
 
 Shape letters: B pairs in a batch, M visual tokens per pair (100), E width (512), T caption tokens, V vocabulary.
 """
@@ -67,8 +73,8 @@ import explain
 import metrics
 import runtime
 import synth
-from decoder import CaptionDecoder, DecoderConfig, ids_to_text
-from encoder import FROZEN_IN_REFERENCE, EncoderConfig, IntraTokens, PairEncoder, no_decay_names
+from decoder import CaptionDecoder, DecoderConfig, ids_to_text, release_decoder
+from encoder import FROZEN_IN_REFERENCE, IntraTokens, PairEncoder, no_decay_names, release_stage
 from losses import caption_loss
 
 MODEL_KEYS = ("data", "max_words", "finetune_encoder", "use_no_change_pair", "train_word_embedding",
@@ -88,7 +94,8 @@ class Config:
     image_cache: bool = False      # keep preprocessed 224x224 pixels in .npy files (skips PNG decoding)
     num_workers: int = 4           # DataLoader worker processes per training process
     # model
-    encoder_ckpt: str = ""         # stage-1 checkpoint ("" = runs/adapt_<dataset>/ckpt_best.pt)
+    encoder_ckpt: str = ""         # stage 1: ours ("" = runs/adapt_<dataset>/ckpt_best.pt) or a CLIP4IDC release file
+    intra_layers: int = 9          # a release's vision blocks that see each image alone (not in its file; ours record it)
     finetune_encoder: bool = False  # train the pair encoder too, end to end (the reference's way)
     decoder_layers: int = 3        # visual self-attention layers, and as many decoder layers
     decoder_heads: int = 8         # attention heads of the decoder
@@ -107,7 +114,7 @@ class Config:
     beta2: float = 0.999           # AdamW's second-moment decay (beta1 is 0.9)
     eps: float = 1e-6              # AdamW's epsilon
     grad_clip: float = 1.0         # global gradient-norm clipping
-    max_len: int = 22              # greedy decoding writes at most this many tokens
+    max_len: int = 32              # greedy decoding writes at most this many tokens (the reference: always 32)
     # run
     seed: int = 2021               # random seed (each process adds its rank)
     device: str = "auto"           # auto, cpu, cuda
@@ -117,14 +124,15 @@ class Config:
     save_every: int = 500          # optimizer steps between ckpt_last.pt saves (and at every epoch end)
     eval_batch_size: int = 64      # pairs per batch when encoding and decoding
     resume: bool = False           # continue from out_dir/ckpt_last.pt
-    eval: bool = False             # decode and score the test split with out_dir/ckpt_best.pt, then exit
-    pair: tuple[str, str] = ()     # BEFORE AFTER: caption these two images with out_dir/ckpt_best.pt, then exit
+    eval: bool = False             # decode and score the test split with --checkpoint, then exit
+    pair: tuple[str, str] = ()     # BEFORE AFTER: caption these two images with --checkpoint, then exit
+    checkpoint: str = ""           # --eval, --pair: ours ("" = out_dir/ckpt_best.pt) or a release, trained/pytorch_model.bin.*
     explain: str = ""              # with --pair: also write this PNG of where the encoder and the decoder attend
 
     def __post_init__(self):  # a bad value fails here, before any data is read
-        runtime.check_settings(self, positive=("max_words", "decoder_layers", "decoder_heads", "decoder_ffn", "epochs",
-                                               "batch_size", "grad_accum", "lr", "max_len", "log_every", "save_every",
-                                               "eval_batch_size"),
+        runtime.check_settings(self, positive=("max_words", "intra_layers", "decoder_layers", "decoder_heads",
+                                               "decoder_ffn", "epochs", "batch_size", "grad_accum", "lr", "max_len",
+                                               "log_every", "save_every", "eval_batch_size"),
                                non_negative=("num_workers", "patience", "clip_lr_scale", "weight_decay", "grad_clip",
                                              "dropout"),
                                fraction=("warmup",))
@@ -142,7 +150,7 @@ PRESETS = {
     "spot": dict(epochs=50, batch_size=16, lr=1e-4, use_no_change_pair=False, train_word_embedding=True),
     "ier": dict(epochs=50, batch_size=16, lr=1e-4, use_no_change_pair=False, train_word_embedding=True),
     "pairs": dict(epochs=50, batch_size=16, lr=1e-4, use_no_change_pair=False, train_word_embedding=True),
-    "synth": dict(synth_pairs=6000, finetune_encoder=True, epochs=4, patience=4, batch_size=32, lr=1e-3,
+    "synth": dict(synth_pairs=6000, finetune_encoder=True, epochs=4, patience=4, batch_size=32, lr=1e-3, max_len=22,
                   clip_lr_scale=0.5, train_word_embedding=True, decoder_heads=4, decoder_ffn=512, dropout=0.0,
                   num_workers=0, image_cache=True, log_every=10, eval_batch_size=128),
 }
@@ -150,17 +158,6 @@ PRESETS = {
 
 # -----------------------------------------------------------------------------
 # The stage-1 encoder and the captioner
-
-
-def load_encoder(path: Path) -> tuple[PairEncoder, dict]:
-    """adapt.py's checkpoint as a PairEncoder in eval mode, and the checkpoint's other entries."""
-    if not path.is_file():
-        raise FileNotFoundError(f"no stage-1 checkpoint at {path}: run adapt.py for this dataset first "
-                                f"(python adapt.py --data ...), or pass --encoder_ckpt")
-    state = runtime.load_checkpoint(path, required=("model", "clip_config", "encoder_config"))
-    encoder = PairEncoder(clip.CLIP(clip.CLIPConfig(**state["clip_config"])), EncoderConfig(**state["encoder_config"]))
-    encoder.load_state_dict(state["model"])
-    return encoder.eval(), state
 
 
 class Captioner(nn.Module):
@@ -466,15 +463,33 @@ class Stage1:
     freeze_intra: bool    # stage 1 froze the intra-image blocks (the synth preset): stage 2 keeps them frozen
 
 
-def load_stage1(config: Config, best: dict | None, out_dir: Path) -> Stage1:
-    """The stage-1 encoder; best: the trained captioner (--eval, --pair), which must have been trained on it."""
+def load_stage1(config: Config, trained_on: str | None) -> Stage1:
+    """The stage-1 encoder (adapt.py's checkpoint or a CLIP4IDC release); trained_on: the sha256 that the trained
+    captioner (--eval, --pair) recorded of its encoder, which must still be this one."""
     path = Path(config.encoder_ckpt or f"runs/adapt_{config.data}/ckpt_best.pt")
-    encoder, state = load_encoder(path)
+    encoder, state = runtime.load_encoder(path, config.intra_layers)
     sha256 = clip.sha256_of(path)
-    if best is not None and best["encoder_sha256"] != sha256:
-        raise runtime.ConfigError(f"{path} changed since {out_dir / 'ckpt_best.pt'} was trained on it (its sha256 "
-                                  f"differs); train stage 2 again, or restore that stage-1 checkpoint")
+    if trained_on is not None and trained_on != sha256:
+        raise runtime.ConfigError(f"{path} changed since the captioner was trained on it (its sha256 differs); "
+                                  f"train stage 2 again, or restore that stage-1 checkpoint")
     return Stage1(path, sha256, encoder, state, state.get("config", {}).get("freeze_intra", False))
+
+
+def load_trained(config: Config, out_dir: Path) -> tuple[Config, dict]:
+    """--eval, --pair: the trained captioner, ours (out_dir/ckpt_best.pt) or the captioning stage of a CLIP4IDC
+    release (--checkpoint trained/pytorch_model.bin.clevr), and the config its model settings make."""
+    path = Path(config.checkpoint or out_dir / "ckpt_best.pt")
+    best = runtime.load_checkpoint(path, required=("model", "config", "encoder_sha256"), release=True)
+    stage = release_stage(best)
+    if stage == 1:
+        raise runtime.ConfigError(f"{path} is the reference's adaptation stage (no decoder): caption with its "
+                                  f"captioning stage (trained/pytorch_model.bin.*), or train a captioner on it with "
+                                  f"--encoder_ckpt {path}")
+    if stage == 2:  # the release holds its encoder too; its decoder reads the pair tokens, computed once
+        return dataclasses.replace(config, encoder_ckpt=str(path), finetune_encoder=False), best
+    # ours: the model settings it was trained with, and the stage-1 checkpoint it names
+    return dataclasses.replace(config, encoder_ckpt=best["encoder_ckpt"],
+                               **{k: best["config"][k] for k in MODEL_KEYS if k != "data"}), best
 
 
 def read_splits(config: Config, dist_, root: Path, resolution: int) -> tuple[dict, data.ImageReader, dict]:
@@ -680,9 +695,8 @@ def main(argv=None):
     out_dir = Path(config.out_dir or f"runs/caption_{config.data}")
     best = None
     if config.eval or config.pair:  # the trained captioner decides the model settings and names its encoder
-        best = runtime.load_checkpoint(out_dir / "ckpt_best.pt", required=("model", "config", "encoder_sha256"))
-        config = dataclasses.replace(config, encoder_ckpt=best["encoder_ckpt"],
-                                     **{k: best["config"][k] for k in MODEL_KEYS if k != "data"})
+        config, best = load_trained(config, out_dir)
+    release = best is not None and release_stage(best) == 2
     dist_, dtype, ctx, scaler = setup(config)
     runtime.seed_everything(config.seed + dist_.rank)
     root = data.dataset_root(config.data, config.data_root or None)
@@ -691,15 +705,18 @@ def main(argv=None):
             synth.ensure_synth(root, synth.SynthConfig(pairs=config.synth_pairs))
         if dist_.ddp:
             dist.barrier()
-    stage1 = load_stage1(config, best, out_dir)
+    stage1 = load_stage1(config, None if best is None or release else best["encoder_sha256"])
     tokenizer = clip.get_tokenizer(stage1.state["bpe_path"] if config.pair else data.bpe_path(config.data, root))
     if tokenizer.vocab_size != stage1.encoder.clip.config.vocab_size:
         raise runtime.ConfigError(f"the tokenizer of {config.data} has {tokenizer.vocab_size} tokens but the stage-1 "
                                   f"model {stage1.path} has {stage1.encoder.clip.config.vocab_size}: it was trained "
                                   f"on another dataset")
-    captioner = build_captioner(config, stage1.encoder, stage1.state["clip_config"], stage1.freeze_intra)
-    if best is not None:
-        captioner.load_state_dict(best["model"])
+    if release:  # the reference's decoder, sized from its tensors and loaded strictly
+        captioner = Captioner(release_decoder(best, 2 * (stage1.encoder.n_patches + 1)), None, clip.PAD_ID)
+    else:
+        captioner = build_captioner(config, stage1.encoder, stage1.state["clip_config"], stage1.freeze_intra)
+        if best is not None:
+            captioner.load_state_dict(best["model"])
     captioner.to(dist_.device)
     stage1.encoder.to(dist_.device)
     if config.pair:

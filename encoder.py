@@ -288,7 +288,7 @@ def release_stage(state) -> int | None:
 def read_release(path) -> tuple[int, dict[str, torch.Tensor]]:
     """(stage, state dict) of a reference release file, read as data (weights_only), never run as code.
 
-    Raises ValueError, one line saying what was expected, for a file of any other kind.
+    Raises clip.FileError, one line saying what was expected, for a file of any other kind.
     """
     path = Path(path)
     if not path.is_file():
@@ -298,10 +298,10 @@ def read_release(path) -> tuple[int, dict[str, torch.Tensor]]:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # not a torch file, or one holding more than tensors and containers
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
-        raise ValueError(f"{path} is not {RELEASE}; torch.load read no state dict from it ({reason})") from None
+        raise clip.FileError(f"{path} is not {RELEASE}; torch.load read no state dict from it ({reason})") from None
     stage = release_stage(state)
     if stage is None:
-        raise ValueError(f"{path} is not {RELEASE}")
+        raise clip.FileError(f"{path} is not {RELEASE}")
     return stage, state
 
 

@@ -9,7 +9,8 @@ you can read top to bottom:
 - `Distributed` and `resolve_dtype`: what a script's own DDP set-up fills in, and the precision 'auto' means
   (the set-up itself, `init_process_group`, autocast and the GradScaler, is written out in each script).
 - `save_checkpoint` / `load_checkpoint`: one dict per checkpoint, written atomically (temporary file, fsync,
-  rename), read back with `torch.load(weights_only=True)` so a checkpoint can never run code;
+  rename), read back with `torch.load(weights_only=True)` so a checkpoint can never run code; `load_encoder`:
+  a stage-1 pair encoder from adapt.py's checkpoint or from a CLIP4IDC release file (the reference's weights);
   `start_or_resume` begins a run or continues one from its last checkpoint.
 - `run`: a script's main(), with the errors a user can fix (`USER_ERRORS`: a missing or bad file, a bad setting,
   bad data) printed as one line; any other exception, a bug or an out-of-memory, keeps its traceback.
@@ -44,6 +45,8 @@ import torch
 
 import clip
 import data
+import encoder
+from encoder import EncoderConfig, PairEncoder
 
 # -----------------------------------------------------------------------------
 # Configuration: a dataclass becomes the command line
@@ -306,21 +309,48 @@ def start_or_resume(path, config, model_keys, dist_, model, optimizer, scaler) -
     return state
 
 
-def load_checkpoint(path, required=("model", "config")) -> dict:
-    """Read a checkpoint with `weights_only=True`: tensors and plain containers only, never code."""
+def load_checkpoint(path, required=("model", "config"), release: bool = False) -> dict:
+    """Read a checkpoint with `weights_only=True`: tensors and plain containers only, never code.
+
+    release=True also accepts a CLIP4IDC release file, the reference's bare state dict (encoder.release_stage).
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}: train first, or pass the right path")
+    expected = "a checkpoint of this project" + (f", or {encoder.RELEASE}" if release else "")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:200]}). "
-                           "It may be truncated or corrupt, or not a checkpoint of this project: "
-                           "delete it, or point to another checkpoint.") from None
+        reason = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {reason}); expected "
+                              f"{expected}. It may be truncated or corrupt: delete it, or point to another "
+                              f"checkpoint.") from None
+    if release and encoder.release_stage(state) is not None:
+        return state
     missing = [k for k in required if not isinstance(state, dict) or k not in state]
     if missing:
-        raise CheckpointError(f"{path} is not a checkpoint of this project: it lacks {missing}")
+        raise CheckpointError(f"{path} lacks {missing}: expected {expected}")
     return state
+
+
+def load_encoder(path, intra_layers: int = 9) -> tuple[PairEncoder, dict]:
+    """A stage-1 pair encoder in eval mode, and what else its file holds: adapt.py's checkpoint, or a CLIP4IDC
+    release file of either stage (its clip.* is the adapted encoder; its vocabulary is OpenAI's, bpe_path None).
+
+    intra_layers: a release's split point, which its file does not hold (the reference's --intra_num_hidden_layers,
+    9 in all its scripts); adapt.py's checkpoints record their own.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no stage-1 checkpoint at {path}: run adapt.py for this dataset first "
+                                f"(python adapt.py --data ...), or pass --encoder_ckpt")
+    state = load_checkpoint(path, required=("model", "clip_config", "encoder_config"), release=True)
+    if encoder.release_stage(state) is not None:
+        model = encoder.release_encoder(state, EncoderConfig(intra_layers))
+        return model, {"clip_config": dataclasses.asdict(model.clip.config), "bpe_path": None, "release": True}
+    model = PairEncoder(clip.CLIP(clip.CLIPConfig(**state["clip_config"])), EncoderConfig(**state["encoder_config"]))
+    model.load_state_dict(state["model"])
+    return model.eval(), state
 
 
 def save_json(obj, path) -> None:

@@ -786,18 +786,18 @@ def reference_decoder_shapes(layers, width, ffn, vocab, positions):
     return shapes
 
 
-def reference_release(stage: int, seed: int = 0) -> dict:
+def reference_release(stage: int, seed: int = 0, vocab: int = TINY["vocab_size"]) -> dict:
     """A tiny state dict as the reference saves it (torch.save(model.state_dict())): CLIP under OpenAI's names
     (clip.py keeps them), the pair parameters under clip.visual.*, the weights its convert_weights halves in
     float16; stage 2 adds the decoder, the tied embeddings stored under each of their names."""
     generator = torch.Generator().manual_seed(seed)
-    tiny_clip = clip.CLIP(clip.CLIPConfig(**RELEASE_CLIP))
+    tiny_clip = clip.CLIP(clip.CLIPConfig(**{**RELEASE_CLIP, "vocab_size": vocab}))
     shapes = {f"clip.{key}": tuple(value.shape) for key, value in tiny_clip.state_dict().items()}
     shapes.update({"clip.visual.bef_embedding": (D,), "clip.visual.aft_embedding": (D,),
                    "clip.visual.joint_positional_embedding": (2 * (N + 1), D),
                    "clip.visual.ln_mid.weight": (D,), "clip.visual.ln_mid.bias": (D,)})
     if stage == 2:
-        shapes.update(reference_decoder_shapes(**RELEASE_DECODER))
+        shapes.update(reference_decoder_shapes(**{**RELEASE_DECODER, "vocab": vocab}))
     state = {key: torch.randn(shape, generator=generator) for key, shape in shapes.items()}
     halved = ("conv1.weight", "in_proj_weight", "in_proj_bias", "clip.visual.proj", "clip.text_projection")
     for key in state:  # Conv, Linear and attention weights and biases, and CLIP's two projections
@@ -854,7 +854,7 @@ def test_a_file_of_another_kind_is_refused_in_one_line_saying_what_a_release_is(
         path.write_text("not weights")
     else:
         torch.save(types.SimpleNamespace(model=1), path)  # weights_only refuses to build it
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(clip.FileError) as error:
         read_release(path)
     assert "\n" not in str(error.value) and str(path) in str(error.value)
     assert "CLIP4IDC release file" in str(error.value) and "decoder.*" in str(error.value)
@@ -2780,7 +2780,7 @@ def test_training_on_cached_features_then_eval_writes_predictions_scores_and_gri
     assert "localisation (pointing game)" in (out / "test_scores.txt").read_text()
     state = torch.load(out / "ckpt_best.pt", weights_only=True)  # loads without running code
     assert state["encoder_sha256"] == clip.sha256_of(stage1["encoder"])
-    assert caption.load_encoder(stage1["encoder"])[0].config.intra_layers == 1  # the stage-1 config, rebuilt
+    assert runtime.load_encoder(stage1["encoder"])[0].config.intra_layers == 1  # the stage-1 config, rebuilt
 
 
 def test_the_synth_preset_finetunes_the_inter_image_blocks_and_keeps_stage_1s_frozen_intra_image_blocks(stage1,
@@ -2881,6 +2881,84 @@ def test_resuming_with_another_decoder_config_is_refused(stage1, tmp_path):
     assert stage2(stage1, out, "--epochs", "1").returncode == 0
     result = stage2(stage1, out, "--epochs", "2", "--resume", "--decoder_ffn", "256")
     assert result.returncode == 1 and "decoder_ffn" in result.stderr
+
+
+# --- the reference's released weights, through the commands ---
+
+
+def run_clevr(script, root, *args, **kwargs):
+    """A script on a CLEVR-Change-layout folder, with OpenAI's vocabulary (the reference's) from ../shared."""
+    env = {**os.environ, "CLIP_BPE_PATH": str(shared("clip_vectors", "bpe_simple_vocab_16e6.txt.gz")),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(HERE / script), "--data", "clevr", "--data_root", str(root),
+                           "--intra_layers", "3", "--num_workers", "0", *map(str, args)], cwd=HERE,
+                          capture_output=True, text=True, timeout=300, env=env, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory):
+    """Tiny releases of both stages in the reference's format, OpenAI's vocabulary (49,408 ids)."""
+    folder = tmp_path_factory.mktemp("release")
+    for stage, name in ((1, "pretrained"), (2, "trained")):
+        (folder / name).mkdir()
+        torch.save(reference_release(stage, seed=stage, vocab=49408), folder / name / "pytorch_model.bin.clevr")
+    return {1: folder / "pretrained" / "pytorch_model.bin.clevr", 2: folder / "trained" / "pytorch_model.bin.clevr"}
+
+
+def release_captions(path, root) -> dict[str, str]:
+    """The release's greedy captions of the test split, computed here step by step: its encoder and decoder,
+    the pairs resized to 224 (here 64) and normalised, 32 greedy steps, cut at EOT and then at '!'."""
+    state = torch.load(path, weights_only=True)
+    pair_encoder = release_encoder(state, EncoderConfig(intra_layers=3))
+    decoder = release_decoder(state, 2 * (pair_encoder.n_patches + 1))
+    tokenizer = clip.get_tokenizer(shared("clip_vectors", "bpe_simple_vocab_16e6.txt.gz"))
+    images = data.ImageReader(pair_encoder.clip.visual.input_resolution)
+    captions = {}
+    for pair in data.evaluation_pairs(data.load_split("clevr", "test", root), use_no_change_pair=True):
+        with torch.no_grad():
+            visual = pair_encoder.encode_pair(images(pair.before)[None], images(pair.after)[None])["pair_tokens"]
+            ids = decoder.greedy_decode(visual, tokenizer.sot_id, tokenizer.eot_id, max_len=32)[0]
+        captions[pair.id] = ids_to_text(ids, tokenizer.decode, tokenizer.eot_id)
+    return captions
+
+
+def test_the_released_captioner_evaluates_and_captions_a_pair_as_its_own_model_does(releases, clevr_root, tmp_path):
+    result = run_clevr("caption.py", clevr_root, "--eval", "--checkpoint", releases[2], "--out_dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    predictions = {p["image_id"]: p["caption"] for p in json.loads((tmp_path / "test_predictions.json").read_text())}
+    assert predictions == release_captions(releases[2], clevr_root)  # the change pair and its distractor pair
+    assert (tmp_path / "test_scores.json").is_file() and (tmp_path / "test_grid.png").is_file()
+    pair = data.load_split("clevr", "test", clevr_root)[0]
+    one = run_clevr("caption.py", clevr_root, "--pair", pair.before, pair.after, "--checkpoint", releases[2],
+                    "--explain", tmp_path / "explain.png")
+    assert one.returncode == 0, one.stderr
+    assert one.stdout.splitlines()[0] == predictions[pair.id] and (tmp_path / "explain.png").is_file()
+
+
+def test_stage_2_trains_on_the_released_stage_1_weights(releases, clevr_root, tmp_path):
+    result = run_clevr("caption.py", clevr_root, "--encoder_ckpt", releases[1], "--out_dir", tmp_path, "--epochs", 1,
+                       "--batch_size", 2, "--decoder_layers", 1, "--decoder_heads", 2, "--decoder_ffn", 64)
+    assert result.returncode == 0, result.stderr
+    state = torch.load(tmp_path / "ckpt_best.pt", weights_only=True)
+    assert state["encoder_sha256"] == clip.sha256_of(releases[1]) and (tmp_path / "test_scores.json").is_file()
+
+
+def test_adapt_scores_the_released_stage_1_weights_on_the_test_split(releases, clevr_root, tmp_path):
+    result = run_clevr("adapt.py", clevr_root, "--eval", "--checkpoint", releases[1], "--out_dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    scores = json.loads((tmp_path / "test_retrieval.json").read_text())
+    assert scores["checkpoint"] == str(releases[1]) and 0 <= scores["text_to_pair_R1"] <= 100
+
+
+def test_a_file_that_is_neither_ours_nor_a_release_is_refused_in_one_line(releases, clevr_root, tmp_path):
+    notes = tmp_path / "notes.bin"
+    notes.write_text("not weights")
+    for args in (("--eval", "--checkpoint", notes), ("--encoder_ckpt", notes)):
+        result = run_clevr("caption.py", clevr_root, *args, "--out_dir", tmp_path)
+        assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert str(notes) in result.stderr and "CLIP4IDC release file" in result.stderr
+    stage_1_as_captioner = run_clevr("caption.py", clevr_root, "--eval", "--checkpoint", releases[1])
+    assert stage_1_as_captioner.returncode == 1 and "--encoder_ckpt" in stage_1_as_captioner.stderr
 
 
 # ======== bench.py ========
