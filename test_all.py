@@ -2167,72 +2167,7 @@ def test_pausing_the_garbage_collector_changes_no_score_and_turns_it_back_on(mon
     assert paused["corpus"] == running["corpus"] and paused["items"] == running["items"]
 
 
-# ======== explain.py ========
-
-def test_attention_weights_are_a_distribution_over_keys_with_masked_keys_at_zero():
-    torch.manual_seed(0)
-    query, keys, values = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)  # (B, H, T, d)
-    weights = explain.attention_weights(query, keys, causal=True)  # (B, H, T, S)
-    assert torch.allclose(weights.sum(-1), torch.ones(2, 3, 5))
-    assert (weights.triu(diagonal=1) == 0).all()  # a later key is masked
-    # the same weights as the fused kernel uses: weights @ values is its output
-    fused = torch.nn.functional.scaled_dot_product_attention(query, keys, values, is_causal=True)
-    assert torch.allclose(weights @ values, fused, atol=1e-5)
-    mask = torch.tensor([True, False, True, True, False])  # a padding-style mask over the keys
-    weights = explain.attention_weights(query, keys, mask=mask)
-    assert (weights[..., ~mask] == 0).all() and torch.allclose(weights.sum(-1), torch.ones(2, 3, 5))
-
-
-def tiny_pair_models():
-    torch.manual_seed(0)
-    config = clip.CLIPConfig(embed_dim=32, image_resolution=64, vision_layers=4, vision_width=64, vision_patch_size=16,
-                             context_length=77, vocab_size=300, transformer_width=32, transformer_heads=1,
-                             transformer_layers=1)
-    encoder = PairEncoder(clip.CLIP(config), EncoderConfig(intra_layers=2)).eval()
-    decoder = CaptionDecoder(DecoderConfig(hidden=32, heads=4, ffn=64, vocab_size=300,
-                                           visual_tokens=2 * (encoder.n_patches + 1))).eval()
-    return encoder, decoder
-
-
-def test_reading_attention_out_changes_neither_the_pair_tokens_nor_the_caption():
-    encoder, decoder = tiny_pair_models()
-    before, after, caption_in = torch.randn(3, 3, 64, 64), torch.randn(3, 3, 64, 64), torch.randint(0, 298, (3, 6))
-    with torch.no_grad():
-        tokens = encoder.encode_pair(before, after)["pair_tokens"]  # (B, L, E)
-        logits = decoder(tokens, caption_in)  # (B, T, V)
-    seen = explain.encoder_attention(encoder, before, after)
-    assert torch.equal(seen["pair_tokens"], tokens)
-    n = encoder.n_patches  # 16 patches per image; 2 inter-image blocks
-    assert seen["intra"].shape == (3, 2, n + 1) and seen["inter"].shape == (3, 2, 2, 2 * (n + 1))
-    assert torch.allclose(seen["inter"].sum(-1), torch.ones(3, 2, 2)) and torch.allclose(seen["intra"].sum(-1),
-                                                                                         torch.ones(3, 2))
-    caption, cross = explain.decode_with_attention(decoder, tokens, 298, 299, max_len=10)
-    assert torch.equal(caption, decoder.greedy_decode(tokens, 298, 299, max_len=10))
-    assert cross.shape == (3, caption.shape[1], 3, 2 * (n + 1))  # (B, S, layers, M)
-    assert torch.allclose(cross.sum(-1), torch.ones(cross.shape[:3]))
-    assert not any(m._forward_hooks for m in [*encoder.modules(), *decoder.modules()])  # nothing left behind
-    with torch.no_grad():
-        assert torch.equal(decoder(tokens, caption_in), logits)
-
-
-def test_pointing_game_on_a_hand_made_map_and_box():
-    # a 480 x 320 image in a 7 x 7 grid: patches of 68.6 x 45.7 pixels; this box lies in row 1, column 2
-    target = explain.box_patches([140, 50, 60, 40], 480, 320, grid=7)
-    assert np.flatnonzero(target).tolist() == [1 * 7 + 2]
-    # a box over a patch corner touches four patches
-    assert np.flatnonzero(explain.box_patches([60, 40, 20, 10], 480, 320, grid=7)).tolist() == [0, 1, 7, 8]
-    patch_map = np.zeros(2 * 49)  # [before patches; after patches]
-    patch_map[49 + 9] = 1.0  # the after image's patch at row 1, column 2
-    assert explain.pointing_hit(patch_map, target)
-    patch_map[10] = 2.0  # now the before image's patch beside it is the highest
-    assert not explain.pointing_hit(patch_map, target)
-    table = explain.localisation_table({"inter": {"color": [True, False], "add": [True]}},
-                                       {"color": [0.1, 0.3], "add": [0.4]})
-    assert table["color"] == pytest.approx({"pairs": 2, "chance": 20.0, "inter": 50.0})
-    assert table["semantic change"] == pytest.approx({"pairs": 3, "chance": 80 / 3, "inter": 200 / 3})
-
-
-# ======== runtime.py =
+# ======== runtime.py ========
 
 KEEP_FREED_MEMORY_PROBE = """
 import ctypes, resource, torch, runtime
@@ -2959,6 +2894,71 @@ def test_a_file_that_is_neither_ours_nor_a_release_is_refused_in_one_line(releas
         assert str(notes) in result.stderr and "CLIP4IDC release file" in result.stderr
     stage_1_as_captioner = run_clevr("caption.py", clevr_root, "--eval", "--checkpoint", releases[1])
     assert stage_1_as_captioner.returncode == 1 and "--encoder_ckpt" in stage_1_as_captioner.stderr
+
+
+# ======== explain.py ========
+
+def test_attention_weights_are_a_distribution_over_keys_with_masked_keys_at_zero():
+    torch.manual_seed(0)
+    query, keys, values = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)  # (B, H, T, d)
+    weights = explain.attention_weights(query, keys, causal=True)  # (B, H, T, S)
+    assert torch.allclose(weights.sum(-1), torch.ones(2, 3, 5))
+    assert (weights.triu(diagonal=1) == 0).all()  # a later key is masked
+    # the same weights as the fused kernel uses: weights @ values is its output
+    fused = torch.nn.functional.scaled_dot_product_attention(query, keys, values, is_causal=True)
+    assert torch.allclose(weights @ values, fused, atol=1e-5)
+    mask = torch.tensor([True, False, True, True, False])  # a padding-style mask over the keys
+    weights = explain.attention_weights(query, keys, mask=mask)
+    assert (weights[..., ~mask] == 0).all() and torch.allclose(weights.sum(-1), torch.ones(2, 3, 5))
+
+
+def tiny_pair_models():
+    torch.manual_seed(0)
+    config = clip.CLIPConfig(embed_dim=32, image_resolution=64, vision_layers=4, vision_width=64, vision_patch_size=16,
+                             context_length=77, vocab_size=300, transformer_width=32, transformer_heads=1,
+                             transformer_layers=1)
+    encoder = PairEncoder(clip.CLIP(config), EncoderConfig(intra_layers=2)).eval()
+    decoder = CaptionDecoder(DecoderConfig(hidden=32, heads=4, ffn=64, vocab_size=300,
+                                           visual_tokens=2 * (encoder.n_patches + 1))).eval()
+    return encoder, decoder
+
+
+def test_reading_attention_out_changes_neither_the_pair_tokens_nor_the_caption():
+    encoder, decoder = tiny_pair_models()
+    before, after, caption_in = torch.randn(3, 3, 64, 64), torch.randn(3, 3, 64, 64), torch.randint(0, 298, (3, 6))
+    with torch.no_grad():
+        tokens = encoder.encode_pair(before, after)["pair_tokens"]  # (B, L, E)
+        logits = decoder(tokens, caption_in)  # (B, T, V)
+    seen = explain.encoder_attention(encoder, before, after)
+    assert torch.equal(seen["pair_tokens"], tokens)
+    n = encoder.n_patches  # 16 patches per image; 2 inter-image blocks
+    assert seen["intra"].shape == (3, 2, n + 1) and seen["inter"].shape == (3, 2, 2, 2 * (n + 1))
+    assert torch.allclose(seen["inter"].sum(-1), torch.ones(3, 2, 2)) and torch.allclose(seen["intra"].sum(-1),
+                                                                                         torch.ones(3, 2))
+    caption, cross = explain.decode_with_attention(decoder, tokens, 298, 299, max_len=10)
+    assert torch.equal(caption, decoder.greedy_decode(tokens, 298, 299, max_len=10))
+    assert cross.shape == (3, caption.shape[1], 3, 2 * (n + 1))  # (B, S, layers, M)
+    assert torch.allclose(cross.sum(-1), torch.ones(cross.shape[:3]))
+    assert not any(m._forward_hooks for m in [*encoder.modules(), *decoder.modules()])  # nothing left behind
+    with torch.no_grad():
+        assert torch.equal(decoder(tokens, caption_in), logits)
+
+
+def test_pointing_game_on_a_hand_made_map_and_box():
+    # a 480 x 320 image in a 7 x 7 grid: patches of 68.6 x 45.7 pixels; this box lies in row 1, column 2
+    target = explain.box_patches([140, 50, 60, 40], 480, 320, grid=7)
+    assert np.flatnonzero(target).tolist() == [1 * 7 + 2]
+    # a box over a patch corner touches four patches
+    assert np.flatnonzero(explain.box_patches([60, 40, 20, 10], 480, 320, grid=7)).tolist() == [0, 1, 7, 8]
+    patch_map = np.zeros(2 * 49)  # [before patches; after patches]
+    patch_map[49 + 9] = 1.0  # the after image's patch at row 1, column 2
+    assert explain.pointing_hit(patch_map, target)
+    patch_map[10] = 2.0  # now the before image's patch beside it is the highest
+    assert not explain.pointing_hit(patch_map, target)
+    table = explain.localisation_table({"inter": {"color": [True, False], "add": [True]}},
+                                       {"color": [0.1, 0.3], "add": [0.4]})
+    assert table["color"] == pytest.approx({"pairs": 2, "chance": 20.0, "inter": 50.0})
+    assert table["semantic change"] == pytest.approx({"pairs": 3, "chance": 80 / 3, "inter": 200 / 3})
 
 
 # ======== bench.py ========
