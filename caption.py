@@ -231,8 +231,8 @@ def build_captioner(config: Config, encoder: PairEncoder, clip_config: dict, fre
 def build_optimizer(captioner: Captioner, config: Config) -> torch.optim.AdamW:
     """The decoder at lr; the encoder and the word embedding (CLIP's) at lr x clip_lr_scale (REFERENCE 3.1).
 
-    No weight decay on biases and LayerNorms (encoder.no_decay_names). named_parameters lists a tied Parameter once, under its first
-    name: when finetuning, CLIP's (encoder.clip.token_embedding.weight), as in the reference.
+    No weight decay on biases and LayerNorms (encoder.no_decay_names). named_parameters lists a tied Parameter
+    once, under its first name: when finetuning, CLIP's (encoder.clip.token_embedding.weight), as in the reference.
     """
     no_decay = no_decay_names(captioner)
     groups = {}

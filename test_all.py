@@ -136,7 +136,7 @@ def test_a_tiny_merges_file_gives_a_small_vocabulary_with_derived_special_ids(tm
 def test_a_file_that_is_not_a_merges_file_is_refused_with_its_name(tmp_path):
     path = tmp_path / "vocab.txt.gz"
     path.write_bytes(gzip.compress(b'{"a": 1}\n'))
-    with pytest.raises(ValueError, match="vocab.txt.gz.*#version"):
+    with pytest.raises(clip.FileError, match="vocab.txt.gz.*#version"):
         clip.SimpleTokenizer(path)
 
 
