@@ -534,6 +534,9 @@ def main(argv=None):
     out_dir = Path(config.out_dir or f"runs/adapt_{config.data}")
     if config.eval:
         evaluate_checkpoint(config, dist_, ctx, out_dir)
+        if dist_.ddp:
+            dist.barrier()
+            destroy_process_group()
         return
     if config.pretrain:  # stage 0: single scenes, each with its description
         splits, tokenizer = read_scenes(config, dist_)

@@ -295,6 +295,82 @@ def adapt_step(threads: int = 2, batch_size: int = 16, steps: int = 3, compile: 
 
 
 # ---------------------------------------------------------------------------------------------------------
+# synth: the synth preset's two training steps, FLOPs counted, next to the matmul rate, and their profile
+
+
+def synth_batches(encoder: PairEncoder, batch_size: int, caption_length: int) -> tuple[dict, dict]:
+    """Random stand-ins of one training batch of each synth stage, as the steps receive them: the intra-image
+    tokens (B, N+1, D) of the frozen intra-image blocks instead of pixels, captions of `caption_length` tokens."""
+    n, width, vocab = encoder.n_patches + 1, encoder.clip.visual.class_embedding.shape[0], encoder.clip.config.vocab_size
+    sot, eot = vocab - 2, vocab - 1
+    tokens = lambda: torch.randn(batch_size, n, width)  # (B, N+1, D)
+    words = lambda: torch.randint(1, vocab - 2, (batch_size, caption_length))  # (B, T) word ids
+    start, end = torch.full((batch_size, 1), sot), torch.full((batch_size, 1), eot)  # (B, 1) each
+    stage1 = {"before": tokens(), "after": tokens(), "caption": torch.cat([start, words(), end], 1)}  # (B, T+2)
+    change, no_change = words(), words()
+    stage2 = {"before": tokens(), "after": tokens(), "distractor": tokens(),
+              "caption_in": torch.cat([start, change], 1), "caption_out": torch.cat([change, end], 1),  # (B, T+1)
+              "no_change_caption_in": torch.cat([start, no_change], 1),
+              "no_change_caption_out": torch.cat([no_change, end], 1)}
+    return stage1, stage2
+
+
+def synth_steps(threads: int = 2, steps: int = 5, caption_length: int = 14, profile: int = 0) -> dict:
+    """One training step of each synth stage as the first README command runs it (stage 1: adapt.py's synth
+    preset, batch 128; stage 2: caption.py's, batch 32 change + 32 distractor pairs, the pair encoder
+    finetuned), on the synthetic CLIP (assets/synth-ViT-32.pt), float32. FLOPs from FlopCounterMode on an
+    eager step, the fastest of `steps` timed steps, this run's 2048 x 2048 matmul rate before and after (the
+    better one), and the fraction GFLOP/s / matmul GFLOP/s. With profile > 0, torch.profiler's operators
+    (self CPU time) over that many steps of each stage."""
+    runtime.keep_freed_memory()  # as both scripts do before training
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    clip_model, _ = clip.load("synth-ViT/32")
+    stage1_config = adapt.Config(**adapt.PRESETS["synth"], data="synth")
+    encoder = PairEncoder(clip_model, EncoderConfig(stage1_config.intra_layers)).train()
+    encoder.freeze()
+    encoder.freeze(encoder.intra_image_parts())
+    batch1, batch2 = synth_batches(encoder, stage1_config.batch_size, caption_length)
+    optimizer1 = adapt.build_optimizer(encoder, stage1_config, torch.device("cpu"))
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    ctx = contextlib.nullcontext()  # float32: no autocast
+    step1 = lambda: adapt.train_step(encoder, optimizer1, scaler, [batch1], ctx, stage1_config, False,
+                                     encoder.clip.logit_scale)
+
+    stage2_config = caption.Config(**caption.PRESETS["synth"], data="synth")
+    clip_model, _ = clip.load("synth-ViT/32")
+    encoder2 = PairEncoder(clip_model, EncoderConfig(stage1_config.intra_layers))
+    captioner = caption.build_captioner(stage2_config, encoder2, dataclasses.asdict(clip_model.config),
+                                        freeze_intra=True).train()
+    batch2 = {k: v[:stage2_config.batch_size] for k, v in batch2.items()}
+    optimizer2 = caption.build_optimizer(captioner, stage2_config)
+    step2 = lambda: caption.train_step(captioner, optimizer2, scaler, [batch2], ctx, stage2_config, False)
+
+    result = {"threads": threads, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+              "caption_length": caption_length}
+    matmul = matmul_gflops()
+    for name, step in (("stage1", step1), ("stage2", step2)):
+        with flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
+            step()
+        step_s = best_of(steps, step)
+        gflop = counter.get_total_flops() / 1e9
+        result[name] = {"step_ms": round(step_s * 1000, 1), "gflop_per_step": round(gflop, 2),
+                        "gflop_per_s": round(gflop / step_s, 1)}
+    matmul = max(matmul, matmul_gflops())  # the better of two, so a busy moment cannot flatter the steps
+    result["matmul_gflop_per_s"] = round(matmul, 1)
+    for name in ("stage1", "stage2"):
+        result[name]["fraction_of_matmul"] = round(result[name]["gflop_per_s"] / matmul, 3)
+    if profile:
+        for name, step in (("stage1", step1), ("stage2", step2)):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                for _ in range(profile):
+                    step()
+            print(f"--- {name}: {profile} steps, operators by self CPU time", file=sys.stderr)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), file=sys.stderr)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------
 # caption: stage 2's encoding, decoding and training, full-size, and CLEVR-Change's splits at those rates (section 3)
 
 
@@ -487,6 +563,15 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3, help="timed steps after the counted one; the fastest is reported")
     p.add_argument("--compile", action="store_true", help="torch.compile the pair encoder first (about a minute)")
     p.set_defaults(run=lambda a: print(json.dumps(adapt_step(a.threads, a.batch_size, a.steps, a.compile), indent=2)))
+
+    p = figure("synth", "the synth preset's two training steps: GFLOP per step, the step time, the fraction of this "
+                        "machine's matmul rate (JSON); --profile N: the top operators over N steps (stderr)")
+    p.add_argument("--threads", **threads)
+    p.add_argument("--steps", type=int, default=5, help="timed steps after the counted one; the fastest is reported")
+    p.add_argument("--caption-length", type=int, default=14, help="caption words T per pair")
+    p.add_argument("--profile", type=int, default=0, help="profile this many steps of each stage (0: no profile)")
+    p.set_defaults(run=lambda a: print(json.dumps(synth_steps(a.threads, a.steps, a.caption_length, a.profile),
+                                                  indent=2)))
 
     p = figure("caption", "stage-2 encoding, decoding and training on cached features (JSON)")
     p.add_argument("--threads", **threads)
