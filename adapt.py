@@ -111,7 +111,7 @@ class Config:
     # run
     seed: int = 42                 # random seed (each process adds its rank)
     device: str = "auto"           # auto, cpu, cuda
-    dtype: str = "auto"            # auto (bf16 or fp16 on GPU, float32 on CPU), float32, bfloat16, float16
+    dtype: str = "auto"            # auto (bf16/fp16 on GPU; float32 on CPU, for --eval), float32, bfloat16, float16
     compile: bool = False          # torch.compile the encoder: fused element-wise work, after a minute of compiling
     out_dir: str = ""              # checkpoints and logs ("" = runs/adapt_<dataset>)
     log_every: int = 10            # optimizer steps between progress lines
@@ -528,6 +528,8 @@ def evaluate_checkpoint(config: Config, dist_, ctx, out_dir: Path) -> None:
 def main(argv=None):
     config = runtime.parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
     runtime.keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
+    if config.eval and config.dtype == "auto":  # scored in float32: bf16 autocast on a GPU moves ranks that
+        config = dataclasses.replace(config, dtype="float32")  # nearly tie (a release: BENCHMARKS.md section 11)
     dist_, dtype, ctx, scaler = setup(config)
     device, master = dist_.device, dist_.master
     runtime.seed_everything(config.seed + dist_.rank)
