@@ -17,6 +17,8 @@ figures in BENCHMARKS.md; smaller values (see each subcommand's --help) make a s
             decoder training step on cached pair features, three ways                               section 3
   adapt     one stage-1 training step of the ViT-B/32 pair encoder (adapt.train_step): pairs/s, and
             its GFLOP/s next to this machine's matrix-multiply rate; JSON                            section 2
+  synth     the synth preset's two training steps: GFLOP per step, ms per step, the fraction of this
+            machine's matmul rate; --profile N: the top operators (torch.profiler)                  section 1
   caption   stage 2 through caption.py's captioner: encoding pairs, decoding (cached and recomputed),
             a training step on cached features, and what they make of CLEVR-Change's splits; JSON  section 3
   metrics   metrics.py on a CLEVR-Change-sized corpus, the whole process, next to the Java toolkit   section 5
@@ -27,6 +29,7 @@ Run:  python bench.py clip [--bpe-path FILE]       (the vocabulary from --bpe-pa
       python bench.py decoder [--dtype bfloat16]   (about 2 minutes at the defaults)
       python bench.py adapt [--compile]
       python bench.py caption
+      python bench.py synth [--profile 3]
       python bench.py metrics [--runs 5] [--processes 2]
       python bench.py load --root /tmp/bench_synth --batches 40
       python bench.py draw /tmp/gen1 --pairs 2000 [--workers 2]

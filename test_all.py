@@ -2977,3 +2977,15 @@ def test_bench_clip_prints_the_image_tower_rate_and_the_tokenizer_rates_cold_and
         "tokenizer, 20 CLEVR-style captions, cold (empty encode cache)",
         "tokenizer, 20 CLEVR-style captions, warm (every word cached)"]
     assert all(line.endswith(" per CPU-second)") for line in lines[1:])
+
+
+def test_bench_synth_counts_both_synth_steps_flops_and_their_fraction_of_the_matmul_rate():
+    # the synth preset's real model sizes, one timed step each; the counts do not depend on the machine
+    result = bench.synth_steps(threads=torch.get_num_threads(), steps=1, caption_length=4)
+    for stage in ("stage1", "stage2"):
+        figures = result[stage]
+        assert figures["gflop_per_step"] > 1 and figures["step_ms"] > 0
+        assert figures["fraction_of_matmul"] == pytest.approx(figures["gflop_per_s"] / result["matmul_gflop_per_s"],
+                                                              abs=0.002)
+    # stage 2 runs the inter-image blocks on 64 pairs (change + distractor) and a decoder; stage 1 on 128 pairs
+    assert result["stage2"]["gflop_per_step"] != result["stage1"]["gflop_per_step"]
