@@ -17,7 +17,8 @@ logit_scale clamping; after every epoch, rank captions against pairs on the vali
 and keep the best checkpoint; at the end, report the best checkpoint's test retrieval.
 
 The file reads in that order: the Config and presets; the model, optimizer and schedule; one training step;
-evaluation; the process set-up (DDP, autocast, GradScaler); stage 1's data; stage 0; the loop and main.
+evaluation; the process set-up (DDP, autocast, GradScaler); stage 1's data; stage 0; the loop, the test
+split and --eval; a whole run (train_and_test) and main.
 
 Stage 0 (--data scenes) is the same loop one step earlier: CLIP itself, from scratch, on single synthetic
 scenes and sentences naming their objects, with the same contrastive loss. It stands in for OpenAI's
@@ -111,7 +112,7 @@ class Config:
     # run
     seed: int = 42                 # random seed (each process adds its rank)
     device: str = "auto"           # auto, cpu, cuda
-    dtype: str = "auto"            # auto (bf16/fp16 on GPU; float32 on CPU, for --eval), float32, bfloat16, float16
+    dtype: str = "auto"            # auto (bf16/fp16 on GPU; float32 on CPU, for a release), float32, bfloat16, float16
     compile: bool = False          # torch.compile the encoder: fused element-wise work, after a minute of compiling
     out_dir: str = ""              # checkpoints and logs ("" = runs/adapt_<dataset>)
     log_every: int = 10            # optimizer steps between progress lines
@@ -514,7 +515,9 @@ def evaluate_checkpoint(config: Config, dist_, ctx, out_dir: Path) -> None:
     if config.pretrain:
         raise runtime.ConfigError("--eval scores a pair encoder; stage 0 prints its test retrieval when it ends")
     path = Path(config.checkpoint or out_dir / "ckpt_best.pt")
-    model, _ = runtime.load_encoder(path, config.intra_layers)
+    model, state = runtime.load_encoder(path, config.intra_layers)
+    if state.get("release") and config.dtype == "auto":  # scored in float32, as the reference's figures: bf16
+        ctx = nullcontext()  # autocast on a GPU moves ranks that nearly tie (BENCHMARKS.md section 11)
     splits, tokenizer, images = read_pairs(config, dist_, model.clip.visual.input_resolution)
     if tokenizer.vocab_size != model.clip.config.vocab_size:
         raise runtime.ConfigError(f"{path} has a vocabulary of {model.clip.config.vocab_size} tokens but the "
@@ -525,21 +528,9 @@ def evaluate_checkpoint(config: Config, dist_, ctx, out_dir: Path) -> None:
         print(f"test retrieval of {path}:\n{retrieval_table(scores)}")
 
 
-def main(argv=None):
-    config = runtime.parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
-    runtime.keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
-    if config.eval and config.dtype == "auto":  # scored in float32: bf16 autocast on a GPU moves ranks that
-        config = dataclasses.replace(config, dtype="float32")  # nearly tie (a release: BENCHMARKS.md section 11)
-    dist_, dtype, ctx, scaler = setup(config)
+def train_and_test(config: Config, dist_, dtype: str, ctx, scaler, out_dir: Path) -> None:
+    """Stage 1 (or stage 0): read the data, build the encoder, train it, then score the test split."""
     device, master = dist_.device, dist_.master
-    runtime.seed_everything(config.seed + dist_.rank)
-    out_dir = Path(config.out_dir or f"runs/adapt_{config.data}")
-    if config.eval:
-        evaluate_checkpoint(config, dist_, ctx, out_dir)
-        if dist_.ddp:
-            dist.barrier()
-            destroy_process_group()
-        return
     if config.pretrain:  # stage 0: single scenes, each with its description
         splits, tokenizer = read_scenes(config, dist_)
         train_set, images = splits["train"], None
@@ -571,6 +562,18 @@ def main(argv=None):
         test(raw_model, splits, tokenizer, images, config, device, ctx, step, out_dir)
         if config.pretrain:
             finish_stage0(raw_model, tokenizer, config, device, ctx, out_dir, print)
+
+
+def main(argv=None):
+    config = runtime.parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
+    runtime.keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
+    dist_, dtype, ctx, scaler = setup(config)
+    runtime.seed_everything(config.seed + dist_.rank)
+    out_dir = Path(config.out_dir or f"runs/adapt_{config.data}")
+    if config.eval:
+        evaluate_checkpoint(config, dist_, ctx, out_dir)
+    else:
+        train_and_test(config, dist_, dtype, ctx, scaler, out_dir)
     if dist_.ddp:
         dist.barrier()  # every process done before any tears the group down (a gloo peer may abort otherwise)
         destroy_process_group()
