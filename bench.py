@@ -301,20 +301,22 @@ def adapt_step(threads: int = 2, batch_size: int = 16, steps: int = 3, compile: 
 # synth: the synth preset's two training steps, FLOPs counted, next to the matmul rate, and their profile
 
 
-def synth_batches(encoder: PairEncoder, batch_size: int, caption_length: int) -> tuple[dict, dict]:
-    """Random stand-ins of one training batch of each synth stage, as the steps receive them: the intra-image
-    tokens (B, N+1, D) of the frozen intra-image blocks instead of pixels, captions of `caption_length` tokens."""
+def synth_batches(encoder: PairEncoder, batch1: int, batch2: int, caption_length: int) -> tuple[dict, dict]:
+    """Random stand-ins of one training batch of each synth stage (batch1 and batch2 pairs), as the steps receive
+    them: the intra-image tokens (B, N+1, D) of the frozen intra-image blocks instead of pixels, captions of
+    `caption_length` words."""
     n, width, vocab = encoder.n_patches + 1, encoder.clip.visual.class_embedding.shape[0], encoder.clip.config.vocab_size
     sot, eot = vocab - 2, vocab - 1
-    tokens = lambda: torch.randn(batch_size, n, width)  # (B, N+1, D)
-    words = lambda: torch.randint(1, vocab - 2, (batch_size, caption_length))  # (B, T) word ids
-    start, end = torch.full((batch_size, 1), sot), torch.full((batch_size, 1), eot)  # (B, 1) each
-    stage1 = {"before": tokens(), "after": tokens(), "caption": torch.cat([start, words(), end], 1)}  # (B, T+2)
-    change, no_change = words(), words()
-    stage2 = {"before": tokens(), "after": tokens(), "distractor": tokens(),
-              "caption_in": torch.cat([start, change], 1), "caption_out": torch.cat([change, end], 1),  # (B, T+1)
-              "no_change_caption_in": torch.cat([start, no_change], 1),
-              "no_change_caption_out": torch.cat([no_change, end], 1)}
+    tokens = lambda b: torch.randn(b, n, width)  # (B, N+1, D)
+    words = lambda b: torch.randint(1, vocab - 2, (b, caption_length))  # (B, T) word ids
+    start, end = (lambda b: torch.full((b, 1), sot)), (lambda b: torch.full((b, 1), eot))  # (B, 1) each
+    stage1 = {"before": tokens(batch1), "after": tokens(batch1),
+              "caption": torch.cat([start(batch1), words(batch1), end(batch1)], 1)}  # (B, T+2)
+    change, no_change = words(batch2), words(batch2)
+    stage2 = {"before": tokens(batch2), "after": tokens(batch2), "distractor": tokens(batch2),
+              "caption_in": torch.cat([start(batch2), change], 1), "caption_out": torch.cat([change, end(batch2)], 1),
+              "no_change_caption_in": torch.cat([start(batch2), no_change], 1),  # (B, T+1)
+              "no_change_caption_out": torch.cat([no_change, end(batch2)], 1)}
     return stage1, stage2
 
 
@@ -328,24 +330,20 @@ def synth_steps(threads: int = 2, steps: int = 5, caption_length: int = 14, prof
     runtime.keep_freed_memory()  # as both scripts do before training
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    clip_model, _ = clip.load("synth-ViT/32")
     stage1_config = adapt.Config(**adapt.PRESETS["synth"], data="synth")
-    encoder = PairEncoder(clip_model, EncoderConfig(stage1_config.intra_layers)).train()
-    encoder.freeze()
-    encoder.freeze(encoder.intra_image_parts())
-    batch1, batch2 = synth_batches(encoder, stage1_config.batch_size, caption_length)
-    optimizer1 = adapt.build_optimizer(encoder, stage1_config, torch.device("cpu"))
+    stage2_config = caption.Config(**caption.PRESETS["synth"], data="synth")
+    clip_model, _ = clip.load(stage1_config.clip_model)  # stage 2's CLIP; stage 1's is loaded by build_encoder
+    encoder = adapt.build_encoder(stage1_config, clip_model.config.vocab_size)[0].train()  # the preset's frozen set
+    batch1, batch2 = synth_batches(encoder, stage1_config.batch_size, stage2_config.batch_size, caption_length)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     ctx = contextlib.nullcontext()  # float32: no autocast
+
+    optimizer1 = adapt.build_optimizer(encoder, stage1_config, torch.device("cpu"))
     step1 = lambda: adapt.train_step(encoder, optimizer1, scaler, [batch1], ctx, stage1_config, False,
                                      encoder.clip.logit_scale)
-
-    stage2_config = caption.Config(**caption.PRESETS["synth"], data="synth")
-    clip_model, _ = clip.load("synth-ViT/32")
     encoder2 = PairEncoder(clip_model, EncoderConfig(stage1_config.intra_layers))
     captioner = caption.build_captioner(stage2_config, encoder2, dataclasses.asdict(clip_model.config),
                                         freeze_intra=True).train()
-    batch2 = {k: v[:stage2_config.batch_size] for k, v in batch2.items()}
     optimizer2 = caption.build_optimizer(captioner, stage2_config)
     step2 = lambda: caption.train_step(captioner, optimizer2, scaler, [batch2], ctx, stage2_config, False)
 
