@@ -298,7 +298,7 @@ def setup(config: Config) -> tuple[runtime.Distributed, str, object, torch.amp.G
     elif ddp:
         init_process_group("gloo")
         # torchrun sets OMP_NUM_THREADS=1: share this machine's cores between its local processes instead
-        torch.set_num_threads(max(1, synth.usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+        torch.set_num_threads(max(1, data.usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
     dist_ = runtime.Distributed(ddp, rank, local_rank, world_size if ddp else 1, torch.device(device), rank == 0)
     dtype = runtime.resolve_dtype(config.dtype, dist_.device)  # "auto": bf16 (or fp16) on a GPU, float32 on CPU
     # weights stay float32; autocast runs the matrix products in bf16 or fp16
@@ -547,9 +547,11 @@ def train_and_test(config: Config, dist_, dtype: str, ctx, scaler, out_dir: Path
         print(f"resumed {ckpt_path} at step {state['step']}")
     if config.freeze_intra and not config.pretrain:  # training reads each image's intra tokens, computed now
         started = time.time()
-        train_set.images = IntraTokens(model, splits["train"], images, config.eval_batch_size, device, ctx)
+        train_set.images = IntraTokens(model, splits["train"], images, config.eval_batch_size, device, ctx,
+                                       images.cache_dir)
         if master:
-            print(f"intra-image tokens of {len(train_set.images.row)} training images computed once "
+            how = f"read from {train_set.images.read_from}" if train_set.images.read_from else "computed once"
+            print(f"intra-image tokens of {len(train_set.images.row)} training images {how} "
                   f"({time.time() - started:.0f} s): the intra-image blocks are frozen")
     raw_model = model  # for saving, evaluating and clamping logit_scale
     if config.compile:

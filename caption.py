@@ -182,7 +182,7 @@ class Captioner(nn.Module):
         else:  # encode now, the change pairs and the distractor pairs in one batch
             before = torch.cat([batch["before"], batch["before"]]) if both else batch["before"]
             after = torch.cat([batch["after"], batch["distractor"]]) if both else batch["after"]
-            visual = self.encoder(before, after)["pair_tokens"]  # (kB, M, E): from the pixels or the intra tokens
+            visual = self.encoder.encode_pair(before, after)["pair_tokens"]  # (kB, M, E): from the pixels or the intra tokens
         names = ("caption", "no_change_caption") if both else ("caption",)
         caption_in = torch.cat([batch[f"{n}_in"] for n in names])  # (kB, T)
         caption_out = torch.cat([batch[f"{n}_out"] for n in names])  # (kB, T)
@@ -439,7 +439,7 @@ def setup(config: Config) -> tuple[runtime.Distributed, str, object, torch.amp.G
     elif ddp:
         init_process_group("gloo")
         # torchrun sets OMP_NUM_THREADS=1: share this machine's cores between its local processes instead
-        torch.set_num_threads(max(1, synth.usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+        torch.set_num_threads(max(1, data.usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
     dist_ = runtime.Distributed(ddp, rank, local_rank, world_size if ddp else 1, torch.device(device), rank == 0)
     dtype = runtime.resolve_dtype(config.dtype, dist_.device)  # "auto": bf16 (or fp16) on a GPU, float32 on CPU
     # weights stay float32; autocast runs the matrix products in bf16 or fp16
@@ -568,8 +568,10 @@ def training_set(config: Config, stage1: Stage1, pairs, images, tokenizer, featu
     train_images = images if config.finetune_encoder else None
     if config.finetune_encoder and stage1.freeze_intra:  # training reads each image's intra tokens, computed now
         started = time.time()
-        train_images = IntraTokens(stage1.encoder, pairs, images, config.eval_batch_size, device, ctx)
-        say(f"intra-image tokens of {len(train_images.row)} training images computed once "
+        train_images = IntraTokens(stage1.encoder, pairs, images, config.eval_batch_size, device, ctx,
+                                   images.cache_dir)
+        how = f"read from {train_images.read_from}" if train_images.read_from else "computed once"
+        say(f"intra-image tokens of {len(train_images.row)} training images {how} "
             f"({time.time() - started:.0f} s): the intra-image blocks stay frozen, as in stage 1")
     items = data.CaptionItems(pairs, tokenizer, config.use_no_change_pair, images=train_images,
                               max_words=config.max_words)

@@ -403,9 +403,16 @@ def fingerprint(paths: list[Path], image_size: int) -> str:
     return digest.hexdigest()
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (a container may allow fewer than the machine has): drawing the synthetic
+    set and building the image cache use them all; the training scripts share them between their processes."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def image_cache(pairs: list[ImagePair], cache_dir: str | os.PathLike, name: str, image_size: int = IMAGE_SIZE,
-                workers: int = 0) -> ImageCache:
-    """The cache of every image of pairs (before, after, distractor) in cache_dir/<name>_<R>.npy, built if needed.
+                workers: int | None = None) -> ImageCache:
+    """The cache of every image of pairs (before, after, distractor) in cache_dir/<name>_<R>.npy, built if needed
+    by `workers` processes (default: one per usable CPU; 0: this process alone).
 
     It takes 3 x R x R bytes per image (150 KB at 224): about 0.9 GB for the default synthetic set,
     18 GB for all of CLEVR-Change.
@@ -424,6 +431,7 @@ def image_cache(pairs: list[ImagePair], cache_dir: str | os.PathLike, name: str,
                                        shape=(len(paths), image_size, image_size, 3))  # (n, R, R, 3)
     # a generator of its own: iterating a DataLoader draws a seed from the global generator, so building the
     # cache (first run) or not (later runs) would otherwise change every random number of the training after it
+    workers = usable_cpus() if workers is None else workers
     loader = DataLoader(_Preprocess(paths, image_size), batch_size=64, num_workers=workers,
                         generator=torch.Generator())
     row = 0
@@ -443,6 +451,11 @@ class ImageReader:
 
     def __init__(self, image_size: int = IMAGE_SIZE, cache: ImageCache | None = None):
         self.image_size, self.cache = image_size, cache
+
+    @property
+    def cache_dir(self) -> Path | None:
+        """The folder of the image cache, where other caches derived from the images may go too (None: no cache)."""
+        return None if self.cache is None else Path(self.cache.array_path).parent
 
     def __call__(self, path: Path) -> torch.Tensor:
         pixels = self.cache[path] if self.cache is not None else preprocess_uint8(path, self.image_size)

@@ -27,6 +27,8 @@ The benchmark of one full-size training step is `python bench.py adapt`.
 Shape letters: B pairs in the batch, R image side (224), N patches per image ((224/32)^2 = 49),
 D vision width (768), E joint embedding width (512), T caption tokens, L = 2(N+1) joint tokens (100).
 """
+import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,63 +107,76 @@ class PairEncoder(nn.Module):
         x = torch.cat([before + self.before_embedding.to(dtype), after + self.after_embedding.to(dtype)], dim=1)  # (B, L, D)
         return self.ln_mid(x + self.joint_positional_embedding.to(dtype))  # (B, L, D)
 
-    def inter_image(self, x: torch.Tensor) -> torch.Tensor:
-        """CLIP's remaining blocks over the joint sequence, full attention: (B, L, D) -> (B, L, D)."""
-        for block in self.clip.visual.transformer.resblocks[self.config.intra_layers:]:
-            x = block(x)  # (B, L, D)
-        return x
+    def inter_image(self, x: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        """CLIP's remaining blocks over the joint sequence, full attention: (B, L, D) -> (B, L, D).
+
+        With rows, the last block computes its output at those positions only, (B, len(rows), D): the same
+        numbers as the full output's rows up to float rounding, without the work for the rows nobody reads.
+        """
+        blocks = self.clip.visual.transformer.resblocks[self.config.intra_layers:]
+        for i, block in enumerate(blocks):
+            x = block(x, rows=rows if i == len(blocks) - 1 else None)  # (B, L, D), the last (B, len(rows), D)
+        return x if rows is None or len(blocks) else x[:, rows]
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """ln_post and CLIP's projection on every token, as the reference's encode_image: (B, L, D) -> (B, L, E)."""
         return self.clip.visual.ln_post(x) @ self.clip.visual.proj  # (B, L, E)
 
-    def pool(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The pair embedding: mean of the before CLS (token 0) and the after CLS (token N+1), not normalised."""
-        after_cls = self.n_patches + 1
-        return (tokens[:, 0] + tokens[:, after_cls]) / 2  # (B, E)
+    @property
+    def cls_rows(self) -> list[int]:
+        """The positions of the before CLS (0) and the after CLS (N+1) in the joint sequence."""
+        return [0, self.n_patches + 1]
+
+    def pool(self, cls_tokens: torch.Tensor) -> torch.Tensor:
+        """The pair embedding: the mean of the before and the after CLS token, not normalised: (B, 2, E) -> (B, E)."""
+        return (cls_tokens[:, 0] + cls_tokens[:, 1]) / 2  # (B, E)
 
     # --- public entry points ---
 
-    def encode_pair(self, before: torch.Tensor, after: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Encode a batch of image pairs.
-
-        before, after (B, 3, R, R): normalised images (clip.pair_transform)
-        Returns {"pair_embedding": (B, E) for retrieval, "pair_tokens": (B, L, E) for the captioner}.
-        """
+    def intra_pair(self, before: torch.Tensor, after: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The intra-image tokens of both images, (B, N+1, D) each, from images (B, 3, R, R) (normalised, as
+        clip.pair_transform makes them), or the tokens themselves when given: adapt.py computes them once per
+        image when the intra-image blocks are frozen (--freeze_intra, IntraTokens), and then every step
+        starts at the join."""
+        if before.dim() == 3:
+            return before, after
         side = self.clip.visual.input_resolution  # R
         assert before.shape == after.shape and before.shape[1:] == (3, side, side), (
-            f"PairEncoder.encode_pair: before {tuple(before.shape)} and after {tuple(after.shape)} must both be "
+            f"PairEncoder: before {tuple(before.shape)} and after {tuple(after.shape)} must both be "
             f"(B, 3, {side}, {side}); resize the images with clip.pair_transform({side})")
-        batch = before.shape[0]
         # differs from reference: [before images; after images], not interleaved; each image is alone here
         x = self.intra_image(torch.cat([before, after]))  # (2B, N+1, D)
-        return self.encode_intra_tokens(x[:batch], x[batch:])
+        return x[:before.shape[0]], x[before.shape[0]:]
 
-    def encode_intra_tokens(self, before: torch.Tensor, after: torch.Tensor) -> dict[str, torch.Tensor]:
-        """encode_pair from the two images' intra-image tokens, (B, N+1, D) each: join, inter-image, project.
+    def encode_pair(self, before: torch.Tensor, after: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Encode a batch of image pairs: before, after (B, 3, R, R) images or (B, N+1, D) intra-image tokens.
 
-        With the intra-image blocks frozen, these tokens never change during training, so adapt.py computes
-        them once per image (--freeze_intra) and each training step starts here.
+        Returns {"pair_embedding": (B, E) for retrieval, "pair_tokens": (B, L, E) for the captioner}.
         """
-        tokens = self.project(self.inter_image(self.join(before, after)))  # (B, L, E)
-        return {"pair_embedding": self.pool(tokens), "pair_tokens": tokens}
+        tokens = self.project(self.inter_image(self.join(*self.intra_pair(before, after))))  # (B, L, E)
+        return {"pair_embedding": self.pool(tokens[:, self.cls_rows]), "pair_tokens": tokens}
+
+    def embed_pair(self, before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+        """encode_pair's pair embedding alone, (B, E), as retrieval needs it (stage 1): only the two CLS tokens
+        of the last block's output are read, so that block, ln_post and the projection run on them alone."""
+        x = self.join(*self.intra_pair(before, after))  # (B, L, D)
+        return self.pool(self.project(self.inter_image(x, rows=self.cls_rows)))  # (B, 2, E) -> (B, E)
 
     def encode_text(self, text: torch.Tensor) -> torch.Tensor:
         """CLIP's caption embedding, the feature at the end-of-text token: (B, T) token ids -> (B, E)."""
         return self.clip.encode_text(text)
 
     def forward(self, before: torch.Tensor, after: torch.Tensor, text: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """encode_pair's dict, plus "text_embedding" (B, E) when captions are given and CLIP's "logit_scale".
+        """Stage 1's view, what the contrastive loss reads: {"pair_embedding": (B, E), "logit_scale": ()}, plus
+        "text_embedding" (B, E) when captions are given. The captioner reads encode_pair's "pair_tokens".
 
-        Everything the contrastive loss needs comes out of forward, so that under DDP it is all computed
-        inside the wrapped module: losses.contrastive_loss(out["text_embedding"], out["pair_embedding"],
-        out["logit_scale"]).
+        Everything the loss needs comes out of forward, so that under DDP it is all computed inside the wrapped
+        module: losses.contrastive_loss(out["text_embedding"], out["pair_embedding"], out["logit_scale"]).
         """
-        # images (B, 3, R, R), or the intra-image tokens (B, N+1, D) that adapt.py caches with --freeze_intra
-        out = self.encode_pair(before, after) if before.dim() == 4 else self.encode_intra_tokens(before, after)
+        out = {"pair_embedding": self.embed_pair(before, after),  # images, or the cached intra-image tokens
+               "logit_scale": self.clip.logit_scale}  # log(1/temperature), learned, as in CLIP
         if text is not None:
             out["text_embedding"] = self.encode_text(text)  # (B, E)
-        out["logit_scale"] = self.clip.logit_scale  # log(1/temperature), learned, as in CLIP
         return out
 
     # --- what trains, and how fast (REFERENCE 2.2 and 3.1) ---
@@ -224,13 +239,23 @@ class IntraTokens:
 
     Used in place of the image reader when the intra-image blocks are frozen (adapt.py --freeze_intra, and
     caption.py --finetune_encoder on such a stage-1 checkpoint): they, and so their output, never change, and a
-    training step then starts at the join (PairEncoder.encode_intra_tokens). Evaluation still encodes the
+    training step then starts at the join (PairEncoder.intra_pair). Evaluation still encodes the
     pixels, all the way through. images is a function path -> normalised image (3, R, R).
+
+    With cache_dir, the tokens are also kept in a file there, named by what they depend on (the weights that
+    compute them, each image file's size and modification time, the precision): stage 2 then reads the
+    tokens stage 1 computed instead of computing them again, and a changed image or weight gets a new file.
     """
 
-    def __init__(self, model: PairEncoder, pairs: list, images, batch_size: int, device, ctx):
+    def __init__(self, model: PairEncoder, pairs: list, images, batch_size: int, device, ctx,
+                 cache_dir: Path | None = None):
         paths = sorted({path for p in pairs for path in (p.before, p.after, p.distractor) if path is not None})
         self.row = {path: i for i, path in enumerate(paths)}
+        file = None if cache_dir is None else Path(cache_dir) / f"intra_tokens_{self.key(model, paths, ctx)}.pt"
+        self.read_from = file if file is not None and file.is_file() else None  # for the scripts to say
+        if self.read_from is not None:
+            self.tokens = torch.load(file)  # (images, N+1, D)
+            return
         chunks = []
         with torch.no_grad():
             for start in range(0, len(paths), batch_size):
@@ -238,6 +263,24 @@ class IntraTokens:
                 with ctx:
                     chunks.append(model.intra_image(pixels).float().cpu())  # (b, N+1, D)
         self.tokens = torch.cat(chunks)  # (images, N+1, D)
+        if file is not None:  # written whole, then renamed: an interrupted run leaves no half-written file
+            file.parent.mkdir(parents=True, exist_ok=True)
+            partial = file.with_suffix(f".partial-{os.getpid()}")
+            torch.save(self.tokens, partial)
+            os.replace(partial, file)
+
+    @staticmethod
+    def key(model: PairEncoder, paths: list, ctx) -> str:
+        """A digest of what the tokens depend on: the intra-image weights, the image files, the precision."""
+        digest = hashlib.sha256(str(getattr(ctx, "fast_dtype", "float32")).encode())
+        parts = model.intra_image_parts()
+        for name, tensor in model.clip.state_dict().items():
+            if any(name == part or name.startswith(part + ".") for part in parts):
+                digest.update(name.encode() + tensor.detach().float().cpu().numpy().tobytes())
+        for path in paths:
+            stat = os.stat(path)
+            digest.update(f"{path}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
+        return digest.hexdigest()[:16]
 
     def __call__(self, path) -> torch.Tensor:
         return self.tokens[self.row[path]]  # (N+1, D)

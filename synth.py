@@ -632,18 +632,12 @@ def make_synth(root: str | os.PathLike, cfg: SynthConfig | None = None, workers:
     return root
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (a container may allow fewer than the machine has); the training scripts
-    share them between their processes under torchrun."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def ensure_synth(root: str | os.PathLike, cfg: SynthConfig | None = None, workers: int | None = None) -> Path:
     """root holding the synthetic dataset: drawn now if it does not exist, checked against cfg if it does."""
     root = Path(root)
     if not root.exists():
         cfg = cfg or SynthConfig()
-        workers = workers or usable_cpus()
+        workers = workers or data.usable_cpus()
         print(f"synth.py: drawing the synthetic dataset ({cfg.pairs} pairs, seed {cfg.seed}) into {root} "
               f"with {workers} processes", file=sys.stderr)
         return make_synth(root, cfg, workers)
@@ -762,8 +756,8 @@ def ensure_scenes(root: str | os.PathLike, cfg: SynthConfig | None = None) -> Pa
         if root.exists():
             raise data.DataError(f"{root} exists but holds no {SCENES_FILE}; remove it and it will be drawn again")
         print(f"synth.py: drawing {sum(SCENE_SPLITS.values())} stage-0 scenes into {root} "
-              f"with {usable_cpus()} processes", file=sys.stderr)
-        make_scenes(root, cfg, usable_cpus())
+              f"with {data.usable_cpus()} processes", file=sys.stderr)
+        make_scenes(root, cfg, data.usable_cpus())
     return root
 class SceneSamples(Dataset):
     """Stage 0: one sample per single scene of a split of make_scenes: {"image": (3, R, R), "caption": (T,)}.

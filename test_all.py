@@ -633,10 +633,10 @@ def test_every_step_of_the_pair_encoder_has_the_documented_shape():
     assert intra.shape == (2, N + 1, D)
     assert joint.shape == inter.shape == (2, 2 * (N + 1), D)
     assert tokens.shape == (2, 2 * (N + 1), E)
-    assert model.pool(tokens).shape == (2, E)
+    assert model.pool(tokens[:, model.cls_rows]).shape == (2, E)
     assert {key: tuple(value.shape) for key, value in out.items()} == {
-        "pair_embedding": (2, E), "pair_tokens": (2, 2 * (N + 1), E), "text_embedding": (2, E), "logit_scale": ()}
-    torch.testing.assert_close(out["pair_tokens"], tokens)
+        "pair_embedding": (2, E), "text_embedding": (2, E), "logit_scale": ()}
+    torch.testing.assert_close(model.encode_pair(before, after)["pair_tokens"], tokens)
 
 
 def test_the_pair_embedding_is_the_mean_of_the_before_and_after_cls_tokens():
@@ -645,6 +645,42 @@ def test_the_pair_embedding_is_the_mean_of_the_before_and_after_cls_tokens():
         out = model.encode_pair(_images(seed=1), _images(seed=2))
     tokens = out["pair_tokens"]
     torch.testing.assert_close(out["pair_embedding"], (tokens[:, 0] + tokens[:, N + 1]) / 2)
+
+
+def test_a_block_run_at_some_rows_equals_the_full_blocks_rows_values_and_gradients():
+    # the speed variant of stage 1: the last inter-image block computes only the rows that are read
+    torch.manual_seed(0)
+    block = clip.ResidualAttentionBlock(D, 4)
+    x = torch.randn(3, 2 * (N + 1), D, requires_grad=True)
+    rows = [0, N + 1]
+    grad_out = torch.randn(3, len(rows), D)
+    full = block(x)[:, rows]
+    (full * grad_out).sum().backward()
+    full_grads = [x.grad.clone()] + [p.grad.clone() for p in block.parameters()]
+    x.grad = None
+    block.zero_grad()
+    only = block(x, rows=rows)  # (3, 2, D)
+    (only * grad_out).sum().backward()
+    torch.testing.assert_close(only, full, rtol=1e-5, atol=1e-6)
+    for got, expected in zip([x.grad] + [p.grad for p in block.parameters()], full_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_stage_1s_pair_embedding_from_the_cls_rows_alone_equals_encode_pairs_values_and_gradients():
+    for intra_layers in (2, 4):  # two inter-image blocks; none (the rows are then cut after the intra blocks)
+        model = _tiny_encoder(intra_layers)
+        before, after = _images(seed=1), _images(seed=2)
+        full = model.encode_pair(before, after)["pair_embedding"]
+        full.square().sum().backward()
+        full_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        fast = model(before, after)["pair_embedding"]  # forward: embed_pair, the last block at the CLS rows only
+        fast.square().sum().backward()
+        torch.testing.assert_close(fast, full, rtol=1e-5, atol=1e-6)
+        assert full_grads.keys() == {name for name, p in model.named_parameters() if p.grad is not None}
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, full_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_swapping_before_and_after_changes_the_pair_embedding():
@@ -717,6 +753,35 @@ def test_frozen_intra_image_blocks_train_from_their_tokens_computed_once_as_from
     torch.testing.assert_close(loss_cached, loss_images)
     for name, grad in grads_images.items():
         torch.testing.assert_close(grads_cached[name], grad, msg=name)
+
+
+def test_intra_tokens_kept_in_a_file_are_read_back_and_a_changed_image_or_intra_weight_computes_them_again(tmp_path):
+    model = _tiny_encoder()  # 3 intra-image blocks, 1 inter-image block
+    pixels = {}
+    for name, image in zip(["b0", "a0", "d0"], _images(batch=3)):
+        (tmp_path / f"{name}.png").write_bytes(name.encode())  # the key reads each file's size and time
+        pixels[tmp_path / f"{name}.png"] = image
+    pairs = [data.ImagePair(id="0", before=tmp_path / "b0.png", after=tmp_path / "a0.png", captions=["x"],
+                            distractor=tmp_path / "d0.png")]
+    computed = []
+    images = lambda path: computed.append(path) or pixels[path]
+
+    def tokens():
+        return IntraTokens(model, pairs, images, 4, torch.device("cpu"), contextlib.nullcontext(), tmp_path / "cache")
+
+    first = tokens()
+    assert first.read_from is None and len(computed) == 3 and len(list((tmp_path / "cache").iterdir())) == 1
+    second = tokens()  # stage 2 after stage 1: the same weights and images
+    assert second.read_from is not None and len(computed) == 3 and torch.equal(second.tokens, first.tokens)
+    with torch.no_grad():
+        model.clip.visual.transformer.resblocks[3].ln_1.bias.add_(1.0)  # an inter-image block: no matter
+    assert tokens().read_from is not None
+    with torch.no_grad():
+        model.clip.visual.transformer.resblocks[2].ln_1.bias.add_(1.0)  # an intra-image block: a new file
+    third = tokens()
+    assert third.read_from is None and len(computed) == 6 and not torch.equal(third.tokens, first.tokens)
+    os.utime(tmp_path / "d0.png", ns=(1, 1))  # an image file changed
+    assert tokens().read_from is None and len(computed) == 9
 
 
 def test_optimizer_groups_put_new_parameters_at_lr_and_clip_at_the_scaled_lr_without_decay_for_norms():
