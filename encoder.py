@@ -160,6 +160,8 @@ class PairEncoder(nn.Module):
         """encode_pair's pair embedding alone, (B, E), as retrieval needs it (stage 1): only the two CLS tokens
         of the last block's output are read, so that block, ln_post and the projection run on them alone."""
         x = self.join(*self.intra_pair(before, after))  # (B, L, D)
+        # differs from reference: it computes every token, then pools two; the same numbers up to float rounding,
+        # with a stage-1 step 40% shorter on the synth preset (BENCHMARKS.md section 1)
         return self.pool(self.project(self.inter_image(x, rows=self.cls_rows)))  # (B, 2, E) -> (B, E)
 
     def encode_text(self, text: torch.Tensor) -> torch.Tensor:
