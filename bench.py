@@ -18,7 +18,7 @@ figures in BENCHMARKS.md; smaller values (see each subcommand's --help) make a s
   adapt     one stage-1 training step of the ViT-B/32 pair encoder (adapt.train_step): pairs/s, and
             its GFLOP/s next to this machine's matrix-multiply rate; JSON                            section 2
   synth     the synth preset's two training steps: GFLOP per step, ms per step, the fraction of this
-            machine's matmul rate; --profile N: the top operators (torch.profiler)                  section 1
+            machine's matmul rate; --profile N: the top operators by wall time                     section 1
   caption   stage 2 through caption.py's captioner: encoding pairs, decoding (cached and recomputed),
             a training step on cached features, and what they make of CLEVR-Change's splits; JSON  section 3
   metrics   metrics.py on a CLEVR-Change-sized corpus, the whole process, next to the Java toolkit   section 5
@@ -43,6 +43,7 @@ Shape letters: B pairs (or images) in a batch, R image side (224), M visual toke
 width (512), T caption tokens, V vocabulary (49408).
 """
 import argparse
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -59,6 +60,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
 import adapt
@@ -102,6 +104,35 @@ def best_wall_and_cpu(repeats: int, fn, setup=lambda: None) -> tuple[float, floa
         wall.append(time.perf_counter() - start_wall)
         cpu.append(time.process_time() - start_cpu)
     return min(wall), min(cpu)
+
+
+MATRIX_PRODUCTS = ("mm", "addmm", "bmm")  # the aten operators that are matrix products
+
+
+class OperatorClock(TorchDispatchMode):
+    """Wall time per aten operator, backward included: each operator is timed alone as it runs, synchronous on
+    the CPU. Used instead of torch.profiler, which on these small steps made memory-bound operators look up to
+    9 times slower than they are (GELU on (64, 100, 512): 9.4 ms in its table, 1.0 ms timed in the step) and
+    the step 45% longer; under this clock a step takes 10-40% longer than without it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds, self.calls = collections.Counter(), collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        self.seconds[name] += time.perf_counter() - start
+        self.calls[name] += 1
+        return out
+
+    def table(self, rows: int = 15) -> str:
+        total = sum(self.seconds.values())
+        lines = [f"{'operator':<55} {'ms':>9} {'share':>6} {'calls':>6}"]
+        for name, seconds in self.seconds.most_common(rows):
+            lines.append(f"{name:<55} {seconds * 1e3:9.1f} {seconds / total:6.1%} {self.calls[name]:6d}")
+        return "\n".join(lines + [f"{'all operators':<55} {total * 1e3:9.1f}"])
 
 
 def cpu_seconds() -> tuple[float, float, float]:
@@ -325,8 +356,8 @@ def synth_steps(threads: int = 2, steps: int = 5, caption_length: int = 14, prof
     preset, batch 128; stage 2: caption.py's, batch 32 change + 32 distractor pairs, the pair encoder
     finetuned), on the synthetic CLIP (assets/synth-ViT-32.pt), float32. FLOPs from FlopCounterMode on an
     eager step, the fastest of `steps` timed steps, this run's 2048 x 2048 matmul rate before and after (the
-    better one), and the fraction GFLOP/s / matmul GFLOP/s. With profile > 0, torch.profiler's operators
-    (self CPU time) over that many steps of each stage."""
+    better one), and the fraction GFLOP/s / matmul GFLOP/s. With profile > 0, the operators' wall time over that
+    many steps of each stage (OperatorClock)."""
     runtime.keep_freed_memory()  # as both scripts do before training
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -349,12 +380,14 @@ def synth_steps(threads: int = 2, steps: int = 5, caption_length: int = 14, prof
 
     result = {"threads": threads, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "caption_length": caption_length}
-    matmul = matmul_gflops()
+    matmul, product_gflop = matmul_gflops(), {}
     for name, step in (("stage1", step1), ("stage2", step2)):
         with flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
             step()
         step_s = best_of(steps, step)
         gflop = counter.get_total_flops() / 1e9
+        by_op = {op.__name__: flops for op, flops in counter.get_flop_counts()["Global"].items()}
+        product_gflop[name] = sum(by_op.get(op, 0) for op in MATRIX_PRODUCTS) / 1e9
         result[name] = {"step_ms": round(step_s * 1000, 1), "gflop_per_step": round(gflop, 2),
                         "gflop_per_s": round(gflop / step_s, 1)}
     matmul = max(matmul, matmul_gflops())  # the better of two, so a busy moment cannot flatter the steps
@@ -363,11 +396,18 @@ def synth_steps(threads: int = 2, steps: int = 5, caption_length: int = 14, prof
         result[name]["fraction_of_matmul"] = round(result[name]["gflop_per_s"] / matmul, 3)
     if profile:
         for name, step in (("stage1", step1), ("stage2", step2)):
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            clock = OperatorClock()
+            with clock:
                 for _ in range(profile):
                     step()
-            print(f"--- {name}: {profile} steps, operators by self CPU time", file=sys.stderr)
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), file=sys.stderr)
+            print(f"--- {name}: {profile} steps, operators by wall time\n{clock.table()}", file=sys.stderr)
+            # the matrix products alone: their FLOPs over their own time, against the same matmul rate
+            product_s = sum(clock.seconds[op] for op in MATRIX_PRODUCTS) / profile
+            result[name]["matrix_products"] = {
+                "share_of_operator_time": round(sum(clock.seconds[op] for op in MATRIX_PRODUCTS)
+                                                / sum(clock.seconds.values()), 3),
+                "gflop_per_s": round(product_gflop[name] / product_s, 1),
+                "fraction_of_matmul": round(product_gflop[name] / product_s / matmul, 3)}
     return result
 
 
