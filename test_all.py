@@ -3044,13 +3044,28 @@ def test_bench_clip_prints_the_image_tower_rate_and_the_tokenizer_rates_cold_and
     assert all(line.endswith(" per CPU-second)") for line in lines[1:])
 
 
+def test_bench_operator_clock_times_every_aten_operator_of_the_forward_and_the_backward():
+    a, b = torch.randn(8, 4, requires_grad=True), torch.randn(4, 3)
+    clock = bench.OperatorClock()
+    with clock:
+        (a @ b).sum().backward()
+    assert clock.calls["mm"] == 2  # the product, and in the backward the gradient of a (b needs none)
+    assert clock.calls["sum"] == 1 and all(seconds >= 0 for seconds in clock.seconds.values())
+    lines = clock.table().splitlines()
+    assert lines[0].split() == ["operator", "ms", "share", "calls"] and lines[-1].startswith("all operators")
+    assert len(lines) == len(clock.seconds) + 2
+
+
 def test_bench_synth_counts_both_synth_steps_flops_and_their_fraction_of_the_matmul_rate():
-    # the synth preset's real model sizes, one timed step each; the counts do not depend on the machine
-    result = bench.synth_steps(threads=torch.get_num_threads(), steps=1, caption_length=4)
+    # the synth preset's real model sizes, one timed step and one profiled step each; the counts do not depend on
+    # the machine
+    result = bench.synth_steps(threads=torch.get_num_threads(), steps=1, caption_length=4, profile=1)
     for stage in ("stage1", "stage2"):
         figures = result[stage]
         assert figures["gflop_per_step"] > 1 and figures["step_ms"] > 0
         assert figures["fraction_of_matmul"] == pytest.approx(figures["gflop_per_s"] / result["matmul_gflop_per_s"],
                                                               abs=0.002)
+        products = figures["matrix_products"]  # the products' own rate, from the profile's clock
+        assert 0 < products["share_of_operator_time"] < 1 and products["gflop_per_s"] > 0
     # stage 2 runs the inter-image blocks on 64 pairs (change + distractor) and a decoder; stage 1 on 128 pairs
     assert result["stage2"]["gflop_per_step"] != result["stage1"]["gflop_per_step"]
