@@ -550,8 +550,7 @@ def train_and_test(config: Config, dist_, dtype: str, ctx, scaler, out_dir: Path
         train_set.images = IntraTokens(model, splits["train"], images, config.eval_batch_size, device, ctx,
                                        images.cache_dir)
         if master:
-            how = f"read from {train_set.images.read_from}" if train_set.images.read_from else "computed once"
-            print(f"intra-image tokens of {len(train_set.images.row)} training images {how} "
+            print(f"intra-image tokens of {len(train_set.images.row)} training images {train_set.images.origin} "
                   f"({time.time() - started:.0f} s): the intra-image blocks are frozen")
     raw_model = model  # for saving, evaluating and clamping logit_scale
     if config.compile:

@@ -402,10 +402,9 @@ def synth_steps(threads: int = 2, steps: int = 5, caption_length: int = 14, prof
                     step()
             print(f"--- {name}: {profile} steps, operators by wall time\n{clock.table()}", file=sys.stderr)
             # the matrix products alone: their FLOPs over their own time, against the same matmul rate
-            product_s = sum(clock.seconds[op] for op in MATRIX_PRODUCTS) / profile
+            product_s = sum(clock.seconds[op] for op in MATRIX_PRODUCTS) / profile  # per step
             result[name]["matrix_products"] = {
-                "share_of_operator_time": round(sum(clock.seconds[op] for op in MATRIX_PRODUCTS)
-                                                / sum(clock.seconds.values()), 3),
+                "share_of_operator_time": round(product_s * profile / sum(clock.seconds.values()), 3),
                 "gflop_per_s": round(product_gflop[name] / product_s, 1),
                 "fraction_of_matmul": round(product_gflop[name] / product_s / matmul, 3)}
     return result

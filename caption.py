@@ -182,7 +182,7 @@ class Captioner(nn.Module):
         else:  # encode now, the change pairs and the distractor pairs in one batch
             before = torch.cat([batch["before"], batch["before"]]) if both else batch["before"]
             after = torch.cat([batch["after"], batch["distractor"]]) if both else batch["after"]
-            visual = self.encoder.encode_pair(before, after)["pair_tokens"]  # (kB, M, E): from the pixels or the intra tokens
+            visual = self.encoder.encode_pair(before, after)["pair_tokens"]  # (kB, M, E), pixels or intra tokens
         names = ("caption", "no_change_caption") if both else ("caption",)
         caption_in = torch.cat([batch[f"{n}_in"] for n in names])  # (kB, T)
         caption_out = torch.cat([batch[f"{n}_out"] for n in names])  # (kB, T)
@@ -570,8 +570,7 @@ def training_set(config: Config, stage1: Stage1, pairs, images, tokenizer, featu
         started = time.time()
         train_images = IntraTokens(stage1.encoder, pairs, images, config.eval_batch_size, device, ctx,
                                    images.cache_dir)
-        how = f"read from {train_images.read_from}" if train_images.read_from else "computed once"
-        say(f"intra-image tokens of {len(train_images.row)} training images {how} "
+        say(f"intra-image tokens of {len(train_images.row)} training images {train_images.origin} "
             f"({time.time() - started:.0f} s): the intra-image blocks stay frozen, as in stage 1")
     items = data.CaptionItems(pairs, tokenizer, config.use_no_change_pair, images=train_images,
                               max_words=config.max_words)

@@ -58,6 +58,12 @@ FROZEN_IN_REFERENCE = (
     "positional_embedding",         # the text tower's position table
 )
 
+
+def under(name: str, part: str) -> bool:
+    """Whether the CLIP parameter `name` is the part itself or inside it ("visual.transformer.resblocks.3" holds
+    "visual.transformer.resblocks.3.mlp.c_fc.weight", but not "...resblocks.30.mlp.c_fc.weight")."""
+    return name == part or name.startswith(part + ".")
+
 # The reference's checkpoint names of the new parameters, and ours.
 REFERENCE_NAMES = {
     "clip.visual.bef_embedding": "before_embedding",
@@ -187,8 +193,7 @@ class PairEncoder(nn.Module):
         """Stop gradients for these CLIP parts (names as in the OpenAI checkpoint); return the frozen names."""
         frozen = []
         for part in parts:
-            matched = [(name, p) for name, p in self.clip.named_parameters()
-                       if name == part or name.startswith(part + ".")]
+            matched = [(name, p) for name, p in self.clip.named_parameters() if under(name, part)]
             if not matched:
                 raise ValueError(f"PairEncoder.freeze: CLIP has no parameter named {part!r} or under it; "
                                  f"use OpenAI's names such as {FROZEN_IN_REFERENCE}")
@@ -254,7 +259,7 @@ class IntraTokens:
         paths = sorted({path for p in pairs for path in (p.before, p.after, p.distractor) if path is not None})
         self.row = {path: i for i, path in enumerate(paths)}
         file = None if cache_dir is None else Path(cache_dir) / f"intra_tokens_{self.key(model, paths, ctx)}.pt"
-        self.read_from = file if file is not None and file.is_file() else None  # for the scripts to say
+        self.read_from = file if file is not None and file.is_file() else None
         if self.read_from is not None:
             self.tokens = torch.load(file)  # (images, N+1, D)
             return
@@ -277,12 +282,17 @@ class IntraTokens:
         digest = hashlib.sha256(str(getattr(ctx, "fast_dtype", "float32")).encode())
         parts = model.intra_image_parts()
         for name, tensor in model.clip.state_dict().items():
-            if any(name == part or name.startswith(part + ".") for part in parts):
+            if any(under(name, part) for part in parts):
                 digest.update(name.encode() + tensor.detach().float().cpu().numpy().tobytes())
         for path in paths:
             stat = os.stat(path)
             digest.update(f"{path}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
         return digest.hexdigest()[:16]
+
+    @property
+    def origin(self) -> str:
+        """Where the tokens came from, for the scripts to say."""
+        return f"read from {self.read_from}" if self.read_from is not None else "computed once"
 
     def __call__(self, path) -> torch.Tensor:
         return self.tokens[self.row[path]]  # (N+1, D)
