@@ -18,7 +18,8 @@ figures in BENCHMARKS.md; smaller values (see each subcommand's --help) make a s
   adapt     one stage-1 training step of the ViT-B/32 pair encoder (adapt.train_step): pairs/s, and
             its GFLOP/s next to this machine's matrix-multiply rate; JSON                            section 2
   synth     the synth preset's two training steps: GFLOP per step, ms per step, the fraction of this
-            machine's matmul rate; --profile N: the top operators by wall time                     section 1
+            machine's matmul rate; --profile N: the top operators by wall time, and the largest
+            matrix products' rates in the step and alone                                            section 1
   caption   stage 2 through caption.py's captioner: encoding pairs, decoding (cached and recomputed),
             a training step on cached features, and what they make of CLEVR-Change's splits; JSON  section 3
   metrics   metrics.py on a CLEVR-Change-sized corpus, the whole process, next to the Java toolkit   section 5
@@ -118,13 +119,18 @@ class OperatorClock(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.seconds, self.calls = collections.Counter(), collections.Counter()
+        self.product_seconds, self.product_calls = collections.Counter(), collections.Counter()  # by operand shapes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        self.seconds[name] += time.perf_counter() - start
+        seconds, name = time.perf_counter() - start, func.overloadpacket.__name__
+        self.seconds[name] += seconds
         self.calls[name] += 1
+        if name in MATRIX_PRODUCTS:  # the two factors (addmm's bias left out), each (shape, contiguous or not)
+            key = (name,) + tuple((tuple(a.shape), a.is_contiguous()) for a in args[-2:])
+            self.product_seconds[key] += seconds
+            self.product_calls[key] += 1
         return out
 
     def table(self, rows: int = 15) -> str:
@@ -133,6 +139,27 @@ class OperatorClock(TorchDispatchMode):
         for name, seconds in self.seconds.most_common(rows):
             lines.append(f"{name:<55} {seconds * 1e3:9.1f} {seconds / total:6.1%} {self.calls[name]:6d}")
         return "\n".join(lines + [f"{'all operators':<55} {total * 1e3:9.1f}"])
+
+
+def product_rates(clock: OperatorClock, rows: int = 10) -> str:
+    """The clock's largest matrix products by operand shapes: their rate in the step, and the same product's rate
+    alone, repeated on fresh operands of the same shapes and layout (the step's operands come from other operators
+    and are often out of the caches). ᵀ marks an operand that is not contiguous: in these steps, a transpose."""
+    def factor(shape, contiguous):  # a random operand; a non-contiguous one as the transpose of a contiguous one
+        return torch.randn(*shape) if contiguous else torch.randn(*reversed(shape)).transpose(-1, -2)
+
+    lines = [f"{'product':<52} {'calls':>5} {'ms':>7} {'GFLOP/s in the step':>20} {'alone':>6}"]
+    for key, seconds in clock.product_seconds.most_common(rows):
+        name, (shape_a, contiguous_a), (shape_b, contiguous_b) = key
+        gflop = math.prod(shape_a) * shape_b[-1] * 2 / 1e9  # (..., m, k) @ (..., k, n): 2 m k n per matrix
+        a, b = factor(shape_a, contiguous_a), factor(shape_b, contiguous_b)
+        product = torch.bmm if name == "bmm" else torch.mm
+        product(a, b)
+        alone = gflop / best_of(20, lambda: product(a, b))
+        shapes = f"{name} {shape_a}{'' if contiguous_a else 'ᵀ'} x {shape_b}{'' if contiguous_b else 'ᵀ'}"
+        calls = clock.product_calls[key]
+        lines.append(f"{shapes:<52} {calls:5d} {seconds * 1e3:7.1f} {gflop * calls / seconds:20.1f} {alone:6.1f}")
+    return "\n".join(lines)
 
 
 def cpu_seconds() -> tuple[float, float, float]:
@@ -401,6 +428,7 @@ def synth_steps(threads: int = 2, steps: int = 5, caption_length: int = 14, prof
                 for _ in range(profile):
                     step()
             print(f"--- {name}: {profile} steps, operators by wall time\n{clock.table()}", file=sys.stderr)
+            print(f"--- {name}: the largest matrix products\n{product_rates(clock)}", file=sys.stderr)
             # the matrix products alone: their FLOPs over their own time, against the same matmul rate
             product_s = sum(clock.seconds[op] for op in MATRIX_PRODUCTS) / profile  # per step
             result[name]["matrix_products"] = {
@@ -605,7 +633,8 @@ def main(argv=None):
     p.set_defaults(run=lambda a: print(json.dumps(adapt_step(a.threads, a.batch_size, a.steps, a.compile), indent=2)))
 
     p = figure("synth", "the synth preset's two training steps: GFLOP per step, the step time, the fraction of this "
-                        "machine's matmul rate (JSON); --profile N: the top operators over N steps (stderr)")
+                        "machine's matmul rate (JSON); --profile N: the top operators and matrix products over N "
+                        "steps (stderr)")
     p.add_argument("--threads", **threads)
     p.add_argument("--steps", type=int, default=5, help="timed steps after the counted one; the fastest is reported")
     p.add_argument("--caption-length", type=int, default=14, help="caption words T per pair")

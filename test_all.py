@@ -3054,6 +3054,11 @@ def test_bench_operator_clock_times_every_aten_operator_of_the_forward_and_the_b
     lines = clock.table().splitlines()
     assert lines[0].split() == ["operator", "ms", "share", "calls"] and lines[-1].startswith("all operators")
     assert len(lines) == len(clock.seconds) + 2
+    assert clock.product_calls == {("mm", ((8, 4), True), ((4, 3), True)): 1,   # a @ b
+                                   ("mm", ((8, 3), False), ((3, 4), False)): 1}  # grad @ b.T, grad expanded ones
+    rows = bench.product_rates(clock).splitlines()[1:]  # by time, so in either order
+    assert sorted(" ".join(row.split()[:6]) for row in rows) == ["mm (8, 3)ᵀ x (3, 4)ᵀ", "mm (8, 4) x (4, 3)"]
+    assert all(float(row.split()[-1]) >= 0 and float(row.split()[-2]) >= 0 for row in rows)  # rates (tiny here)
 
 
 def test_bench_synth_counts_both_synth_steps_flops_and_their_fraction_of_the_matmul_rate():
