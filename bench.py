@@ -430,7 +430,7 @@ def synth_steps(threads: int = 2, steps: int = 5, caption_length: int = 14, prof
             print(f"--- {name}: {profile} steps, operators by wall time\n{clock.table()}", file=sys.stderr)
             print(f"--- {name}: the largest matrix products\n{product_rates(clock)}", file=sys.stderr)
             # the matrix products alone: their FLOPs over their own time, against the same matmul rate
-            product_s = sum(clock.seconds[op] for op in MATRIX_PRODUCTS) / profile  # per step
+            product_s = sum(clock.product_seconds.values()) / profile  # per step
             result[name]["matrix_products"] = {
                 "share_of_operator_time": round(product_s * profile / sum(clock.seconds.values()), 3),
                 "gflop_per_s": round(product_gflop[name] / product_s, 1),

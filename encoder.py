@@ -64,6 +64,7 @@ def under(name: str, part: str) -> bool:
     "visual.transformer.resblocks.3.mlp.c_fc.weight", but not "...resblocks.30.mlp.c_fc.weight")."""
     return name == part or name.startswith(part + ".")
 
+
 # The reference's checkpoint names of the new parameters, and ours.
 REFERENCE_NAMES = {
     "clip.visual.bef_embedding": "before_embedding",
@@ -120,9 +121,12 @@ class PairEncoder(nn.Module):
         numbers as the full output's rows up to float rounding, without the work for the rows nobody reads.
         """
         blocks = self.clip.visual.transformer.resblocks[self.config.intra_layers:]
+        if rows is not None and not blocks:  # no inter-image block to compute the rows: they are the join's
+            return x[:, rows]  # (B, len(rows), D)
         for i, block in enumerate(blocks):
-            x = block(x, rows=rows if i == len(blocks) - 1 else None)  # (B, L, D), the last (B, len(rows), D)
-        return x if rows is None or len(blocks) else x[:, rows]
+            last = i == len(blocks) - 1
+            x = block(x, rows=rows if last else None)  # (B, L, D), the last (B, len(rows), D) with rows
+        return x
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """ln_post and CLIP's projection on every token, as the reference's encode_image: (B, L, D) -> (B, L, E)."""
