@@ -506,25 +506,26 @@ def image_cache(pairs: list[ImagePair], cache_dir: str | os.PathLike, name: str,
     cache_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(cache_dir)
     partial = array_path.with_suffix(f".partial-{os.getpid()}.npy")
-    pixels = np.lib.format.open_memmap(partial, mode="w+", dtype=np.uint8,
-                                       shape=(len(paths), image_size, image_size, 3))  # (n, R, R, 3)
-    # a generator of its own: iterating a DataLoader draws a seed from the global generator, so building the
-    # cache (first run) or not (later runs) would otherwise change every random number of the training after it
-    workers = usable_cpus() if workers is None else workers
-    loader = DataLoader(_Preprocess(paths, image_size), batch_size=64, num_workers=workers,
-                        generator=torch.Generator())
-    progress = Progress(f"image cache {array_path}", len(paths))
-    try:
+    pixels = loader = None
+    try:  # an error or an interrupt (Ctrl-C) anywhere from here on leaves no partial file behind
+        pixels = np.lib.format.open_memmap(partial, mode="w+", dtype=np.uint8,
+                                           shape=(len(paths), image_size, image_size, 3))  # (n, R, R, 3)
+        # a generator of its own: iterating a DataLoader draws a seed from the global generator, so building the
+        # cache (first run) or not (later runs) would otherwise change every random number of the training after it
+        workers = usable_cpus() if workers is None else workers
+        loader = DataLoader(_Preprocess(paths, image_size), batch_size=64, num_workers=workers,
+                            generator=torch.Generator())
+        progress = Progress(f"image cache {array_path}", len(paths))
         row = 0
         for batch in loader:
             pixels[row:row + len(batch)] = batch.numpy()  # (b, R, R, 3)
             row += len(batch)
             progress.show(row)
         pixels.flush()
-        del pixels
+        pixels = None
         os.replace(partial, array_path)
-    except BaseException:  # an error or an interrupt (Ctrl-C) leaves no partial file behind
-        del pixels, loader  # the memory map and the workers let go of the file first
+    except BaseException:
+        pixels = loader = None  # the memory map and the workers let go of the file first
         partial.unlink(missing_ok=True)
         raise
     index_path.write_text(json.dumps({"image_size": image_size, "fingerprint": stamp,
