@@ -331,7 +331,7 @@ SOURCES = {
     "pairs": Source("your image pairs", "data/pairs", read_user_pairs,
                     "write {train,val,test}.json there, lists of {\"before\", \"after\", \"captions\"} "
                     "(format in data.py's docstring)",
-                    "put it there, or remove its pair from {json}"),
+                    "put a readable copy there, or remove its pair from {json}"),
 }
 
 
@@ -562,7 +562,7 @@ class Progress:
 
     def show(self, done: int, force: bool = False) -> None:
         now = time.perf_counter()
-        if not (force or now - self.last > 1 or done == self.total):
+        if not self.total or not (force or now - self.last > 1 or done == self.total):
             return
         rate = done / max(now - self.start, 1e-9)
         eta = f"{(self.total - done) / rate:.0f} s" if done else "--"
@@ -965,7 +965,13 @@ def main():
     parser.add_argument("--model-view", action="store_true", help="show the 224 x 224 images the model sees")
     parser.add_argument("--out", help="contact sheet PNG (default: <root>/contact_sheet.png)")
     args = parser.parse_args()
+    try:
+        run_command(args)
+    except DataError as error:  # a user's mistake: one line, no traceback
+        parser.exit(1, f"{parser.prog}: error: {error}\n")
 
+
+def run_command(args: argparse.Namespace) -> None:
     if args.check:
         root, tokenizer = dataset_root(args.data, args.root), None
         try:

@@ -1341,7 +1341,7 @@ def test_dataset_fields_of_the_wrong_type_are_one_line_naming_the_file_the_item_
 def test_a_missing_image_of_your_own_pairs_says_to_put_it_there_or_remove_its_pair(tmp_path):
     write_png(tmp_path / "a.png")
     write_json(tmp_path / "train.json", [{"before": "a.png", "after": "gone.png", "captions": ["x"]}])
-    with pytest.raises(data.DataError, match=r"gone.png is missing; put it there, or remove its pair from .*train.json"):
+    with pytest.raises(data.DataError, match=r"gone.png is missing; put a readable copy there, or remove its pair from .*train.json"):
         data.load_split("pairs", "train", tmp_path)
     with pytest.raises(data.DataError, match=r"no folder .*nowhere.*or give its folder with --data_root"):
         data.load_split("pairs", "train", tmp_path / "nowhere")
