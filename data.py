@@ -47,6 +47,8 @@ What differs from the reference:
   - random choices (the 0.5 swap, the caption drawn in stage 2) use torch's generator, which DataLoader
     seeds per worker, instead of Python's random module;
   - images are float32 (the reference builds float64 arrays); an opt-in uint8 cache skips PNG decoding.
+  - every image mode becomes its 8-bit RGB view (rgb_view): a 16-bit PNG keeps its picture, where the reference's
+    convert("RGB") turns it white.
 
 Run:  python data.py                                   write a pair of your own in a temp folder, print its samples
       python data.py --show [--data synth] [--split test] [--n 6] [--model-view] [--out sheet.png]
@@ -419,6 +421,7 @@ def rgb_view(image: Image.Image, path: Path | str = "") -> Image.Image:
     """
     if image.mode == "RGB":
         return image
+    # differs from reference: convert("RGB") clips I;16, I and F at 255, so a 16-bit PNG would be all white
     if image.mode.startswith("I") or image.mode == "F":  # I;16*, I, F: one grey channel
         values = np.asarray(image)  # (H, W)
         if image.mode == "F":
