@@ -47,6 +47,8 @@ What differs from the reference:
   - random choices (the 0.5 swap, the caption drawn in stage 2) use torch's generator, which DataLoader
     seeds per worker, instead of Python's random module;
   - images are float32 (the reference builds float64 arrays); an opt-in uint8 cache skips PNG decoding.
+  - every image mode becomes its 8-bit RGB view (rgb_view): a 16-bit PNG keeps its picture, where the reference's
+    convert("RGB") turns it white.
 
 Run:  python data.py                                   write a pair of your own in a temp folder, print its samples
       python data.py --show [--data synth] [--split test] [--n 6] [--model-view] [--out sheet.png]
@@ -63,6 +65,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +118,15 @@ def read_json(path: Path, what: str):
         raise DataError(f"{what}: {path} is not valid JSON ({error}); download it again") from error
 
 
+def checked_type(value, kinds: type | tuple[type, ...], where: str, expected: str):
+    """value if it is one of kinds (never a bool for int), else an error: where, the field, what it should be."""
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple)
+                                                                                  else (kinds,))):
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise DataError(f"{where} should be {expected}, got {shown}")
+    return value
+
+
 def checked_captions(captions, pair_id: str, where: Path) -> list[str]:
     """A non-empty list of strings, or an error naming the pair.
 
@@ -123,7 +135,9 @@ def checked_captions(captions, pair_id: str, where: Path) -> list[str]:
     them out (training_captions).
     """
     if not isinstance(captions, list) or not captions:
-        raise DataError(f"pair {pair_id}: no captions in {where} (got {captions!r})")
+        shown = repr(captions) if len(repr(captions)) <= 60 else repr(captions)[:57] + "..."
+        raise DataError(f"pair {pair_id}: no captions in {where} (got {shown}); captions are a non-empty list of "
+                        f"strings")
     for caption in captions:
         if not isinstance(caption, str):
             raise DataError(f"pair {pair_id}: caption {caption!r} in {where} is not text; captions are strings")
@@ -147,12 +161,13 @@ def checked_items(items, keys: tuple[str, ...], path: Path) -> list[dict]:
     return items
 
 
-def checked_files(pairs: list[ImagePair]) -> list[ImagePair]:
-    """Fail now, naming the file, rather than hours into training when a worker reaches it (`--check` lists all)."""
+def checked_files(pairs: list[ImagePair], fix: str = "download the dataset's images again") -> list[ImagePair]:
+    """Fail now, naming the file, rather than hours into training when a worker reaches it (`--check` lists all);
+    fix: what to do about a missing image (Source.repair)."""
     for pair in pairs:
         for path in (pair.before, pair.after, pair.distractor):
             if path is not None and not path.is_file():
-                raise DataError(f"pair {pair.id}: image {path} is missing; download the dataset's images again")
+                raise DataError(f"pair {pair.id}: image {path} is missing; {fix}")
     return pairs
 
 
@@ -163,13 +178,22 @@ def read_clevr_change(root: Path, split: str) -> list[ImagePair]:
     change = read_json(root / "change_captions.json", what)
     no_change = read_json(root / "no_change_captions.json", what)
     type_mapping = read_json(root / "type_mapping.json", what)
+    for name, content in (("splits.json", splits), ("change_captions.json", change),
+                          ("no_change_captions.json", no_change), ("type_mapping.json", type_mapping)):
+        checked_type(content, dict, f"{root / name}", "a JSON object (see data.py's docstring)")
+    for kind, names in type_mapping.items():
+        where = f"{root / 'type_mapping.json'}, {kind!r}"
+        for name in checked_type(names, list, where, 'a list of file names such as "000123.png"'):
+            checked_type(name, str, f"{where}, item {name!r}", 'a file name such as "000123.png"')
     if split not in splits:
         raise DataError(f"{root / 'splits.json'} has no split {split!r}; it has {sorted(splits)}")
     type_of = {name: kind for kind, names in type_mapping.items() for name in names}  # "000123.png" -> "color"
     boxes = read_change_boxes(root)
     pairs = []
-    for number in splits[split]:  # ids are not contiguous: some are in no split (REFERENCE 5.1)
-        number = int(number)
+    where = f"{root / 'splits.json'}, split {split!r}"
+    for number in checked_type(splits[split], list, where, "a list of pair numbers"):
+        checked_type(number, int, f"{where}, item {number!r}", "a whole number")  # ids are not contiguous: some
+        # are in no split (REFERENCE 5.1)
         key = f"CLEVR_default_{number:06d}.png"  # the caption files are keyed by the default image's name
         pair_id = f"{number:06d}.png"
         if key not in change:  # differs from reference: an error naming the id where C4I asserts
@@ -202,10 +226,12 @@ def read_change_boxes(root: Path) -> dict[str, dict]:
     for number, entry in read_json(path, "boxes of the changed objects").items():
         if not str(number).isdigit():
             raise DataError(f"{path}: key {number!r} is not a pair number such as \"123\"; download RCC's file again")
+        checked_type(entry, dict, f"{path}, id {number}", '{"bbox_before": [x, y, w, h] or null, "bbox_after": ...}')
         pair = {}
         for image in ("before", "after"):
-            box = entry.get(f"bbox_{image}") if isinstance(entry, dict) else None
-            if box and not (isinstance(box, list) and len(box) == 4 and all(isinstance(v, (int, float)) for v in box)):
+            box = entry.get(f"bbox_{image}")
+            if box and not (isinstance(box, list) and len(box) == 4
+                            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in box)):
                 raise DataError(f"{path}, id {number}: bbox_{image} should be [x, y, width, height] in pixels or "
                                 f"null, got {box!r}; download RCC's file again")
             pair[image] = [float(v) for v in box] if box else None
@@ -223,6 +249,7 @@ def read_spot_the_diff(root: Path, split: str) -> list[ImagePair]:
     items = checked_items(read_json(found[0], "Spot-the-Diff"), ("img_id", "sentences"), found[0])
     sentences: dict[str, list[str]] = {}  # img_id -> sentences; dicts keep first-seen order
     for position, item in enumerate(items):
+        checked_type(item["img_id"], (str, int), f"{found[0]}, item {position}: img_id", "a string or a whole number")
         if not isinstance(item["sentences"], list):
             raise DataError(f"{found[0]}, item {position} (img_id {item['img_id']}): sentences should be a list of "
                             f"strings, got {item['sentences']!r}")
@@ -237,8 +264,11 @@ def read_ier(root: Path, split: str) -> list[ImagePair]:
     """Image-Editing-Request: one pair per datum, identified by its uid; requests are kept as written (mixed case)."""
     path = root / f"{'valid' if split == 'val' else split}.json"  # IER calls its validation split "valid"
     pairs, seen = [], set()
-    for datum in checked_items(read_json(path, "Image-Editing-Request"), ("img0", "img1", "sents", "uid"), path):
-        uid = datum["uid"]
+    for position, datum in enumerate(checked_items(read_json(path, "Image-Editing-Request"),
+                                                   ("img0", "img1", "sents", "uid"), path)):
+        uid = checked_type(datum["uid"], (str, int), f"{path}, item {position}: uid", "a string")
+        for key in ("img0", "img1"):
+            checked_type(datum[key], str, f"{path}, item {position} (uid {uid}): {key}", "an image file name")
         if uid in seen:
             raise DataError(f"{path}: uid {uid} appears twice; evaluation ids must be unique")
         seen.add(uid)
@@ -254,6 +284,13 @@ def read_user_pairs(root: Path, split: str) -> list[ImagePair]:
     pairs, seen = [], set()
     items = checked_items(read_json(path, "image pairs"), ("before", "after", "captions"), path)
     for position, item in enumerate(items):
+        where = f"{path}, item {position}"
+        for key in ("before", "after", "distractor"):
+            if key != "distractor" or item.get(key) is not None:
+                checked_type(item[key], str, f"{where}: {key!r}", "an image path relative to the JSON's folder")
+        checked_type(item.get("id", position), (str, int), f"{where}: 'id'", "a string or a whole number")
+        if item.get("type") is not None:
+            checked_type(item["type"], str, f"{where}: 'type'", "a string such as \"move\" or null")
         pair_id = str(item.get("id", position))
         if pair_id in seen:
             raise DataError(f"{path}: id {pair_id} appears twice")
@@ -275,12 +312,14 @@ class Source:
     root: str
     reader: Callable[[Path, str], list[ImagePair]]
     get_it: str
+    repair: str = "download the dataset's images again"  # a missing or unreadable image; {root}, {json} filled in
 
 
 SOURCES = {
     "synth": Source("the synthetic dataset", "data/synth", read_clevr_change,
                     "adapt.py and caption.py draw it there on first use of --data synth, or draw it now with: "
-                    "python synth.py --make-synth DIR"),
+                    "python synth.py --make-synth DIR",
+                    "remove the folder {root} and it will be drawn again"),
     "clevr": Source("CLEVR-Change", "data/clevr_change", read_clevr_change,
                     "download clevr_change.tar.gz (Google Drive link in the README of "
                     "github.com/Seth-Park/RobustChangeCaptioning), extract it, and move its data/ folder there"),
@@ -293,7 +332,8 @@ SOURCES = {
                   "there, and the images (link in its README) in its images/ folder"),
     "pairs": Source("your image pairs", "data/pairs", read_user_pairs,
                     "write {train,val,test}.json there, lists of {\"before\", \"after\", \"captions\"} "
-                    "(format in data.py's docstring)"),
+                    "(format in data.py's docstring)",
+                    "put a readable copy there, or remove its pair from {json}"),
 }
 
 
@@ -310,14 +350,20 @@ def load_split(data: str, split: str, root: str | os.PathLike | None = None) -> 
     """
     root = dataset_root(data, root)
     if not root.is_dir():
-        raise DataError(f"{SOURCES[data].name}: no folder {root}; {SOURCES[data].get_it} (or pass its path as root)")
+        raise DataError(f"{SOURCES[data].name}: no folder {root}; {SOURCES[data].get_it} (or give its folder "
+                        f"with --data_root)")
     if split not in SPLITS:
         raise DataError(f"unknown split {split!r}; choose one of {SPLITS}")
-    pairs = checked_files(SOURCES[data].reader(root, split))
+    pairs = checked_files(SOURCES[data].reader(root, split), repair(data, root, split))
     note = empty_caption_note(f"{SOURCES[data].name} {split}", pairs)
     if note and os.environ.get("RANK", "0") == "0":  # under torchrun every process reads; the first one says so
         print(note)
     return pairs
+
+
+def repair(data: str, root: Path, split: str) -> str:
+    """What to do about a missing or unreadable image of a dataset's split (Source.repair, filled in)."""
+    return SOURCES[data].repair.format(root=root, json=root / f"{split}.json")
 
 
 def empty_caption_note(what: str, pairs: list[ImagePair]) -> str | None:
@@ -343,16 +389,51 @@ def bpe_path(data: str, root: str | os.PathLike | None = None) -> Path | None:
 # 2. Images: loading, CLIP4IDC's preprocessing, the opt-in cache
 # ---------------------------------------------------------------------------------------------------
 
-def load_image(path: Path) -> Image.Image:
-    """The image at path, decoded now, with an error naming the file when it is missing or unreadable."""
+def load_image(path: Path, fix: str = "replace it with a readable copy (python data.py --check lists every "
+                                     "unreadable image of a dataset)") -> Image.Image:
+    """The image at path as 8-bit RGB (rgb_view), decoded now; an error naming the file and saying how to fix it
+    (fix: what the reader of its dataset advises) when it is missing, unreadable or past Pillow's size limit."""
     try:
-        with Image.open(path) as image:
-            image.load()
-            return image
+        with warnings.catch_warnings():  # past the limit Pillow only warns, past twice the limit it refuses
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                image.load()
+                return rgb_view(image, path)
     except FileNotFoundError as error:
-        raise DataError(f"image {path} is missing; download the dataset's images again") from error
+        raise DataError(f"image {path} is missing; {fix}") from error
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+        raise DataError(f"image {path} is too large for Pillow ({error}); shrink it below "
+                        f"{Image.MAX_IMAGE_PIXELS:,} pixels (the model sees it at {IMAGE_SIZE} x {IMAGE_SIZE})") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
-        raise DataError(f"image {path} is corrupt or not an image ({error}); download it again") from error
+        raise DataError(f"image {path} is corrupt or not an image ({error}); {fix}") from error
+
+
+def rgb_view(image: Image.Image, path: Path | str = "") -> Image.Image:
+    """Any mode Pillow opens -> 8-bit RGB, the pixels an 8-bit viewer shows.
+
+    RGB, L, 1, P, CMYK, YCbCr and the rest: Pillow's convert("RGB"), as CLIP's _convert_image_to_rgb does.
+    Alpha (RGBA, LA, PA) is dropped: the colour stored under a transparent pixel is used, as convert("RGB") and
+    CLIP do. 16-bit grey (I;16, I;16B, ...) and 32-bit integers (I, how Pillow opens 16-bit PGMs and older
+    Pillows 16-bit PNGs): the high byte of the 16-bit value (clipped to 0..65535), as Pillow reads 16-bit
+    colour PNGs; an 8-bit image stored in 16 bits (v = 257 k) gives back its k. Floats (F): 0..1 is black to
+    white, as float images are written, rounded. convert("RGB") alone would clip these three at 255: a 16-bit
+    PNG would be all white.
+    """
+    if image.mode == "RGB":
+        return image
+    # differs from reference: convert("RGB") clips I;16, I and F at 255, so a 16-bit PNG would be all white
+    if image.mode.startswith("I") or image.mode == "F":  # I;16*, I, F: one grey channel
+        values = np.asarray(image)  # (H, W)
+        if image.mode == "F":
+            grey = np.round(np.clip(np.nan_to_num(values.astype(np.float64)), 0, 1) * 255)
+        else:
+            grey = np.clip(values.astype(np.int64), 0, 65535) >> 8
+        return Image.fromarray(grey.astype(np.uint8), "L").convert("RGB")
+    try:
+        return image.convert("RGB")
+    except ValueError as error:  # a mode Pillow cannot turn into RGB, such as premultiplied La
+        raise DataError(f"image {path} has mode {image.mode}, which cannot be read as RGB ({error}); "
+                        f"save it as an 8-bit RGB PNG") from None
 
 
 def preprocess_uint8(path: Path, image_size: int) -> np.ndarray:
@@ -426,24 +507,71 @@ def image_cache(pairs: list[ImagePair], cache_dir: str | os.PathLike, name: str,
         if index["fingerprint"] == stamp and index["paths"] == [str(p) for p in paths]:
             return ImageCache(array_path, index["paths"])
     cache_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(cache_dir)
     partial = array_path.with_suffix(f".partial-{os.getpid()}.npy")
-    pixels = np.lib.format.open_memmap(partial, mode="w+", dtype=np.uint8,
-                                       shape=(len(paths), image_size, image_size, 3))  # (n, R, R, 3)
-    # a generator of its own: iterating a DataLoader draws a seed from the global generator, so building the
-    # cache (first run) or not (later runs) would otherwise change every random number of the training after it
-    workers = usable_cpus() if workers is None else workers
-    loader = DataLoader(_Preprocess(paths, image_size), batch_size=64, num_workers=workers,
-                        generator=torch.Generator())
-    row = 0
-    for batch in loader:
-        pixels[row:row + len(batch)] = batch.numpy()  # (b, R, R, 3)
-        row += len(batch)
-    pixels.flush()
-    del pixels
-    os.replace(partial, array_path)
+    pixels = loader = None
+    try:  # an error or an interrupt (Ctrl-C) anywhere from here on leaves no partial file behind
+        pixels = np.lib.format.open_memmap(partial, mode="w+", dtype=np.uint8,
+                                           shape=(len(paths), image_size, image_size, 3))  # (n, R, R, 3)
+        # a generator of its own: iterating a DataLoader draws a seed from the global generator, so building the
+        # cache (first run) or not (later runs) would otherwise change every random number of the training after it
+        workers = usable_cpus() if workers is None else workers
+        loader = DataLoader(_Preprocess(paths, image_size), batch_size=64, num_workers=workers,
+                            generator=torch.Generator())
+        progress = Progress(f"image cache {array_path}", len(paths))
+        row = 0
+        for batch in loader:
+            pixels[row:row + len(batch)] = batch.numpy()  # (b, R, R, 3)
+            row += len(batch)
+            progress.show(row)
+        pixels.flush()
+        pixels = None
+        os.replace(partial, array_path)
+    except BaseException:
+        pixels = loader = None  # the memory map and the workers let go of the file first
+        partial.unlink(missing_ok=True)
+        raise
     index_path.write_text(json.dumps({"image_size": image_size, "fingerprint": stamp,
                                       "paths": [str(p) for p in paths]}), encoding="utf-8")
     return ImageCache(array_path, [str(p) for p in paths])
+
+
+def remove_stale_partials(cache_dir: Path) -> None:
+    """Remove the partial caches (*.partial-PID.npy) that a killed process left: their PID runs no more."""
+    for partial in cache_dir.glob("*.partial-*.npy"):
+        pid = partial.suffixes[-2].removeprefix(".partial-")
+        if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
+            partial.unlink(missing_ok=True)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):  # another user's process, or a system that cannot tell: leave its file
+        return True
+    return True
+
+
+class Progress:
+    """'  image cache data/x.npy: 1,024/12,000, 310/s, eta 35 s' on stderr, redrawn at most once a second, and a
+    first line at the start, so a long build never looks stuck (the training scripts' line is runtime.Progress)."""
+
+    def __init__(self, what: str, total: int):
+        self.what, self.total = what, total
+        self.start = self.last = time.perf_counter()
+        self.show(0, force=True)
+
+    def show(self, done: int, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not self.total or not (force or now - self.last > 1 or done == self.total):
+            return
+        rate = done / max(now - self.start, 1e-9)
+        eta = f"{(self.total - done) / rate:.0f} s" if done else "--"
+        print(f"\r  {self.what}: {done:,}/{self.total:,}, {rate:,.0f}/s, eta {eta} ",
+              end="\n" if done == self.total else "", file=sys.stderr, flush=True)
+        self.last = now
 
 
 class ImageReader:
@@ -683,17 +811,20 @@ def image_problem(path: Path) -> str | None:
     end marker (a half-downloaded file has not); other formats, and files without the marker, are decoded.
     """
     try:
-        with Image.open(path) as image:
-            end = IMAGE_ENDS.get(image.format)
-            if end is not None:
-                with open(path, "rb") as file:
-                    file.seek(max(0, os.fstat(file.fileno()).st_size - 64))
-                    if file.read().rstrip(b"\0").endswith(end):  # some writers pad with zeros after the marker
-                        return None
-            image.load()
+        with warnings.catch_warnings():  # past Pillow's size limit is a problem, as in load_image
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                end = IMAGE_ENDS.get(image.format)
+                if end is not None:
+                    with open(path, "rb") as file:
+                        file.seek(max(0, os.fstat(file.fileno()).st_size - 64))
+                        if file.read().rstrip(b"\0").endswith(end):  # some writers pad with zeros after the marker
+                            return None
+                image.load()
     except FileNotFoundError:
         return "missing"
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError,
+            Image.DecompressionBombWarning) as error:
         return str(error) or type(error).__name__
     return None
 
@@ -749,22 +880,20 @@ def check_dataset(data: str, root: Path, tokenizer: clip.SimpleTokenizer | None,
     images = list(dict.fromkeys(path for pairs in splits.values() for pair in pairs
                                 for path in (pair.before, pair.after, pair.distractor) if path is not None))
     bad = {}  # path -> what is wrong with it
-    start = last = time.perf_counter()
+    progress = Progress("images", len(images))
     for done, path in enumerate(images, 1):
         problem = image_problem(path)
         if problem:
             bad[path] = problem
-        now = time.perf_counter()
-        if now - last > 1 or done == len(images):
-            rate = done / max(now - start, 1e-9)
-            print(f"\r  images: {done:,}/{len(images):,}, {rate:,.0f}/s, eta {(len(images) - done) / rate:.0f} s ",
-                  end="\n" if done == len(images) else "", file=sys.stderr, flush=True)
-            last = now
+        progress.show(done)
     for split, pairs in splits.items():
         published = PUBLISHED.get(data, {}).get(split, (None, None))
         references = sum(len(pair.captions) for pair in pairs)
         print(f"  {split}: {beside_published(len(pairs), published[0], problems, 'pairs', split)}, "
               f"{beside_published(references, published[1], problems, 'references', split)}")
+        if not pairs and published[0] is None:  # a published count is compared above
+            problems.append(f"{split}: 0 pairs")
+            print(f"    no pairs: training and evaluation need at least one in every split")
         empty = references - sum(len(training_captions(pair.captions)) for pair in pairs)
         if empty:
             without = sum(not training_captions(pair.captions) for pair in pairs)
@@ -778,11 +907,13 @@ def check_dataset(data: str, root: Path, tokenizer: clip.SimpleTokenizer | None,
             if listed:
                 problems.append(f"{split}: {len(listed):,} image(s) {kind}")
                 print(f"      {kind}: {named(listed)}")
+        if missing or unreadable:
+            print(f"      to fix: {repair(data, root, split)}")
         print(f"    {caption_lengths(pairs, tokenizer, max_words)}")
-    if source.reader is read_clevr_change and splits:
-        in_splits = {int(n) for numbers in read_json(root / "splits.json", "splits").values() for n in numbers}
-        unused = [key for key in read_json(root / "change_captions.json", "captions")
-                  if int(key.removesuffix(".png").rsplit("_", 1)[1]) not in in_splits]
+    if source.reader is read_clevr_change and len(splits) == len(SPLITS):  # every split read: the files are sound
+        in_splits = {int(pair.id.removesuffix(".png")) for pairs in splits.values() for pair in pairs}
+        numbers = [key.removesuffix(".png").rsplit("_", 1)[-1] for key in read_json(root / "change_captions.json", "captions")]
+        unused = [n for n in numbers if not n.isdigit() or int(n) not in in_splits]
         expected = f" (the published files have {CLEVR_IDS_IN_NO_SPLIT})" if data == "clevr" else ""
         print(f"  {len(unused):,} captioned ids are in no split and never used{expected}")
     if problems:
@@ -837,7 +968,13 @@ def main():
     parser.add_argument("--model-view", action="store_true", help="show the 224 x 224 images the model sees")
     parser.add_argument("--out", help="contact sheet PNG (default: <root>/contact_sheet.png)")
     args = parser.parse_args()
+    try:
+        run_command(args)
+    except DataError as error:  # a user's mistake: one line, no traceback
+        parser.exit(1, f"{parser.prog}: error: {error}\n")
 
+
+def run_command(args: argparse.Namespace) -> None:
     if args.check:
         root, tokenizer = dataset_root(args.data, args.root), None
         try:

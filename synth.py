@@ -589,6 +589,9 @@ def make_synth(root: str | os.PathLike, cfg: SynthConfig | None = None, workers:
     torchrun), its identical copy is kept. The bytes depend on cfg alone, not on the number of workers.
     """
     root, cfg = Path(root), cfg or SynthConfig()
+    if not isinstance(cfg.pairs, int) or cfg.pairs < 1:
+        raise data.DataError(f"pairs {cfg.pairs!r}: the synthetic dataset needs a whole number of at least 1 pair "
+                             f"(the default is {SynthConfig.pairs})")
     if root.exists():
         raise data.DataError(f"{root} already exists; remove it to draw the synthetic dataset again, "
                              f"or choose another folder")
@@ -823,18 +826,24 @@ def main():
     parser.add_argument("--seed", type=int, default=SynthConfig.seed)
     parser.add_argument("--workers", type=int, default=1, help="processes drawing pairs or scenes")
     args = parser.parse_args()
+    for name, least in (("pairs", 1), ("seed", 0), ("workers", 1)):  # one line, as argparse's own errors
+        if getattr(args, name) < least:
+            parser.exit(2, f"{parser.prog}: error: --{name} {getattr(args, name)}: it must be at least {least}\n")
 
     start = time.perf_counter()
-    if args.make_synth:
-        make_synth(args.make_synth, SynthConfig(pairs=args.pairs, seed=args.seed), args.workers)
-        print(f"drew {args.pairs} pairs in {args.make_synth} with {args.workers} process(es) in "
-              f"{time.perf_counter() - start:.1f} s")
-    elif args.make_scenes:
-        make_scenes(args.make_scenes, SynthConfig(seed=args.seed), args.workers)
-        print(f"drew {sum(SCENE_SPLITS.values())} scenes in {args.make_scenes} with {args.workers} process(es) in "
-              f"{time.perf_counter() - start:.1f} s")
-    else:
-        demo()
+    try:
+        if args.make_synth:
+            make_synth(args.make_synth, SynthConfig(pairs=args.pairs, seed=args.seed), args.workers)
+            print(f"drew {args.pairs} pairs in {args.make_synth} with {args.workers} process(es) in "
+                  f"{time.perf_counter() - start:.1f} s")
+        elif args.make_scenes:
+            make_scenes(args.make_scenes, SynthConfig(seed=args.seed), args.workers)
+            print(f"drew {sum(SCENE_SPLITS.values())} scenes in {args.make_scenes} with {args.workers} process(es) "
+                  f"in {time.perf_counter() - start:.1f} s")
+        else:
+            demo()
+    except data.DataError as error:
+        parser.exit(1, f"{parser.prog}: error: {error}\n")
 
 
 if __name__ == "__main__":

@@ -1362,6 +1362,34 @@ def test_a_corrupt_image_is_an_error_naming_the_file(clevr_root):
         data.PairImages(pairs, data.ImageReader(32))[0]
 
 
+def test_dataset_fields_of_the_wrong_type_are_one_line_naming_the_file_the_item_and_the_expected_type(clevr_root,
+                                                                                                     tmp_path):
+    write_json(clevr_root / "splits.json", {"train": [3, "0"], "val": [2], "test": [5]})
+    with pytest.raises(data.DataError, match=r"splits.json, split 'train', item '0' should be a whole number"):
+        data.read_clevr_change(clevr_root, "train")
+    write_json(clevr_root / "type_mapping.json", {"color": "000000.png"})
+    with pytest.raises(data.DataError, match=r"type_mapping.json, 'color' should be a list of file names"):
+        data.read_clevr_change(clevr_root, "test")
+    write_json(tmp_path / "ier" / "test.json", [{"img0": ["a.png"], "img1": "b.png", "sents": ["x"], "uid": "u"}])
+    with pytest.raises(data.DataError, match=r"test.json, item 0 \(uid u\): img0 should be an image file name"):
+        data.read_ier(tmp_path / "ier", "test")
+    write_json(tmp_path / "mine" / "val.json", [{"before": 7, "after": "b.png", "captions": ["x"]}])
+    with pytest.raises(data.DataError, match=r"val.json, item 0: 'before' should be an image path .*, got 7$"):
+        data.read_user_pairs(tmp_path / "mine", "val")
+    write_json(tmp_path / "mine" / "val.json", [{"before": "a.png", "after": "b.png", "captions": "the cup"}])
+    with pytest.raises(data.DataError, match=r"pair 0: no captions in .*val.json.*non-empty list of strings"):
+        data.read_user_pairs(tmp_path / "mine", "val")
+
+
+def test_a_missing_image_of_your_own_pairs_says_to_put_it_there_or_remove_its_pair(tmp_path):
+    write_png(tmp_path / "a.png")
+    write_json(tmp_path / "train.json", [{"before": "a.png", "after": "gone.png", "captions": ["x"]}])
+    with pytest.raises(data.DataError, match=r"gone.png is missing; put a readable copy there, or remove its pair from .*train.json"):
+        data.load_split("pairs", "train", tmp_path)
+    with pytest.raises(data.DataError, match=r"no folder .*nowhere.*or give its folder with --data_root"):
+        data.load_split("pairs", "train", tmp_path / "nowhere")
+
+
 def test_a_missing_dataset_folder_says_which_dataset_where_and_how_to_get_it(tmp_path):
     with pytest.raises(data.DataError, match=r"CLEVR-Change: no folder .*nowhere.*RobustChangeCaptioning"):
         data.load_split("clevr", "train", tmp_path / "nowhere")
@@ -1489,6 +1517,14 @@ def test_check_names_a_missing_and_a_corrupt_image_and_fails(clevr_root, synth_r
     assert out.endswith("INCOMPLETE: train: 1 image(s) missing; test: 1 image(s) unreadable\n")
 
 
+def test_check_calls_a_split_without_pairs_incomplete(clevr_root, synth_root, monkeypatch, capsys):
+    shutil.copy(synth_root / data.SYNTH_BPE_FILE, clevr_root)
+    write_json(clevr_root / "splits.json", {"train": [3, 0, 1], "val": [], "test": [5]})
+    assert check_command(monkeypatch, "--data", "synth", "--data_root", str(clevr_root)) == 1
+    out = capsys.readouterr().out
+    assert "  val: 0 pairs, 0 references\n    no pairs:" in out and out.endswith("INCOMPLETE: val: 0 pairs\n")
+
+
 def test_check_reads_a_complete_png_and_jpeg_from_their_ends_and_decodes_the_others(tmp_path):
     for name, kind, lost in (("a.png", "PNG", 12), ("b.jpg", "JPEG", 30), ("c.bmp", "BMP", 30)):
         Image.new("RGB", (40, 30), (200, 10, 10)).save(tmp_path / name, kind)
@@ -1497,6 +1533,41 @@ def test_check_reads_a_complete_png_and_jpeg_from_their_ends_and_decodes_the_oth
     assert data.image_problem(tmp_path / "a.png") is None  # only the IEND chunk is gone: every pixel is there
     assert data.image_problem(tmp_path / "b.jpg") is not None and data.image_problem(tmp_path / "c.bmp") is not None
     assert data.image_problem(tmp_path / "d.png") == "missing"
+
+
+# --- images of every mode ---
+
+def test_a_16_bit_png_gives_the_same_pixels_as_its_8_bit_copy(tmp_path):
+    grey = np.arange(48 * 32, dtype=np.uint8).reshape(32, 48)  # every value 0..255, and more
+    Image.fromarray(grey, "L").save(tmp_path / "8.png")
+    Image.fromarray(grey.astype(np.uint16) * 257).save(tmp_path / "16.png")  # 255 -> 65535, as image tools do
+    assert Image.open(tmp_path / "16.png").mode == "I;16"
+    assert np.array_equal(np.asarray(data.load_image(tmp_path / "16.png")), np.asarray(data.load_image(tmp_path / "8.png")))
+    assert np.array_equal(data.preprocess_uint8(tmp_path / "16.png", 32), data.preprocess_uint8(tmp_path / "8.png", 32))
+
+
+def test_every_image_mode_is_read_as_its_8_bit_rgb_view():
+    rgb = Image.fromarray(np.random.default_rng(0).integers(0, 256, (8, 12, 3), dtype=np.uint8))
+    for mode in ("1", "L", "LA", "P", "PA", "RGBA", "CMYK", "RGB"):  # Pillow's own conversion, alpha dropped as CLIP's
+        image = rgb.convert("P").convert("PA") if mode == "PA" else rgb.convert(mode)
+        view = data.rgb_view(image)
+        assert view.mode == "RGB" and np.array_equal(np.asarray(view), np.asarray(image.convert("RGB"))), mode
+    grey = np.array([[0, 1, 128, 255]], np.uint8)
+    for image in (Image.fromarray(grey.astype(np.uint16) * 257), Image.fromarray(grey.astype(np.int32) * 257, "I"),
+                  Image.fromarray(grey / np.float32(255), "F")):
+        view = np.asarray(data.rgb_view(image))  # (1, 4, 3): I;16 and I, a 16-bit value's high byte; F, 0..1
+        assert np.array_equal(view, np.repeat(grey[..., None], 3, axis=2)), image.mode
+    assert np.asarray(data.rgb_view(Image.fromarray(np.array([[-5.0, np.nan, 2.0]], np.float32)))).tolist() == \
+        [[[0, 0, 0], [0, 0, 0], [255, 255, 255]]]  # out of range: clipped; not a number: black
+
+
+def test_an_image_past_pillows_size_limit_is_one_line_naming_the_file(tmp_path, monkeypatch):
+    write_png(tmp_path / "large.png", size=(48, 32))  # 1,536 pixels
+    for limit in (1000, 700):  # Pillow warns past the limit and refuses past twice the limit: one line for both
+        monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", limit)
+        with pytest.raises(data.DataError, match=f"image {tmp_path / 'large.png'} is too large .*shrink it below"):
+            data.load_image(tmp_path / "large.png")
+        assert "exceeds limit" in data.image_problem(tmp_path / "large.png")
 
 
 def test_mixed_case_requests_tokenize_as_lower_case():
@@ -1631,6 +1702,38 @@ def test_building_the_image_cache_draws_nothing_from_the_global_generator(synth_
     assert torch.equal(torch.rand(3), expected)
 
 
+def test_an_interrupt_during_the_image_cache_build_leaves_no_partial_file(tmp_path):
+    for i in range(300):
+        Image.new("RGB", (8, 8), (i % 256, 0, 0)).save(tmp_path / f"{i}.png")
+    script = ("import sys, time; from pathlib import Path; import data\n"
+              "root = Path(sys.argv[1])\n"
+              "pairs = [data.ImagePair(str(i), root / f'{i}.png', root / f'{i}.png', ['x']) for i in range(300)]\n"
+              "decode = data.preprocess_uint8\n"
+              "data.preprocess_uint8 = lambda path, size: (time.sleep(0.02), decode(path, size))[1]  # 6 s in all\n"
+              "data.image_cache(pairs, root / 'cache', 'all', image_size=16, workers=0)\n")
+    process = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=HERE, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE)
+    said = b""
+    while b"image cache" not in said and process.poll() is None:  # the progress line: the build has begun
+        said += process.stderr.read(1)
+    assert list((tmp_path / "cache").glob("*.partial-*.npy"))  # ... and its partial file is there
+    process.send_signal(signal.SIGINT)
+    process.stderr.read()
+    assert process.wait(timeout=60) != 0
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_a_partial_image_cache_of_a_dead_process_is_removed_at_the_next_build(clevr_root, tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its PID runs no more
+    living = tmp_path / "cache" / f"other_32.partial-{os.getppid()}.npy"  # a live process's build is left alone
+    stale = tmp_path / "cache" / f"all_32.partial-{dead.pid}.npy"
+    for path in (living, stale):
+        write_json(path, [])
+    data.image_cache(data.read_clevr_change(clevr_root, "train"), tmp_path / "cache", "all", image_size=32)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["all_32.json", "all_32.npy", living.name]
+
+
 # ======== synth.py ========
 
 # synth_root (40 pairs, drawn once) and synth_tokenizer are the fixtures of data.py's tests above.
@@ -1642,6 +1745,18 @@ def test_an_incomplete_synthetic_folder_is_an_error_saying_it_will_be_drawn_agai
     (tmp_path / "synth").mkdir()
     with pytest.raises(data.DataError, match="not a complete synthetic dataset.*remove it and it will be drawn again"):
         synth.ensure_synth(tmp_path / "synth")
+
+
+def test_drawing_fewer_than_one_synthetic_pair_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    for pairs in (0, -3):
+        with pytest.raises(data.DataError, match=f"pairs {pairs}: the synthetic dataset needs .* at least 1 pair"):
+            synth.make_synth(tmp_path / "synth", synth.SynthConfig(pairs=pairs))
+        monkeypatch.setattr(sys, "argv", ["synth.py", "--make-synth", str(tmp_path / "synth"), "--pairs", str(pairs)])
+        with pytest.raises(SystemExit) as exit_:
+            synth.main()
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err == f"synth.py: error: --pairs {pairs}: it must be at least 1\n"
+    assert not (tmp_path / "synth").exists()
 
 
 def test_synthetic_dataset_has_the_clevr_change_layout_and_balanced_splits(synth_root):
