@@ -25,6 +25,10 @@ figures in BENCHMARKS.md; smaller values (see each subcommand's --help) make a s
   metrics   metrics.py on a CLEVR-Change-sized corpus, the whole process, next to the Java toolkit   section 5
   load      stage-1 training batches: PNG decoding against the uint8 cache, 0 and 2 workers         section 6
   draw      drawing the synthetic dataset: pairs/s and pairs per CPU second                          section 6
+  kinds     the kind of change each test caption of a caption.py run says, by keywords, per true kind
+            (--confusion: true kind -> said kind), and the run's pointing game                      section 1
+  first     the README's first command from a clean clone, each line time-stamped: per script wall
+            time and peak memory, the phases, the steps' ms, CPU flags, md5 of both outputs, kinds  section 1
 
 Run:  python bench.py clip [--bpe-path FILE]       (the vocabulary from --bpe-path, CLIP_BPE_PATH or the cache)
       python bench.py decoder [--dtype bfloat16]   (about 2 minutes at the defaults)
@@ -34,6 +38,9 @@ Run:  python bench.py clip [--bpe-path FILE]       (the vocabulary from --bpe-pa
       python bench.py metrics [--runs 5] [--processes 2]
       python bench.py load --root /tmp/bench_synth --batches 40
       python bench.py draw /tmp/gen1 --pairs 2000 [--workers 2]
+      python bench.py kinds runs/caption_synth [--confusion] [--data synth] [--data_root DIR]
+      python bench.py first /tmp/first [--commit C] [--avx2]   (15-40 minutes; logs and summary.json in /tmp/first)
+      python bench.py first /tmp/smoke --extra "--synth_pairs 40 --epochs 1"   (flags for both scripts: a smoke run)
       python bench.py decoder --batch-decode 2 --steps 2 --batch-train 2 --length 4 --repeats 1   (a smoke run)
       python bench.py FIGURE --help                (the flags of one figure)
 
@@ -599,7 +606,7 @@ def metrics_scoring(corpus: str = "../shared/metrics_vectors/clevr_size_timing.j
 
 # ---------------------------------------------------------------------------------------------------------
 # The README's first command, whole: the kind of change each test caption says, and the command itself from a
-# clean clone, its lines time-stamped, cut into phases (sections 1 and 12)
+# clean clone, its lines time-stamped, cut into phases (section 1)
 
 # The keyword rules of BENCHMARKS.md's figures "by keywords over the test predictions": the first that matches wins
 NO_CHANGE_WORDS = ("same", "no change", "nothing", "identical", "no difference")
@@ -729,7 +736,7 @@ def phases(adapt_lines: list[tuple[float, str]], caption_lines: list[tuple[float
     at = lambda lines, marker: next((t for t, text in lines if marker in text), None)
     intra = next(((t, text) for t, text in adapt_lines if text.startswith("intra-image tokens of")), None)
     intra_s = re.search(r"\((\d+) s\)", intra[1]) if intra else None  # the tokens' own seconds, in the line
-    marks = [("drawing the pairs", drawn_at),
+    marks = [("python start, drawing the pairs", drawn_at),
              ("image cache, loading the model", intra[0] - int(intra_s[1]) if intra_s else None),
              ("stage-1 intra-image tokens", intra[0] if intra else None),
              ("stage-1 training and validations", at(adapt_lines, "test retrieval of the best epoch")),
@@ -774,7 +781,7 @@ def first_command(folder: str | os.PathLike, commit: str | None = None, avx2: bo
     since the start) and folder/summary.json, the dict returned: per script wall time and peak memory, the
     phases, the steps' ms, the CPU flags, the md5 of both outputs, and the kinds of the test captions."""
     folder = Path(folder).resolve()
-    if folder.exists() and any(folder.iterdir()):
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise SystemExit(f"first: {folder} is not empty; give a new folder")
     folder.mkdir(parents=True, exist_ok=True)
     clone = folder / "repo"
@@ -813,7 +820,10 @@ def first_command(folder: str | os.PathLike, commit: str | None = None, avx2: bo
 
 
 def report_first(summary: dict, folder: str) -> None:
-    print(json.dumps(summary, indent=2))
+    """summary.json printed, but for the kinds' confusion, and the pointing game as its table."""
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("kinds_confusion", "localisation")}, indent=2))
+    if summary.get("localisation"):
+        print(explain.format_localisation(summary["localisation"]))
     failed = [f"{script}.py" for script, run in summary["scripts"].items() if run["exit_status"] != 0]
     if failed:
         raise SystemExit(f"first: {failed[0]} failed; its output is in {Path(folder) / failed[0].replace('.py', '.log')}")
