@@ -25,6 +25,10 @@ figures in BENCHMARKS.md; smaller values (see each subcommand's --help) make a s
   metrics   metrics.py on a CLEVR-Change-sized corpus, the whole process, next to the Java toolkit   section 5
   load      stage-1 training batches: PNG decoding against the uint8 cache, 0 and 2 workers         section 6
   draw      drawing the synthetic dataset: pairs/s and pairs per CPU second                          section 6
+  kinds     the kind of change each test caption of a caption.py run says, by keywords, per true kind
+            (--confusion: true kind -> said kind), and the run's pointing game                      section 1
+  first     the README's first command from a clean clone, each line time-stamped: per script wall
+            time and peak memory, the phases, the steps' ms, CPU flags, md5 of both outputs, kinds  section 1
 
 Run:  python bench.py clip [--bpe-path FILE]       (the vocabulary from --bpe-path, CLIP_BPE_PATH or the cache)
       python bench.py decoder [--dtype bfloat16]   (about 2 minutes at the defaults)
@@ -34,6 +38,9 @@ Run:  python bench.py clip [--bpe-path FILE]       (the vocabulary from --bpe-pa
       python bench.py metrics [--runs 5] [--processes 2]
       python bench.py load --root /tmp/bench_synth --batches 40
       python bench.py draw /tmp/gen1 --pairs 2000 [--workers 2]
+      python bench.py kinds runs/caption_synth [--confusion] [--data synth] [--data_root DIR]
+      python bench.py first /tmp/first [--commit C] [--avx2]   (15-40 minutes; logs and summary.json in /tmp/first)
+      python bench.py first /tmp/smoke --extra "--synth_pairs 40 --epochs 1"   (flags for both scripts: a smoke run)
       python bench.py decoder --batch-decode 2 --steps 2 --batch-train 2 --length 4 --repeats 1   (a smoke run)
       python bench.py FIGURE --help                (the flags of one figure)
 
@@ -47,10 +54,12 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -68,6 +77,7 @@ import adapt
 import caption
 import clip
 import data
+import explain
 import metrics
 import runtime
 import synth
@@ -595,6 +605,233 @@ def metrics_scoring(corpus: str = "../shared/metrics_vectors/clevr_size_timing.j
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The README's first command, whole: the kind of change each test caption says, and the command itself from a
+# clean clone, its lines time-stamped, cut into phases (section 1)
+
+# The keyword rules of BENCHMARKS.md's figures "by keywords over the test predictions": the first that matches wins
+# ("appeared" is inside "disappeared": a caption "... has disappeared" counts as an addition. Kept as it is, since
+# the published figures were counted so; checking DROPPED_WORDS before ADDED_WORDS would change them.)
+NO_CHANGE_WORDS = ("same", "no change", "nothing", "identical", "no difference")
+ADDED_WORDS = ("appeared", "newly placed", "added")
+DROPPED_WORDS = ("disappeared", "missing", "gone", "no longer")
+MOVED_WORDS = ("location", "moved")
+
+
+def said_kind(caption: str) -> str:
+    """The kind of change a caption says: no change (data.DISTRACTOR), add, drop, move, else color or material
+    when its last word is a colour or a material word (CLEVR's, as synth.py names them), else "?"."""
+    for kind, words in ((data.DISTRACTOR, NO_CHANGE_WORDS), ("add", ADDED_WORDS), ("drop", DROPPED_WORDS),
+                        ("move", MOVED_WORDS)):
+        if any(w in caption for w in words):  # substrings of the caption, as the rules were written
+            return kind
+    last = caption.split()[-1] if caption.split() else ""
+    materials = {w for words in synth.MATERIAL_WORDS.values() for w in words}
+    return "color" if last in synth.COLORS else "material" if last in materials else "?"
+
+
+def change_kinds(predictions: list[dict], pairs: list[data.ImagePair]) -> dict:
+    """For each true kind (the change types, then distractor): how many predictions say it, out of how many
+    ("right", "total"), and the confusion, true kind -> said kind -> count, most said first.
+
+    predictions is caption.py's test_predictions.json; pairs the test split, whose no-change pairs are
+    evaluated as "<id>_n" (data.evaluation_pairs)."""
+    change_type = {pair.id: pair.change_type for pair in pairs}
+    confusion: dict[str, collections.Counter] = {}
+    for prediction in predictions:
+        i = prediction["image_id"]
+        if not i.endswith(data.NO_CHANGE_SUFFIX) and i not in change_type:
+            raise SystemExit(f"kinds: prediction {i!r} is not a pair of the test split read; give the dataset the "
+                             f"run was tested on (--data, --data_root)")
+        truth = data.DISTRACTOR if i.endswith(data.NO_CHANGE_SUFFIX) else change_type[i]
+        confusion.setdefault(truth, collections.Counter())[said_kind(prediction["caption"])] += 1
+    order = [k for k in (*data.CHANGE_TYPES, data.DISTRACTOR) if k in confusion]
+    return {"right": {k: confusion[k][k] for k in order}, "total": {k: confusion[k].total() for k in order},
+            "confusion": {k: dict(confusion[k].most_common()) for k in order}}
+
+
+def format_kinds(kinds: dict, confusion: bool = False) -> str:
+    """'color 36/40, material 27/40, ..., distractor 183/200' and, with confusion, one line per true kind."""
+    lines = [", ".join(f"{k} {kinds['right'][k]}/{kinds['total'][k]}" for k in kinds["right"])]
+    if confusion:
+        lines += [f"  {truth} -> " + ", ".join(f"{said} {n}" for said, n in said_counts.items())
+                  for truth, said_counts in kinds["confusion"].items()]
+    return "\n".join(lines)
+
+
+def run_kinds(run_dir: str | os.PathLike, name: str = "synth", root: str | None = None) -> tuple[dict, dict | None]:
+    """change_kinds of a caption.py run folder against its dataset's test split; and the pointing game's table
+    (explain.localisation) where the run's test_scores.json holds one, else None."""
+    run_dir = Path(run_dir)
+    path = run_dir / "test_predictions.json"
+    if not path.is_file():
+        raise SystemExit(f"kinds: no {path}; give the folder of a caption.py run (e.g. runs/caption_synth)")
+    try:
+        pairs = data.load_split(name, "test", root)
+    except data.DataError as error:
+        raise SystemExit(f"kinds: {error}")
+    scores = run_dir / "test_scores.json"
+    located = json.loads(scores.read_text()).get("localisation") if scores.is_file() else None
+    return change_kinds(json.loads(path.read_text()), pairs), located
+
+
+def print_kinds(run_dir: str, name: str, root: str | None, confusion: bool) -> None:
+    kinds, located = run_kinds(run_dir, name, root)
+    print(format_kinds(kinds, confusion))
+    if located:
+        print(explain.format_localisation(located))
+
+
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # the instruction sets torch's CPU kernels choose among
+AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}  # torch's and oneDNN's AVX-512 kernels off
+STAMP = re.compile(r"^\s*(\d+\.\d+) (.*)$")  # a stamped log line: seconds since the command's start, the line
+STEP_LINE = re.compile(r"^step (\d+)/\d+ \|.* \| (\d+) ms/step \|")  # runtime.Progress's line of a training step
+
+
+def cpu_flags() -> list[str]:
+    """Which of CPU_FLAGS this machine's CPU has (Linux's /proc/cpuinfo; none elsewhere)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    text = cpuinfo.read_text() if cpuinfo.is_file() else ""
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return [flag for flag in CPU_FLAGS if flag in flags]
+
+
+def stamped_run(command: list[str], cwd: Path, env: dict, log_path: Path, t0: float) -> dict:
+    """Runs command, its stdout and stderr as one stream, and writes (and prints) each line after the wall seconds
+    since t0 (time.time()) at which it came. Returns the command's wall seconds, its peak resident memory and
+    its children's (what /usr/bin/time -v reports), and its exit status."""
+    started = time.time()
+    child = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             errors="replace")
+    with open(log_path, "w") as log:
+        for line in child.stdout:
+            stamped = f"{time.time() - t0:10.3f} {line.rstrip(chr(10))}"
+            print(stamped, file=log, flush=True)
+            print(stamped, flush=True)
+    _, status, usage = os.wait4(child.pid, 0)  # this child's rusage: the largest RSS of it and its reaped children
+    child.returncode = os.waitstatus_to_exitcode(status)
+    child.stdout.close()
+    return {"wall_s": round(time.time() - started, 1), "peak_rss_gb": round(usage.ru_maxrss / 1e6, 2),
+            "exit_status": child.returncode}
+
+
+def read_stamped(log_path: Path) -> list[tuple[float, str]]:
+    """A stamped log's lines: (seconds since the command's start, the line as the script printed it)."""
+    return [(float(m[1]), m[2]) for m in map(STAMP.match, log_path.read_text().splitlines()) if m]
+
+
+def step_ms(lines: list[tuple[float, str]]) -> dict:
+    """A stage's training steps: the range of the ms/step its progress lines logged (each a mean since the
+    first step, validations included), and the median time per step between two step lines with nothing
+    printed between them (training alone)."""
+    steps = [STEP_LINE.match(text) for _, text in lines]
+    logged = [int(m[2]) for m in steps if m]
+    between = [1000 * (lines[i + 1][0] - lines[i][0]) / (int(steps[i + 1][1]) - int(steps[i][1]))
+               for i in range(len(lines) - 1) if steps[i] and steps[i + 1] and steps[i + 1][1] != steps[i][1]]
+    return {"logged_ms_per_step": [min(logged), max(logged)] if logged else None,
+            "ms_per_step_between_lines": round(statistics.median(between)) if between else None}
+
+
+def phases(adapt_lines: list[tuple[float, str]], caption_lines: list[tuple[float, str]], adapt_end: float | None,
+           caption_end: float | None, drawn_at: float | None = None) -> dict[str, float]:
+    """Seconds of each phase of the first command, each ended by a line the scripts print (or, for the drawing,
+    the time of the dataset's last file): a phase whose end is unknown is merged into the next, " + " joined."""
+    at = lambda lines, marker: next((t for t, text in lines if marker in text), None)
+    intra = next(((t, text) for t, text in adapt_lines if text.startswith("intra-image tokens of")), None)
+    intra_s = re.search(r"\((\d+) s\)", intra[1]) if intra else None  # the tokens' own seconds, in the line
+    marks = [("python start, drawing the pairs", drawn_at),
+             ("image cache, loading the model", intra[0] - int(intra_s[1]) if intra_s else None),
+             ("stage-1 intra-image tokens", intra[0] if intra else None),
+             ("stage-1 training and validations", at(adapt_lines, "test retrieval of the best epoch")),
+             ("stage-1 test retrieval, saving", adapt_end),
+             ("stage-2 start: loading, the intra-image tokens", at(caption_lines, "global batch")),
+             ("stage-2 training and validations", at(caption_lines, "test scores of the best epoch")),
+             ("stage-2 test: decoding, scoring, pictures", caption_end)]
+    spans, start, pending = {}, 0.0, []
+    for name, end in marks:
+        pending.append(name)
+        if end is not None:
+            spans[" + ".join(pending)] = round(end - start, 1)
+            start, pending = end, []
+    return spans
+
+
+def md5_of(path: Path) -> str | None:
+    return hashlib.md5(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+def repository_of_this_file() -> str:
+    """The git repository bench.py is in (a worktree's folder clones as its branch)."""
+    here = Path(__file__).resolve().parent
+    found = subprocess.run(["git", "-C", str(here), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+    if found.returncode != 0:
+        raise SystemExit(f"first: {here} is not in a git repository; give one with --repo")
+    return found.stdout.strip()
+
+
+def git(*args: str) -> str:
+    done = subprocess.run(["git", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"first: git {' '.join(args)} failed: {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
+def first_command(folder: str | os.PathLike, commit: str | None = None, avx2: bool = False, extra: str = "",
+                  repo: str | None = None) -> dict:
+    """The README's first command (python adapt.py --data synth && python caption.py --data synth, no install)
+    from a clean clone of repo (default: this file's) in folder/repo, at commit if given; extra: flags for
+    both scripts (a smoke run). Writes folder/adapt.log and folder/caption.log (each line after the seconds
+    since the start) and folder/summary.json, the dict returned: per script wall time and peak memory, the
+    phases, the steps' ms, the CPU flags, the md5 of both outputs, and the kinds of the test captions."""
+    folder = Path(folder).resolve()
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise SystemExit(f"first: {folder} is not empty; give a new folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    clone = folder / "repo"
+    git("clone", "-q", repo or repository_of_this_file(), str(clone))
+    if commit:
+        git("-C", str(clone), "checkout", "-q", commit)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(AVX2_ONLY if avx2 else {})}
+    summary = {"commit": git("-C", str(clone), "rev-parse", "HEAD"), "cpu_flags": cpu_flags(), "cpus": os.cpu_count(),
+               "torch": torch.__version__, "env": AVX2_ONLY if avx2 else {}, "extra": extra, "scripts": {}}
+    t0, ends = time.time(), {}
+    for script in ("adapt", "caption"):
+        command = [sys.executable, "-u", f"{script}.py", "--data", "synth", *extra.split()]
+        summary["scripts"][script] = {"command": " ".join(command[1:]),
+                                      **stamped_run(command, clone, env, folder / f"{script}.log", t0)}
+        ends[script] = time.time() - t0
+        if summary["scripts"][script]["exit_status"] != 0:
+            break
+    lines = {script: read_stamped(folder / f"{script}.log") for script in summary["scripts"]}
+    adapt_lines, caption_lines = lines.get("adapt", []), lines.get("caption", [])
+    root = clone / "data" / "synth"
+    drawn = any("drawing the synthetic dataset" in text for _, text in adapt_lines) and root.is_dir()
+    drawn_at = max(p.stat().st_mtime for p in root.iterdir() if p.is_file()) - t0 if drawn else None
+    summary["total_s"] = round(time.time() - t0, 1)
+    summary["phases_s"] = phases(adapt_lines, caption_lines, ends.get("adapt"), ends.get("caption"), drawn_at)
+    summary["steps"] = {"stage1": step_ms(adapt_lines), "stage2": step_ms(caption_lines)}
+    outputs = (clone / "runs/adapt_synth/test_retrieval.json", clone / "runs/caption_synth/test_predictions.json")
+    summary["md5"] = {str(path.relative_to(clone)): md5_of(path) for path in outputs}
+    if outputs[1].is_file():
+        try:
+            kinds, located = run_kinds(outputs[1].parent, "synth", root)
+            summary.update(kinds=format_kinds(kinds), kinds_confusion=kinds["confusion"], localisation=located)
+        except SystemExit as error:  # the summary keeps the timings of a run whose outputs are not the usual ones
+            summary["kinds"] = str(error)
+    runtime.save_json(summary, folder / "summary.json")
+    return summary
+
+
+def report_first(summary: dict, folder: str) -> None:
+    """summary.json printed, but for the kinds' confusion, and the pointing game as its table."""
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("kinds_confusion", "localisation")}, indent=2))
+    if summary.get("localisation"):
+        print(explain.format_localisation(summary["localisation"]))
+    failed = [f"{script}.py" for script, run in summary["scripts"].items() if run["exit_status"] != 0]
+    if failed:
+        raise SystemExit(f"first: {failed[0]} failed; its output is in {Path(folder) / failed[0].replace('.py', '.log')}")
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The command line: one subcommand per figure; its flags are the figure's arguments, its defaults BENCHMARKS.md's
 
 
@@ -671,6 +908,23 @@ def main(argv=None):
     p.add_argument("--runs", type=int, default=5, help="whole-process runs; each is reported, and the median")
     p.add_argument("--processes", type=int, default=2, help="metrics.py's --processes")
     p.set_defaults(run=lambda a: print(json.dumps(metrics_scoring(a.corpus, a.runs, a.processes), indent=2)))
+
+    p = figure("kinds", "the kind of change each test caption of a caption.py run says (by keywords), per true kind; "
+                        "and the pointing game where the run's test_scores.json holds it")
+    p.add_argument("run_dir", help="a caption.py run folder, with test_predictions.json (e.g. runs/caption_synth)")
+    p.add_argument("--data", default="synth", help="the dataset the run was tested on (data.py's SOURCES)")
+    p.add_argument("--data_root", default=None, help="its folder (default: data/<name>)")
+    p.add_argument("--confusion", action="store_true", help="also true kind -> said kind counts")
+    p.set_defaults(run=lambda a: print_kinds(a.run_dir, a.data, a.data_root, a.confusion))
+
+    p = figure("first", "the README's first command from a clean clone: time-stamped logs, phases, peak memory, "
+                        "md5 of the outputs, the kinds of change said (DIR/summary.json)")
+    p.add_argument("folder", help="a new folder: the clone goes to folder/repo, the logs and summary.json beside it")
+    p.add_argument("--commit", default=None, help="check this commit out in the clone (default: its HEAD)")
+    p.add_argument("--avx2", action="store_true", help=f"torch's AVX-512 kernels off in both scripts: {AVX2_ONLY}")
+    p.add_argument("--extra", default="", help="flags for both scripts, e.g. '--synth_pairs 40 --epochs 1' (a smoke run)")
+    p.add_argument("--repo", default=None, help="the repository to clone (default: the one this file is in)")
+    p.set_defaults(run=lambda a: report_first(first_command(a.folder, a.commit, a.avx2, a.extra, a.repo), a.folder))
 
     args = parser.parse_args(argv)
     args.run(args)

@@ -5,6 +5,7 @@ Run them with:  python -m pytest test_all.py -q
 Tests that compare against known answers (OpenAI's own CLIP outputs, the coco-caption toolkit's scores) read
 them from tests/, where a README.md in each folder says how every file was made.
 """
+import collections
 import contextlib
 import functools
 import gc
@@ -3235,3 +3236,153 @@ def test_bench_synth_counts_both_synth_steps_flops_and_their_fraction_of_the_mat
         assert 0 < products["share_of_operator_time"] < 1 and products["gflop_per_s"] > 0
     # stage 2 runs the inter-image blocks on 64 pairs (change + distractor) and a decoder; stage 1 on 128 pairs
     assert result["stage2"]["gflop_per_step"] != result["stage1"]["gflop_per_step"]
+
+
+@pytest.mark.parametrize("caption, kind", [
+    ("the two scenes seem identical", "distractor"), ("there is no difference", "distractor"),
+    ("nothing has moved", "distractor"),  # the no-change words come first
+    ("a big metal sphere has been newly placed", "add"), ("the red cube is missing", "drop"),
+    ("the red cube has disappeared", "add"),  # "appeared" is in it: the rules as BENCHMARKS.md's figures used them
+    ("the cube is no longer there", "drop"), ("the small cube changed its location", "move"),
+    ("the gray sphere became red", "color"), ("the red sphere turned shiny", "material"),
+    ("the rubber cube became metal", "material"), ("the red sphere became big", "?"), ("", "?")])
+def test_bench_kinds_reads_the_kind_of_change_from_the_first_keyword_rule_that_matches(caption, kind):
+    assert bench.said_kind(caption) == kind
+
+
+def test_bench_kinds_counts_each_true_kind_said_and_the_confusion():
+    pairs = [data.ImagePair(f"{i}.png", Path("b.png"), Path("a.png"), captions=[], change_type=kind)
+             for i, kind in enumerate(["color", "color", "drop", "move"])]
+    said = {"0.png": "the cube became red", "1.png": "the cube is gone", "2.png": "the cube is gone",
+            "3.png": "the scenes are the same", "0.png_n": "the scenes are the same", "1.png_n": "nothing changed",
+            "2.png_n": "the cube moved"}
+    kinds = bench.change_kinds([{"image_id": i, "caption": c} for i, c in said.items()], pairs)
+    assert bench.format_kinds(kinds, confusion=True).splitlines() == [
+        "color 1/2, drop 1/1, move 0/1, distractor 2/3",  # in data.CHANGE_TYPES's order; kinds not tested left out
+        "  color -> color 1, drop 1", "  drop -> drop 1", "  move -> distractor 1", "  distractor -> distractor 2, move 1"]
+    with pytest.raises(SystemExit, match="'9.png' is not a pair of the test split"):
+        bench.change_kinds([{"image_id": "9.png", "caption": "the cube moved"}], pairs)
+
+
+def test_bench_stamped_run_logs_both_streams_line_by_line_with_the_seconds_since_the_start(tmp_path, capsys):
+    child = ("import sys, time; print('one'); time.sleep(0.3); print('two', file=sys.stderr); "
+             "ballast = bytearray(200_000_000); sys.exit(3)")
+    t0 = time.time() - 100  # the command started 100 s before this script
+    result = bench.stamped_run([sys.executable, "-u", "-c", child], tmp_path, dict(os.environ), tmp_path / "x.log", t0)
+    lines = bench.read_stamped(tmp_path / "x.log")
+    assert [text for _, text in lines] == ["one", "two"]
+    assert 100 < lines[0][0] < lines[1][0] - 0.25 and lines[1][0] < 100 + result["wall_s"] + 0.1
+    assert result["exit_status"] == 3 and result["peak_rss_gb"] >= 0.2  # the child's 200 MB counted, as time -v does
+    assert capsys.readouterr().out.splitlines() == (tmp_path / "x.log").read_text().splitlines()  # echoed
+
+
+def test_bench_phases_are_cut_at_the_lines_the_scripts_print_and_an_unknown_end_merges_two_phases():
+    adapt_lines = [(1.0, "synth.py: drawing the synthetic dataset (40 pairs, seed 0) into data/synth"),
+                   (30.0, "intra-image tokens of 90 training images computed once (8 s): the intra-image blocks are frozen"),
+                   (30.5, "180 training samples from 30 pairs; global batch 8 = 8 x 1 processes x 1 accumulation"),
+                   (31.5, "step 20/40 | epoch 1/2 | loss 1.866 | 50 ms/step | eta 0m01s"),
+                   (32.5, "epoch 1 validation: text_to_pair_R1 56.7 (best so far)"),
+                   (33.0, "step 40/40 | epoch 2/2 | loss 1.329 | 60 ms/step | eta 0m00s"),
+                   (33.5, "test retrieval of the best epoch (1, chosen on validation):")]
+    caption_lines = [(36.0, "intra-image tokens of 90 training images read from x.pt (0 s)"),
+                     (37.0, "30 training pairs; global batch 8 = 8 x 1 processes x 1 accumulation; 6 steps per epoch"),
+                     (38.0, "step 3/6 | epoch 1/2 | loss 12.55 | 300 ms/step | eta 0m01s"),
+                     (39.0, "step 6/6 | epoch 2/2 | loss 11.0 | 320 ms/step | eta 0m00s"),
+                     (40.0, "test scores of the best epoch (2, validation CIDEr-D 0.0000):")]
+    assert bench.phases(adapt_lines, caption_lines, 35.0, 42.5, drawn_at=12.0) == {
+        "python start, drawing the pairs": 12.0, "image cache, loading the model": 10.0, "stage-1 intra-image tokens": 8.0,
+        "stage-1 training and validations": 3.5, "stage-1 test retrieval, saving": 1.5,
+        "stage-2 start: loading, the intra-image tokens": 2.0, "stage-2 training and validations": 3.0,
+        "stage-2 test: decoding, scoring, pictures": 2.5}
+    merged = bench.phases(adapt_lines, [], 35.0, None)  # drawing's end unknown; stage 2 failed
+    assert merged == {"python start, drawing the pairs + image cache, loading the model": 22.0, "stage-1 intra-image tokens": 8.0,
+                      "stage-1 training and validations": 3.5, "stage-1 test retrieval, saving": 1.5}
+    assert bench.step_ms(adapt_lines) == {"logged_ms_per_step": [50, 60], "ms_per_step_between_lines": None}
+    assert bench.step_ms(caption_lines) == {"logged_ms_per_step": [300, 320], "ms_per_step_between_lines": 333}
+
+
+FAKE_ADAPT = """import json, os, shutil, sys
+print("synth.py: drawing the synthetic dataset (20 pairs, seed 0) into data/synth", file=sys.stderr)
+shutil.copytree({drawn!r}, "data/synth", copy_function=shutil.copy)  # new files, the times of a drawing now
+print("intra-image tokens of 30 training images computed once (0 s): the intra-image blocks are frozen")
+print("120 training samples from 16 pairs; global batch 8 = 8 x 1 processes x 1 accumulation")
+print("step 2/2 | epoch 1/1 | loss 1.0 | 25 ms/step | eta 0m00s")
+print("test retrieval of the best epoch (1, chosen on validation):")
+os.makedirs("runs/adapt_synth")
+json.dump({{"ids": {ids!r}, "isa": os.environ.get("ONEDNN_MAX_CPU_ISA"), "args": sys.argv[1:]}},
+          open("runs/adapt_synth/test_retrieval.json", "w"))
+"""
+FAKE_CAPTION = """import json, os
+ids = json.load(open("runs/adapt_synth/test_retrieval.json"))["ids"]
+print("16 training pairs; global batch 8 = 8 x 1 processes x 1 accumulation")
+print("test scores of the best epoch (1, validation CIDEr-D 0.0000):")
+os.makedirs("runs/caption_synth")
+said = [{"image_id": i, "caption": "the cube is gone"} for i in ids]
+said += [{"image_id": i + "_n", "caption": "the scene is the same"} for i in ids]
+json.dump(said, open("runs/caption_synth/test_predictions.json", "w"))
+json.dump({"localisation": {"drop": {"pairs": 1, "chance": 10.0, "inter": 100.0}}},
+          open("runs/caption_synth/test_scores.json", "w"))
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_repository(tmp_path_factory):
+    """A git repository whose adapt.py and caption.py print the real scripts' marker lines and write their
+    outputs in a moment (the first copies a 20-pair synthetic set drawn here); its HEAD's adapt.py fails."""
+    base = tmp_path_factory.mktemp("fake_repository")
+    drawn, repo = base / "synth", base / "repo"
+    synth.make_synth(drawn, synth.SynthConfig(pairs=20), 1)
+    test_ids = [p.id for p in data.load_split("synth", "test", drawn)]
+    commit = lambda message: subprocess.run(["git", "-C", repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit",
+                                             "-qam", message], check=True)
+    subprocess.run(["git", "init", "-q", repo], check=True)
+    (repo / "adapt.py").write_text(FAKE_ADAPT.format(drawn=str(drawn), ids=test_ids))
+    (repo / "caption.py").write_text(FAKE_CAPTION)
+    subprocess.run(["git", "-C", repo, "add", "."], check=True)
+    commit("working")
+    working = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (repo / "adapt.py").write_text("raise SystemExit('adapt.py: broken')\n")
+    commit("broken")
+    return repo, working
+
+
+def test_bench_first_runs_both_scripts_of_a_clean_clone_at_a_commit_and_sums_them_up(fake_repository, tmp_path,
+                                                                                      capsys):
+    repo, working = fake_repository
+    summary = bench.first_command(tmp_path / "first", commit=working, avx2=True, extra="--epochs 1", repo=str(repo))
+    assert json.loads((tmp_path / "first" / "summary.json").read_text()) == summary
+    clone = tmp_path / "first" / "repo"
+    assert summary["commit"] == working and summary["env"] == bench.AVX2_ONLY
+    retrieval = json.loads((clone / "runs/adapt_synth/test_retrieval.json").read_text())
+    assert retrieval["isa"] == "AVX2" and retrieval["args"] == ["--data", "synth", "--epochs", "1"]
+    assert summary["md5"]["runs/adapt_synth/test_retrieval.json"] == hashlib.md5(
+        (clone / "runs/adapt_synth/test_retrieval.json").read_bytes()).hexdigest()
+    assert [run["exit_status"] for run in summary["scripts"].values()] == [0, 0]
+    assert all(run["peak_rss_gb"] > 0 for run in summary["scripts"].values())
+    assert list(summary["phases_s"]) == [  # every phase, the drawing's end from the dataset's files
+        "python start, drawing the pairs", "image cache, loading the model", "stage-1 intra-image tokens",
+        "stage-1 training and validations", "stage-1 test retrieval, saving",
+        "stage-2 start: loading, the intra-image tokens", "stage-2 training and validations",
+        "stage-2 test: decoding, scoring, pictures"]
+    assert sum(summary["phases_s"].values()) == pytest.approx(summary["total_s"], abs=0.6)
+    assert summary["steps"]["stage1"]["logged_ms_per_step"] == [25, 25]
+    types = collections.Counter(p.change_type for p in data.load_split("synth", "test", clone / "data/synth"))
+    n = sum(types.values())
+    assert summary["kinds"] == ", ".join(f"{t} {types[t] if t == 'drop' else 0}/{types[t]}"
+                                         for t in data.CHANGE_TYPES if types[t]) + f", distractor {n}/{n}"
+    capsys.readouterr()
+    bench.main(["kinds", str(clone / "runs/caption_synth"), "--data_root", str(clone / "data/synth"), "--confusion"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == summary["kinds"] and out[1 + len(types) + 1].startswith("localisation (pointing game)")
+    assert f"  distractor -> distractor {n}" in out and all(f"  {t} -> drop {types[t]}" in out for t in types)
+
+
+def test_bench_first_stops_at_a_failing_script_and_says_where_its_output_is(fake_repository, tmp_path):
+    repo, _ = fake_repository
+    summary = bench.first_command(tmp_path / "first", repo=str(repo))  # HEAD: adapt.py fails
+    assert list(summary["scripts"]) == ["adapt"] and summary["scripts"]["adapt"]["exit_status"] == 1
+    assert "adapt.py: broken" in (tmp_path / "first" / "adapt.log").read_text() and "kinds" not in summary
+    with pytest.raises(SystemExit, match="first: adapt.py failed; its output is in .*adapt.log"):
+        bench.report_first(summary, str(tmp_path / "first"))
+    with pytest.raises(SystemExit, match="is not empty"):
+        bench.first_command(tmp_path / "first", repo=str(repo))
