@@ -3242,7 +3242,7 @@ def test_bench_synth_counts_both_synth_steps_flops_and_their_fraction_of_the_mat
     ("the two scenes seem identical", "distractor"), ("there is no difference", "distractor"),
     ("nothing has moved", "distractor"),  # the no-change words come first
     ("a big metal sphere has been newly placed", "add"), ("the red cube is missing", "drop"),
-    ("the red cube has disappeared", "add"),  # "appeared" is in it: the rules as BENCHMARKS.md's figures used them
+    ("the red cube has disappeared", "drop"),  # "appeared" is inside it: drops are tried first
     ("the cube is no longer there", "drop"), ("the small cube changed its location", "move"),
     ("the gray sphere became red", "color"), ("the red sphere turned shiny", "material"),
     ("the rubber cube became metal", "material"), ("the red sphere became big", "?"), ("", "?")])
