@@ -73,9 +73,10 @@ import explain
 import metrics
 import runtime
 import synth
-from decoder import CaptionDecoder, DecoderConfig, ids_to_text, release_decoder
-from encoder import FROZEN_IN_REFERENCE, IntraTokens, PairEncoder, no_decay_names, release_stage
+from decoder import CaptionDecoder, DecoderConfig, ids_to_text
+from encoder import FROZEN_IN_REFERENCE, IntraTokens, PairEncoder, no_decay_names
 from losses import caption_loss
+from release import release_decoder, release_stage
 
 MODEL_KEYS = ("data", "max_words", "finetune_encoder", "use_no_change_pair", "train_word_embedding",
               "decoder_layers", "decoder_heads", "decoder_ffn")

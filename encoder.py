@@ -13,9 +13,8 @@ text embedding, the feature at the end-of-text token.
 
 Differs from reference:
 - The four new parameters live on the PairEncoder as `before_embedding`, `after_embedding`,
-  `joint_positional_embedding`, `ln_mid` (the reference: `clip.visual.bef_embedding`, ...);
-  `rename_reference_keys` maps a reference checkpoint onto these names, and `read_release` and
-  `release_encoder` read the reference's released files (pytorch_model.bin.*) as they are saved.
+  `joint_positional_embedding`, `ln_mid` (the reference: `clip.visual.bef_embedding`, ...); release.py maps
+  the reference's released files onto these names.
 - Weights stay float32 (the training script chooses autocast); the reference casts CLIP to fp16.
 - The intra-image layers see the batch as [all before images; all after images] instead of the
   reference's interleaved (before, after) pairs; each image is encoded alone, so this changes nothing.
@@ -65,16 +64,6 @@ def under(name: str, part: str) -> bool:
     return name == part or name.startswith(part + ".")
 
 
-# The reference's checkpoint names of the new parameters, and ours.
-REFERENCE_NAMES = {
-    "clip.visual.bef_embedding": "before_embedding",
-    "clip.visual.aft_embedding": "after_embedding",
-    "clip.visual.joint_positional_embedding": "joint_positional_embedding",
-    "clip.visual.ln_mid.weight": "ln_mid.weight",
-    "clip.visual.ln_mid.bias": "ln_mid.bias",
-}
-
-
 class PairEncoder(nn.Module):
     """CLIP with its vision tower split into intra-image and inter-image layers (REFERENCE 1.2)."""
 
@@ -92,7 +81,7 @@ class PairEncoder(nn.Module):
         self.n_patches = clip_model.visual.positional_embedding.shape[0] - 1  # N
         tokens = 2 * (self.n_patches + 1)  # L: before CLS + N patches, then after CLS + N patches
         scale = width ** -0.5  # the reference's init scale, as CLIP's for class_embedding
-        # differs from reference: named here, not clip.visual.bef_embedding etc. (rename_reference_keys)
+        # differs from reference: named here, not clip.visual.bef_embedding etc. (release.py maps them)
         self.before_embedding = nn.Parameter(scale * torch.randn(width))  # (D,) added to every before token
         self.after_embedding = nn.Parameter(scale * torch.randn(width))  # (D,) added to every after token
         # a new table, not a copy of CLIP's positional_embedding, as in the reference
@@ -301,80 +290,6 @@ class IntraTokens:
     def __call__(self, path) -> torch.Tensor:
         return self.tokens[self.row[path]]  # (N+1, D)
 
-
-# ---------------------------------------------------------------------------------------------------
-# The reference's released weights
-#
-# The reference publishes the model after each stage (C4I:README.md): pretrained/pytorch_model.bin.{clevr,spot}
-# after adaptation and trained/pytorch_model.bin.{clevr,spot} after captioning. Each is what its scripts save,
-# torch.save(model.state_dict()): one flat dict of tensors, the CLIP4IDC model's clip.* (CLIP under OpenAI's
-# names, the pair parameters under clip.visual.*, many of CLIP's weights float16 as its convert_weights left
-# them) and, after captioning, decoder.* (the caption decoder, float32; decoder.py maps its names).
-
-RELEASE = ("a CLIP4IDC release file, the reference's torch.save(model.state_dict()) (pytorch_model.bin.*): "
-           "tensors under clip.*, and decoder.* after the captioning stage")
-
-
-def rename_reference_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A reference CLIP4IDC checkpoint (pytorch_model.bin.*) as a PairEncoder state dict, in float32.
-
-    Its clip.* keys are CLIP's and keep their names, except the four new parameters (REFERENCE_NAMES).
-    Keys outside clip.* (the reference's caption decoder) are left out; load the result with
-    strict=True so that anything missing fails loudly.
-    """
-    return {REFERENCE_NAMES.get(key, key): value.float() if value.is_floating_point() else value
-            for key, value in state_dict.items() if key.startswith("clip.")}
-
-
-def to_reference_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A PairEncoder state dict under the reference's names: rename_reference_keys the other way (no cast)."""
-    ours_to_reference = {ours: reference for reference, ours in REFERENCE_NAMES.items()}
-    return {ours_to_reference.get(key, key): value for key, value in state_dict.items()}
-
-
-def release_stage(state) -> int | None:
-    """1 for a release of the adaptation stage (clip.* only), 2 for one of the captioning stage (clip.* and
-    decoder.*), None for anything else (this project's checkpoints are dicts with a "model" entry)."""
-    if not isinstance(state, dict) or not all(isinstance(value, torch.Tensor) for value in state.values()):
-        return None
-    if not all(isinstance(key, str) and key.startswith(("clip.", "decoder.")) for key in state):
-        return None
-    if "clip.visual.joint_positional_embedding" not in state:  # CLIP4IDC's pair parameters, not a plain CLIP
-        return None
-    return 2 if any(key.startswith("decoder.") for key in state) else 1
-
-
-def read_release(path) -> tuple[int, dict[str, torch.Tensor]]:
-    """(stage, state dict) of a reference release file, read as data (weights_only), never run as code.
-
-    Raises clip.FileError, one line saying what was expected, for a file of any other kind.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no file at {path}: pass the path of a release file such as "
-                                "trained/pytorch_model.bin.clevr")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # not a torch file, or one holding more than tensors and containers
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
-        raise clip.FileError(f"{path} is not {RELEASE}; torch.load read no state dict from it ({reason})") from None
-    stage = release_stage(state)
-    if stage is None:
-        raise clip.FileError(f"{path} is not {RELEASE}")
-    return stage, state
-
-
-def release_encoder(state_dict: dict[str, torch.Tensor], config: EncoderConfig = EncoderConfig()) -> PairEncoder:
-    """The pair encoder of a release (either stage) in float32 and eval mode, CLIP sized from the tensors.
-
-    Loaded with strict=True: no parameter stays random. The split point is not in the file; the reference's
-    is --intra_num_hidden_layers, 9 by default and in all its scripts, as EncoderConfig.
-    """
-    ours = rename_reference_keys(state_dict)  # float32: CLIP's float16 weights widen exactly
-    clip_state = {key.removeprefix("clip."): value for key, value in ours.items() if key.startswith("clip.")}
-    model = PairEncoder(clip.build_model(clip_state), config)  # build_model reads CLIP's sizes off the shapes
-    model.load_state_dict(ours, strict=True)
-    return model.eval()
 
 
 if __name__ == "__main__":

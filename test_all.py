@@ -45,11 +45,11 @@ import explain
 import metrics
 import runtime
 import synth
-from decoder import (REFERENCE_OUTPUT_WEIGHT, CaptionDecoder, DecoderConfig, ids_to_text, release_decoder,
-                     rename_reference_decoder_keys, to_reference_decoder_keys)
-from encoder import (FROZEN_IN_REFERENCE, EncoderConfig, IntraTokens, PairEncoder, read_release, release_encoder,
-                     rename_reference_keys, to_reference_keys)
+from decoder import CaptionDecoder, DecoderConfig, ids_to_text
+from encoder import FROZEN_IN_REFERENCE, EncoderConfig, IntraTokens, PairEncoder
 from losses import caption_loss, contrastive_loss, gather_with_grad
+from release import (REFERENCE_OUTPUT_WEIGHT, read_release, release_decoder, release_encoder,
+                     rename_reference_decoder_keys, rename_reference_keys, to_reference_decoder_keys, to_reference_keys)
 
 HERE = Path(__file__).resolve().parent
 SHARED = Path(os.environ.get("CLIP4IDC_SHARED", HERE.parent / "shared"))
@@ -801,130 +801,6 @@ def test_optimizer_groups_put_new_parameters_at_lr_and_clip_at_the_scaled_lr_wit
     assert set().union(*members.values()) == trainable and sum(map(len, members.values())) == len(trainable)
 
 
-def test_a_reference_checkpoint_loads_after_renaming_its_new_parameters():
-    model = _tiny_encoder()
-    ours_to_reference = {ours: reference for reference, ours in
-                         [("clip.visual.bef_embedding", "before_embedding"), ("clip.visual.aft_embedding", "after_embedding"),
-                          ("clip.visual.joint_positional_embedding", "joint_positional_embedding"),
-                          ("clip.visual.ln_mid.weight", "ln_mid.weight"), ("clip.visual.ln_mid.bias", "ln_mid.bias")]}
-    reference = {ours_to_reference.get(key, key): value.half() for key, value in model.state_dict().items()}
-    reference["decoder.some_layer.weight"] = torch.zeros(3)
-    fresh = _tiny_encoder()
-    fresh.load_state_dict(rename_reference_keys(reference), strict=True)
-    torch.testing.assert_close(fresh.before_embedding, model.before_embedding.half().float())
-
-
-# --- the reference's released weights ---
-
-RELEASE_CLIP = {**TINY, "transformer_width": 32}  # the decoder ties CLIP's word embedding: text width = joint width E
-RELEASE_DECODER = dict(layers=3, width=32, ffn=64, vocab=TINY["vocab_size"], positions=TINY["context_length"])
-
-
-def reference_decoder_shapes(layers, width, ffn, vocab, positions):
-    """The decoder.* keys and shapes of the reference's caption model, written out from its modules
-    (C4I:modules/module_decoder.py, DecoderModel): BERT-style layers, the word embedding also saved as the
-    output weight (classifier.cls.predictions.decoder.weight)."""
-    def linear(name, n_in, n_out):
-        return {f"{name}.weight": (n_out, n_in), f"{name}.bias": (n_out,)}
-
-    def norm(name):
-        return {f"{name}.weight": (width,), f"{name}.bias": (width,)}
-
-    def attention(name):  # DecoderAttention: att (MultiHeadAttention) and output (BertSelfOutput)
-        return {**linear(f"{name}.att.query", width, width), **linear(f"{name}.att.key", width, width),
-                **linear(f"{name}.att.value", width, width), **linear(f"{name}.output.dense", width, width),
-                **norm(f"{name}.output.LayerNorm")}
-
-    shapes = {"decoder.embeddings.word_embeddings.weight": (vocab, width),
-              "decoder.embeddings.position_embeddings.weight": (positions, width),
-              **norm("decoder.embeddings.LayerNorm")}
-    for i in range(layers):
-        for stack, attentions in (("encoder", ("slf_attn",)), ("decoder", ("slf_attn", "enc_attn"))):
-            layer = f"decoder.{stack}.layer.{i}"
-            for name in attentions:
-                shapes.update(attention(f"{layer}.{name}"))
-            shapes.update({**linear(f"{layer}.intermediate.dense", width, ffn),
-                           **linear(f"{layer}.output.dense", ffn, width), **norm(f"{layer}.output.LayerNorm")})
-    head = "decoder.classifier.cls.predictions"
-    shapes.update({**linear(f"{head}.transform.dense", width, width), **norm(f"{head}.transform.LayerNorm"),
-                   f"{head}.decoder.weight": (vocab, width), f"{head}.bias": (vocab,)})
-    return shapes
-
-
-def reference_release(stage: int, seed: int = 0, vocab: int = TINY["vocab_size"]) -> dict:
-    """A tiny state dict as the reference saves it (torch.save(model.state_dict())): CLIP under OpenAI's names
-    (clip.py keeps them), the pair parameters under clip.visual.*, the weights its convert_weights halves in
-    float16; stage 2 adds the decoder, the tied embeddings stored under each of their names."""
-    generator = torch.Generator().manual_seed(seed)
-    tiny_clip = clip.CLIP(clip.CLIPConfig(**{**RELEASE_CLIP, "vocab_size": vocab}))
-    shapes = {f"clip.{key}": tuple(value.shape) for key, value in tiny_clip.state_dict().items()}
-    shapes.update({"clip.visual.bef_embedding": (D,), "clip.visual.aft_embedding": (D,),
-                   "clip.visual.joint_positional_embedding": (2 * (N + 1), D),
-                   "clip.visual.ln_mid.weight": (D,), "clip.visual.ln_mid.bias": (D,)})
-    if stage == 2:
-        shapes.update(reference_decoder_shapes(**{**RELEASE_DECODER, "vocab": vocab}))
-    state = {key: torch.randn(shape, generator=generator) for key, shape in shapes.items()}
-    halved = ("conv1.weight", "in_proj_weight", "in_proj_bias", "clip.visual.proj", "clip.text_projection")
-    for key in state:  # Conv, Linear and attention weights and biases, and CLIP's two projections
-        if key.startswith("clip.") and (key.endswith(halved) or any(linear in key for linear in (".out_proj.", ".c_"))):
-            state[key] = state[key].half()
-    if stage == 2:  # one Parameter in the reference, saved under every name
-        for key in ("decoder.embeddings.word_embeddings.weight", "decoder.classifier.cls.predictions.decoder.weight"):
-            state[key] = state["clip.token_embedding.weight"]
-        state["decoder.embeddings.position_embeddings.weight"] = state["clip.positional_embedding"]
-    return state
-
-
-def test_a_reference_adaptation_file_is_stage_1_and_loads_strictly_with_every_tensor_in_place(tmp_path):
-    release = reference_release(stage=1)
-    torch.save(release, tmp_path / "pytorch_model.bin.clevr")
-    stage, state = read_release(tmp_path / "pytorch_model.bin.clevr")
-    assert stage == 1 and len(state) == len(release)
-    model = release_encoder(state, EncoderConfig(intra_layers=3))  # strict: every parameter from the file
-    assert model.clip.config == clip.CLIPConfig(**RELEASE_CLIP)  # sized from the tensors
-    assert torch.equal(model.before_embedding, release["clip.visual.bef_embedding"])
-    assert torch.equal(model.after_embedding, release["clip.visual.aft_embedding"])
-    assert torch.equal(model.joint_positional_embedding, release["clip.visual.joint_positional_embedding"])
-    assert torch.equal(model.ln_mid.bias, release["clip.visual.ln_mid.bias"])
-    assert torch.equal(model.clip.visual.transformer.resblocks[3].mlp.c_fc.bias,
-                       release["clip.visual.transformer.resblocks.3.mlp.c_fc.bias"].float())
-    assert not model.training
-
-
-def test_a_float16_release_loads_as_float32_with_the_same_values(tmp_path):
-    release = reference_release(stage=1)
-    assert release["clip.visual.proj"].dtype == torch.float16
-    torch.save(release, tmp_path / "pytorch_model.bin.clevr")
-    model = release_encoder(read_release(tmp_path / "pytorch_model.bin.clevr")[1], EncoderConfig(intra_layers=3))
-    assert {p.dtype for p in model.parameters()} == {torch.float32}
-    assert torch.equal(model.clip.visual.proj, release["clip.visual.proj"].float())
-
-
-def test_the_pair_encoders_names_to_the_references_and_back_are_the_identity():
-    ours = _tiny_encoder().state_dict()
-    theirs = to_reference_keys(ours)
-    assert "clip.visual.bef_embedding" in theirs and "before_embedding" not in theirs
-    back = rename_reference_keys(theirs)
-    assert back.keys() == ours.keys() and all(torch.equal(back[key], ours[key]) for key in ours)
-
-
-@pytest.mark.parametrize("kind", ["a checkpoint of this project", "a plain CLIP", "text", "a pickled object"])
-def test_a_file_of_another_kind_is_refused_in_one_line_saying_what_a_release_is(kind, tmp_path):
-    path = tmp_path / "weights.bin"
-    if kind == "a checkpoint of this project":
-        torch.save({"model": _tiny_encoder().state_dict(), "config": {}}, path)
-    elif kind == "a plain CLIP":
-        torch.save(clip.CLIP(clip.CLIPConfig(**TINY)).state_dict(), path)
-    elif kind == "text":
-        path.write_text("not weights")
-    else:
-        torch.save(types.SimpleNamespace(model=1), path)  # weights_only refuses to build it
-    with pytest.raises(clip.FileError) as error:
-        read_release(path)
-    assert "\n" not in str(error.value) and str(path) in str(error.value)
-    assert "CLIP4IDC release file" in str(error.value) and "decoder.*" in str(error.value)
-
-
 # ======== decoder.py ========
 
 # A tiny decoder: 3 + 3 layers as the reference, narrow and with a 50-token vocabulary. Its init is wider than
@@ -1151,7 +1027,136 @@ def test_ids_to_text_cuts_at_eot_then_at_the_pad_text():
     assert ids_to_text([9, 1], decode, eot_id=9) == ""
 
 
-# --- the reference's names ---
+# ======== release.py ========
+
+# --- the pair encoder's names ---
+
+
+def test_a_reference_checkpoint_loads_after_renaming_its_new_parameters():
+    model = _tiny_encoder()
+    ours_to_reference = {ours: reference for reference, ours in
+                         [("clip.visual.bef_embedding", "before_embedding"), ("clip.visual.aft_embedding", "after_embedding"),
+                          ("clip.visual.joint_positional_embedding", "joint_positional_embedding"),
+                          ("clip.visual.ln_mid.weight", "ln_mid.weight"), ("clip.visual.ln_mid.bias", "ln_mid.bias")]}
+    reference = {ours_to_reference.get(key, key): value.half() for key, value in model.state_dict().items()}
+    reference["decoder.some_layer.weight"] = torch.zeros(3)
+    fresh = _tiny_encoder()
+    fresh.load_state_dict(rename_reference_keys(reference), strict=True)
+    torch.testing.assert_close(fresh.before_embedding, model.before_embedding.half().float())
+
+
+# --- the reference's released weights ---
+
+RELEASE_CLIP = {**TINY, "transformer_width": 32}  # the decoder ties CLIP's word embedding: text width = joint width E
+RELEASE_DECODER = dict(layers=3, width=32, ffn=64, vocab=TINY["vocab_size"], positions=TINY["context_length"])
+
+
+def reference_decoder_shapes(layers, width, ffn, vocab, positions):
+    """The decoder.* keys and shapes of the reference's caption model, written out from its modules
+    (C4I:modules/module_decoder.py, DecoderModel): BERT-style layers, the word embedding also saved as the
+    output weight (classifier.cls.predictions.decoder.weight)."""
+    def linear(name, n_in, n_out):
+        return {f"{name}.weight": (n_out, n_in), f"{name}.bias": (n_out,)}
+
+    def norm(name):
+        return {f"{name}.weight": (width,), f"{name}.bias": (width,)}
+
+    def attention(name):  # DecoderAttention: att (MultiHeadAttention) and output (BertSelfOutput)
+        return {**linear(f"{name}.att.query", width, width), **linear(f"{name}.att.key", width, width),
+                **linear(f"{name}.att.value", width, width), **linear(f"{name}.output.dense", width, width),
+                **norm(f"{name}.output.LayerNorm")}
+
+    shapes = {"decoder.embeddings.word_embeddings.weight": (vocab, width),
+              "decoder.embeddings.position_embeddings.weight": (positions, width),
+              **norm("decoder.embeddings.LayerNorm")}
+    for i in range(layers):
+        for stack, attentions in (("encoder", ("slf_attn",)), ("decoder", ("slf_attn", "enc_attn"))):
+            layer = f"decoder.{stack}.layer.{i}"
+            for name in attentions:
+                shapes.update(attention(f"{layer}.{name}"))
+            shapes.update({**linear(f"{layer}.intermediate.dense", width, ffn),
+                           **linear(f"{layer}.output.dense", ffn, width), **norm(f"{layer}.output.LayerNorm")})
+    head = "decoder.classifier.cls.predictions"
+    shapes.update({**linear(f"{head}.transform.dense", width, width), **norm(f"{head}.transform.LayerNorm"),
+                   f"{head}.decoder.weight": (vocab, width), f"{head}.bias": (vocab,)})
+    return shapes
+
+
+def reference_release(stage: int, seed: int = 0, vocab: int = TINY["vocab_size"]) -> dict:
+    """A tiny state dict as the reference saves it (torch.save(model.state_dict())): CLIP under OpenAI's names
+    (clip.py keeps them), the pair parameters under clip.visual.*, the weights its convert_weights halves in
+    float16; stage 2 adds the decoder, the tied embeddings stored under each of their names."""
+    generator = torch.Generator().manual_seed(seed)
+    tiny_clip = clip.CLIP(clip.CLIPConfig(**{**RELEASE_CLIP, "vocab_size": vocab}))
+    shapes = {f"clip.{key}": tuple(value.shape) for key, value in tiny_clip.state_dict().items()}
+    shapes.update({"clip.visual.bef_embedding": (D,), "clip.visual.aft_embedding": (D,),
+                   "clip.visual.joint_positional_embedding": (2 * (N + 1), D),
+                   "clip.visual.ln_mid.weight": (D,), "clip.visual.ln_mid.bias": (D,)})
+    if stage == 2:
+        shapes.update(reference_decoder_shapes(**{**RELEASE_DECODER, "vocab": vocab}))
+    state = {key: torch.randn(shape, generator=generator) for key, shape in shapes.items()}
+    halved = ("conv1.weight", "in_proj_weight", "in_proj_bias", "clip.visual.proj", "clip.text_projection")
+    for key in state:  # Conv, Linear and attention weights and biases, and CLIP's two projections
+        if key.startswith("clip.") and (key.endswith(halved) or any(linear in key for linear in (".out_proj.", ".c_"))):
+            state[key] = state[key].half()
+    if stage == 2:  # one Parameter in the reference, saved under every name
+        for key in ("decoder.embeddings.word_embeddings.weight", "decoder.classifier.cls.predictions.decoder.weight"):
+            state[key] = state["clip.token_embedding.weight"]
+        state["decoder.embeddings.position_embeddings.weight"] = state["clip.positional_embedding"]
+    return state
+
+
+def test_a_reference_adaptation_file_is_stage_1_and_loads_strictly_with_every_tensor_in_place(tmp_path):
+    release = reference_release(stage=1)
+    torch.save(release, tmp_path / "pytorch_model.bin.clevr")
+    stage, state = read_release(tmp_path / "pytorch_model.bin.clevr")
+    assert stage == 1 and len(state) == len(release)
+    model = release_encoder(state, EncoderConfig(intra_layers=3))  # strict: every parameter from the file
+    assert model.clip.config == clip.CLIPConfig(**RELEASE_CLIP)  # sized from the tensors
+    assert torch.equal(model.before_embedding, release["clip.visual.bef_embedding"])
+    assert torch.equal(model.after_embedding, release["clip.visual.aft_embedding"])
+    assert torch.equal(model.joint_positional_embedding, release["clip.visual.joint_positional_embedding"])
+    assert torch.equal(model.ln_mid.bias, release["clip.visual.ln_mid.bias"])
+    assert torch.equal(model.clip.visual.transformer.resblocks[3].mlp.c_fc.bias,
+                       release["clip.visual.transformer.resblocks.3.mlp.c_fc.bias"].float())
+    assert not model.training
+
+
+def test_a_float16_release_loads_as_float32_with_the_same_values(tmp_path):
+    release = reference_release(stage=1)
+    assert release["clip.visual.proj"].dtype == torch.float16
+    torch.save(release, tmp_path / "pytorch_model.bin.clevr")
+    model = release_encoder(read_release(tmp_path / "pytorch_model.bin.clevr")[1], EncoderConfig(intra_layers=3))
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert torch.equal(model.clip.visual.proj, release["clip.visual.proj"].float())
+
+
+def test_the_pair_encoders_names_to_the_references_and_back_are_the_identity():
+    ours = _tiny_encoder().state_dict()
+    theirs = to_reference_keys(ours)
+    assert "clip.visual.bef_embedding" in theirs and "before_embedding" not in theirs
+    back = rename_reference_keys(theirs)
+    assert back.keys() == ours.keys() and all(torch.equal(back[key], ours[key]) for key in ours)
+
+
+@pytest.mark.parametrize("kind", ["a checkpoint of this project", "a plain CLIP", "text", "a pickled object"])
+def test_a_file_of_another_kind_is_refused_in_one_line_saying_what_a_release_is(kind, tmp_path):
+    path = tmp_path / "weights.bin"
+    if kind == "a checkpoint of this project":
+        torch.save({"model": _tiny_encoder().state_dict(), "config": {}}, path)
+    elif kind == "a plain CLIP":
+        torch.save(clip.CLIP(clip.CLIPConfig(**TINY)).state_dict(), path)
+    elif kind == "text":
+        path.write_text("not weights")
+    else:
+        torch.save(types.SimpleNamespace(model=1), path)  # weights_only refuses to build it
+    with pytest.raises(clip.FileError) as error:
+        read_release(path)
+    assert "\n" not in str(error.value) and str(path) in str(error.value)
+    assert "CLIP4IDC release file" in str(error.value) and "decoder.*" in str(error.value)
+
+
+# --- the caption decoder's names ---
 
 
 def test_the_decoders_names_to_the_references_and_back_are_the_identity():
