@@ -24,7 +24,8 @@ Run `python encoder.py` to push a random image pair through a tiny random CLIP a
 The benchmark of one full-size training step is `python bench.py adapt`.
 
 Shape letters: B pairs in the batch, R image side (224), N patches per image ((224/32)^2 = 49),
-D vision width (768), E joint embedding width (512), T caption tokens, L = 2(N+1) joint tokens (100).
+D vision width (768), E joint embedding width (512), T caption tokens, L = 2(N+1) joint tokens (100),
+Q rows computed alone (block_at_rows: stage 1 reads the 2 CLS rows).
 """
 import hashlib
 import os
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import clip
 
@@ -62,6 +64,20 @@ def under(name: str, part: str) -> bool:
     """Whether the CLIP parameter `name` is the part itself or inside it ("visual.transformer.resblocks.3" holds
     "visual.transformer.resblocks.3.mlp.c_fc.weight", but not "...resblocks.30.mlp.c_fc.weight")."""
     return name == part or name.startswith(part + ".")
+
+
+def block_at_rows(block: clip.ResidualAttentionBlock, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """block(x)[:, rows], computed for those rows alone: (B, L, D) -> (B, len(rows), D), the same numbers up to
+    float rounding. A position sees the others only through attention's keys and values, so every position
+    still gives its key and value, while the rest of the block (the query, the residual, the MLP) runs on the
+    rows that are read. Stage 1 reads the two CLS rows of the last inter-image block (PairEncoder.embed_pair)."""
+    attn, D = block.attn, x.shape[-1]
+    h = block.ln_1(x)                                                                      # (B, L, D)
+    q = F.linear(h[:, rows], attn.in_proj_weight[:D], attn.in_proj_bias[:D])              # (B, Q, D): the rows ask
+    k, v = F.linear(h, attn.in_proj_weight[D:], attn.in_proj_bias[D:]).chunk(2, dim=-1)  # 2 x (B, L, D): all answer
+    x = x[:, rows] + attn.attend(q, k, v)                                                 # (B, Q, D)
+    x = x + block.mlp(block.ln_2(x))                                                      # (B, Q, D)
+    return x
 
 
 class PairEncoder(nn.Module):
@@ -114,7 +130,7 @@ class PairEncoder(nn.Module):
             return x[:, rows]  # (B, len(rows), D)
         for i, block in enumerate(blocks):
             last = i == len(blocks) - 1
-            x = block(x, rows=rows if last else None)  # (B, L, D), the last (B, len(rows), D) with rows
+            x = block_at_rows(block, x, rows) if last and rows is not None else block(x)  # (B, L, D); last (B, Q, D)
         return x
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
