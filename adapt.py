@@ -67,7 +67,7 @@ import data
 import metrics
 import runtime
 import synth
-from encoder import EncoderConfig, IntraTokens, PairEncoder
+from encoder import EncoderConfig, PairEncoder
 from losses import contrastive_loss
 
 IMAGE_KEYS = ("before", "after", "image")  # a batch's images: a pair (stage 1) or one image (stage 0)
@@ -181,7 +181,7 @@ def build_encoder(config: Config, vocab_size: int) -> tuple[nn.Module, dict]:
         model.freeze()
     if config.freeze_intra:
         # differs from reference: the intra-image blocks do not train at all (the reference trains every CLIP
-        # block at lr x 1e-3), so each image's intra-image tokens are a constant that IntraTokens computes once
+        # block at lr x 1e-3), so each image's intra-image tokens are a constant that data.IntraTokens computes once
         model.freeze(model.intra_image_parts())
     return model, dataclasses.asdict(clip_config)
 
@@ -324,14 +324,7 @@ def read_pairs(config: Config, dist_, resolution: int = data.IMAGE_SIZE) -> tupl
             dist.barrier()
     splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
     tokenizer = clip.get_tokenizer(data.bpe_path(config.data, root))
-    images = data.ImageReader(resolution)
-    if config.image_cache:
-        every_pair = [p for s in splits.values() for p in s]
-        if dist_.master:  # written once, by the master, while the others wait
-            data.image_cache(every_pair, root / ".cache", "all", resolution)
-        if dist_.ddp:
-            dist.barrier()
-        images = data.ImageReader(resolution, data.image_cache(every_pair, root / ".cache", "all", resolution))
+    images = data.image_reader(splits, root, resolution, config.image_cache, dist_)
     return splits, tokenizer, images
 
 
@@ -547,7 +540,7 @@ def train_and_test(config: Config, dist_, dtype: str, ctx, scaler, out_dir: Path
         print(f"resumed {ckpt_path} at step {state['step']}")
     if config.freeze_intra and not config.pretrain:  # training reads each image's intra tokens, computed now
         started = time.time()
-        train_set.images = IntraTokens(model, splits["train"], images, config.eval_batch_size, device, ctx,
+        train_set.images = data.IntraTokens(model, splits["train"], images, config.eval_batch_size, device, ctx,
                                        images.cache_dir)
         if master:
             print(f"intra-image tokens of {len(train_set.images.row)} training images {train_set.images.origin} "

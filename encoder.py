@@ -27,10 +27,7 @@ Shape letters: B pairs in the batch, R image side (224), N patches per image ((2
 D vision width (768), E joint embedding width (512), T caption tokens, L = 2(N+1) joint tokens (100),
 Q rows computed alone (block_at_rows: stage 1 reads the 2 CLS rows).
 """
-import hashlib
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -151,7 +148,7 @@ class PairEncoder(nn.Module):
     def intra_pair(self, before: torch.Tensor, after: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The intra-image tokens of both images, (B, N+1, D) each, from images (B, 3, R, R) (normalised, as
         clip.pair_transform makes them), or the tokens themselves when given: adapt.py computes them once per
-        image when the intra-image blocks are frozen (--freeze_intra, IntraTokens), and then every step
+        image when the intra-image blocks are frozen (--freeze_intra, data.IntraTokens), and then every step
         starts at the join."""
         if before.dim() == 3:
             return before, after
@@ -217,6 +214,13 @@ class PairEncoder(nn.Module):
         blocks = tuple(f"visual.transformer.resblocks.{i}" for i in range(self.config.intra_layers))
         return (*VISION_EMBEDDING, *blocks)
 
+    def intra_image_weights(self) -> dict[str, torch.Tensor]:
+        """CLIP's tensors that compute the intra-image tokens (intra_image_parts), by OpenAI's names, in
+        state-dict order: what data.IntraTokens keys its file on."""
+        parts = self.intra_image_parts()
+        return {name: tensor for name, tensor in self.clip.state_dict().items()
+                if any(under(name, part) for part in parts)}
+
     def optimizer_groups(self, lr: float, clip_lr_scale: float, weight_decay: float,
                          joint_lr_scale: float = 1.0) -> list[dict]:
         """Parameter groups for a torch optimizer, frozen parameters left out.
@@ -248,63 +252,6 @@ def no_decay_names(model: nn.Module) -> set[str]:
         if isinstance(module, nn.LayerNorm):
             names.update(f"{module_name}.{name}" for name, _ in module.named_parameters())
     return names
-
-
-class IntraTokens:
-    """path -> the image's intra-image tokens (N+1, D), computed once for every image of `pairs`.
-
-    Used in place of the image reader when the intra-image blocks are frozen (adapt.py --freeze_intra, and
-    caption.py --finetune_encoder on such a stage-1 checkpoint): they, and so their output, never change, and a
-    training step then starts at the join (PairEncoder.intra_pair). Evaluation still encodes the
-    pixels, all the way through. images is a function path -> normalised image (3, R, R).
-
-    With cache_dir, the tokens are also kept in a file there, named by what they depend on (the weights that
-    compute them, each image file's size and modification time, the precision): stage 2 then reads the
-    tokens stage 1 computed instead of computing them again, and a changed image or weight gets a new file.
-    """
-
-    def __init__(self, model: PairEncoder, pairs: list, images, batch_size: int, device, ctx,
-                 cache_dir: Path | None = None):
-        paths = sorted({path for p in pairs for path in (p.before, p.after, p.distractor) if path is not None})
-        self.row = {path: i for i, path in enumerate(paths)}
-        file = None if cache_dir is None else Path(cache_dir) / f"intra_tokens_{self.key(model, paths, ctx)}.pt"
-        self.read_from = file if file is not None and file.is_file() else None
-        if self.read_from is not None:
-            self.tokens = torch.load(file)  # (images, N+1, D)
-            return
-        chunks = []
-        with torch.no_grad():
-            for start in range(0, len(paths), batch_size):
-                pixels = torch.stack([images(path) for path in paths[start:start + batch_size]]).to(device)
-                with ctx:
-                    chunks.append(model.intra_image(pixels).float().cpu())  # (b, N+1, D)
-        self.tokens = torch.cat(chunks)  # (images, N+1, D)
-        if file is not None:  # written whole, then renamed: an interrupted run leaves no half-written file
-            file.parent.mkdir(parents=True, exist_ok=True)
-            partial = file.with_suffix(f".partial-{os.getpid()}")
-            torch.save(self.tokens, partial)
-            os.replace(partial, file)
-
-    @staticmethod
-    def key(model: PairEncoder, paths: list, ctx) -> str:
-        """A digest of what the tokens depend on: the intra-image weights, the image files, the precision."""
-        digest = hashlib.sha256(str(getattr(ctx, "fast_dtype", "float32")).encode())
-        parts = model.intra_image_parts()
-        for name, tensor in model.clip.state_dict().items():
-            if any(under(name, part) for part in parts):
-                digest.update(name.encode() + tensor.detach().float().cpu().numpy().tobytes())
-        for path in paths:
-            stat = os.stat(path)
-            digest.update(f"{path}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
-        return digest.hexdigest()[:16]
-
-    @property
-    def origin(self) -> str:
-        """Where the tokens came from, for the scripts to say."""
-        return f"read from {self.read_from}" if self.read_from is not None else "computed once"
-
-    def __call__(self, path) -> torch.Tensor:
-        return self.tokens[self.row[path]]  # (N+1, D)
 
 
 

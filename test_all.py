@@ -46,7 +46,7 @@ import metrics
 import runtime
 import synth
 from decoder import CaptionDecoder, DecoderConfig, ids_to_text
-from encoder import FROZEN_IN_REFERENCE, EncoderConfig, IntraTokens, PairEncoder, block_at_rows
+from encoder import FROZEN_IN_REFERENCE, EncoderConfig, PairEncoder, block_at_rows
 from losses import caption_loss, contrastive_loss, gather_with_grad
 from release import (REFERENCE_OUTPUT_WEIGHT, read_release, release_decoder, release_encoder,
                      rename_reference_decoder_keys, rename_reference_keys, to_reference_decoder_keys, to_reference_keys)
@@ -738,7 +738,7 @@ def test_frozen_intra_image_blocks_train_from_their_tokens_computed_once_as_from
     pixels = dict(zip(["b0", "a0", "d0", "b1", "a1", "d1"], _images(batch=6)))
     pairs = [data.ImagePair(id=str(i), before=f"b{i}", after=f"a{i}", captions=["x"], distractor=f"d{i}")
              for i in range(2)]
-    cache = IntraTokens(model, pairs, pixels.__getitem__, batch_size=4, device=torch.device("cpu"),
+    cache = data.IntraTokens(model, pairs, pixels.__getitem__, batch_size=4, device=torch.device("cpu"),
                         ctx=contextlib.nullcontext())
     assert len(cache.row) == 6 and cache("d1").shape == (N + 1, D)
     text = torch.randint(1, 900, (2, 8))
@@ -767,7 +767,7 @@ def test_intra_tokens_kept_in_a_file_are_read_back_and_a_changed_image_or_intra_
     images = lambda path: computed.append(path) or pixels[path]
 
     def tokens():
-        return IntraTokens(model, pairs, images, 4, torch.device("cpu"), contextlib.nullcontext(), tmp_path / "cache")
+        return data.IntraTokens(model, pairs, images, 4, torch.device("cpu"), contextlib.nullcontext(), tmp_path / "cache")
 
     first = tokens()
     assert first.read_from is None and len(computed) == 3 and len(list((tmp_path / "cache").iterdir())) == 1
@@ -1591,6 +1591,15 @@ def test_building_the_image_cache_draws_nothing_from_the_global_generator(synth_
     torch.manual_seed(0)
     data.image_cache(pairs, tmp_path / "cache", "test")
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_the_scripts_image_reader_reads_every_splits_images_from_one_cache_at_the_encoders_resolution(clevr_root):
+    splits = {s: data.load_split("clevr", s, clevr_root) for s in data.SPLITS}
+    alone = types.SimpleNamespace(master=True, ddp=False)  # one process: it builds the cache itself
+    reader = data.image_reader(splits, clevr_root, 32, cached=True, dist_=alone)
+    assert reader.cache_dir == clevr_root / ".cache" and reader.cache.array_path.name == "all_32.npy"
+    pair = splits["test"][0]
+    assert torch.equal(reader(pair.after), data.image_reader(splits, clevr_root, 32, False, alone)(pair.after))
 
 
 # ======== synth.py ========
