@@ -72,7 +72,7 @@ from PIL import Image
 # The named models: where each weights file comes from, and its sha256, checked on download and on every load.
 # OpenAI's published weights: the folder name in the URL is the file's sha256 (openai/CLIP clip/clip.py).
 # "synth-ViT/32" is this project's CLIP of the synthetic world (width 128, 6 + 2 blocks, 32-pixel patches),
-# pretrained like OpenAI's but on single synthetic scenes (`python adapt.py --data scenes`, stage 0) and
+# pretrained like OpenAI's but on single synthetic scenes (`python pretrain.py`, stage 0) and
 # shipped in assets/; it reaches the cache through the same download-and-check path as OpenAI's file.
 MODELS = {
     "ViT-B/32": ("https://openaipublic.azureedge.net/clip/models/"

@@ -67,10 +67,12 @@ USER_ERRORS = (FileNotFoundError, FileExistsError, ConfigError, CheckpointError,
 def _field_comments(cls) -> dict:
     """The `# comment` written after each field of a dataclass, used as that flag's --help text."""
     comments = {}
-    for line in inspect.getsource(cls).splitlines():
-        match = re.match(r"\s*(\w+)\s*:[^#]*#\s*(.*)$", line)
-        if match:
-            comments[match.group(1)] = match.group(2).strip()
+    for klass in reversed(cls.__mro__):  # a subclass's comments after its bases' (pretrain.Config extends adapt's)
+        if dataclasses.is_dataclass(klass):
+            for line in inspect.getsource(klass).splitlines():
+                match = re.match(r"\s*(\w+)\s*:[^#]*#\s*(.*)$", line)
+                if match:
+                    comments[match.group(1)] = match.group(2).strip()
     return comments
 
 

@@ -43,6 +43,7 @@ import clip
 import data
 import explain
 import metrics
+import pretrain
 import runtime
 import synth
 from decoder import CaptionDecoder, DecoderConfig, ids_to_text
@@ -2607,11 +2608,26 @@ def test_a_run_killed_mid_epoch_resumes_and_finishes_with_intact_checkpoints(syn
     assert not list(out.glob(".*.tmp*"))  # no half-written file left behind
 
 
-# --- stage 0: CLIP's own pretraining on single synthetic scenes ---
+def test_the_synth_preset_is_clip4idcs_recipe_on_the_synthetic_clip(tmp_path, monkeypatch):
+    config = runtime.parse_config(adapt.Config, adapt.PRESETS, ["--data", "synth"])
+    assert config.clip_model == "synth-ViT/32" and config.clip_model in clip.MODELS
+    monkeypatch.setenv("CLIP_CACHE", str(tmp_path))  # build_encoder loads it by name, through the checksummed cache
+    model, _ = adapt.build_encoder(config, vocab_size=clip.load("synth-ViT/32")[0].config.vocab_size)
+    b, a = torch.randn(2, 50, 128), torch.randn(2, 50, 128)  # two images' intra-image tokens (B, N+1, D)
+    with torch.no_grad():  # CLIP4IDC's join: before and after tokens as they are, marked, positioned, normalised
+        joined = torch.cat([b + model.before_embedding, a + model.after_embedding], dim=1)
+        torch.testing.assert_close(model.join(b, a), model.ln_mid(joined + model.joint_positional_embedding))
+    assert config.freeze and config.intra_layers == 4  # the reference's frozen set and split, scaled to 6 blocks
+    assert config.freeze_intra  # the intra-image blocks frozen, as the reference's 1e-7 all but freezes them
+    assert config.clip_lr_scale < 1  # the reference's two rates: new joint parameters fast, pretrained CLIP slower
 
-TINY_SCENES = ["--data", "scenes", "--scratch_width", "64", "--scratch_layers", "2", "--scratch_text_width", "64",
-               "--scratch_text_layers", "1", "--scratch_embed_dim", "32", "--batch_size", "8", "--epochs", "2",
-               "--eval_batch_size", "16", "--log_every", "1"]
+
+# ======== pretrain.py ========
+
+# Stage 0: CLIP's own pretraining on single synthetic scenes, with adapt.py's loop.
+
+TINY_SCENES = ["--scratch_width", "64", "--scratch_layers", "2", "--scratch_text_width", "64", "--scratch_text_layers", "1",
+               "--scratch_embed_dim", "32", "--batch_size", "8", "--epochs", "2", "--eval_batch_size", "16", "--log_every", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -2622,13 +2638,13 @@ def scenes_root(tmp_path_factory):
 def test_stage_0_pretrains_clip_on_scenes_and_writes_openai_style_weights_the_same_every_time(scenes_root, tmp_path):
     runs = []
     for name in ("first", "second"):
-        command = [sys.executable, str(HERE / "adapt.py"), *TINY_SCENES, "--data_root", str(scenes_root),
+        command = [sys.executable, str(HERE / "pretrain.py"), *TINY_SCENES, "--data_root", str(scenes_root),
                    "--out_dir", str(tmp_path / name)]
         runs.append(subprocess.run(command, cwd=HERE, capture_output=True, text=True, timeout=300,
                                    env={**os.environ, "OMP_NUM_THREADS": "1"}))
         assert runs[-1].returncode == 0, runs[-1].stderr
-    weights = tmp_path / "first" / adapt.SYNTH_CLIP_FILE
-    assert weights.read_bytes() == (tmp_path / "second" / adapt.SYNTH_CLIP_FILE).read_bytes()  # rebuilt bit for bit
+    weights = tmp_path / "first" / pretrain.SYNTH_CLIP_FILE
+    assert weights.read_bytes() == (tmp_path / "second" / pretrain.SYNTH_CLIP_FILE).read_bytes()  # rebuilt bit for bit
     assert f"sha256 {clip.sha256_of(weights)}" in runs[0].stdout
     model, _ = clip.load(weights)  # OpenAI's names and format: clip.load reads it like ViT-B-32.pt
     assert model.config.vision_width == 64 and model.config.vocab_size == 2 * 256 + len(synth.synth_vocabulary()) + 2
@@ -2653,29 +2669,24 @@ def test_zero_shot_attributes_scores_a_model_that_knows_the_answer_100_percent(s
             return torch.tensor([[float(o[a] == v) for a, vs in zip(synth.ATTRIBUTE_ORDER, values) for v in vs]
                                  for o in objects])
     cfg = synth.SynthConfig()
-    truth = [synth.pretrain_objects(adapt.ZERO_SHOT_FIRST + i, cfg, n_objects=1)[0]
-             for i in range(adapt.ZERO_SHOT_SCENES)]
+    truth = [synth.pretrain_objects(pretrain.ZERO_SHOT_FIRST + i, cfg, n_objects=1)[0]
+             for i in range(pretrain.ZERO_SHOT_SCENES)]
     classes = [dict(zip(synth.ATTRIBUTE_ORDER, v))
                for v in itertools.product(synth.SIZES, synth.COLORS, synth.MATERIALS, synth.SHAPES)]
-    config = adapt.Config()
-    accuracy = adapt.zero_shot_attributes(Oracle(), synth_tokenizer, config, torch.device("cpu"), contextlib.nullcontext())
+    config = pretrain.Config()
+    accuracy = pretrain.zero_shot_attributes(Oracle(), synth_tokenizer, config, torch.device("cpu"), contextlib.nullcontext())
     assert accuracy == {"object": 100.0, "size": 100.0, "color": 100.0, "material": 100.0, "shape": 100.0}
 
 
-def test_the_synth_preset_is_clip4idcs_recipe_on_the_synthetic_clip(tmp_path, monkeypatch):
-    config = runtime.parse_config(adapt.Config, adapt.PRESETS, ["--data", "synth"])
-    assert config.clip_model == "synth-ViT/32" and config.clip_model in clip.MODELS
-    monkeypatch.setenv("CLIP_CACHE", str(tmp_path))  # build_encoder loads it by name, through the checksummed cache
-    model, _ = adapt.build_encoder(config, vocab_size=clip.load("synth-ViT/32")[0].config.vocab_size)
-    b, a = torch.randn(2, 50, 128), torch.randn(2, 50, 128)  # two images' intra-image tokens (B, N+1, D)
-    with torch.no_grad():  # CLIP4IDC's join: before and after tokens as they are, marked, positioned, normalised
-        joined = torch.cat([b + model.before_embedding, a + model.after_embedding], dim=1)
-        torch.testing.assert_close(model.join(b, a), model.ln_mid(joined + model.joint_positional_embedding))
-    assert config.freeze and config.intra_layers == 4  # the reference's frozen set and split, scaled to 6 blocks
-    assert config.freeze_intra  # the intra-image blocks frozen, as the reference's 1e-7 all but freezes them
-    assert config.clip_lr_scale < 1  # the reference's two rates: new joint parameters fast, pretrained CLIP slower
-    stage_0 = runtime.parse_config(adapt.Config, adapt.PRESETS, ["--data", "scenes"])
-    assert stage_0.pretrain and stage_0.clip_model == "scratch"
+def test_stage_0_is_its_own_command_whose_default_is_the_scenes_preset_on_adapts_knobs(capsys):
+    config = runtime.parse_config(pretrain.Config, pretrain.PRESETS, [])
+    assert config.data == "scenes" and config.clip_model == "scratch" and not config.freeze
+    assert isinstance(config, adapt.Config) and "scenes" not in adapt.PRESETS  # adapt.py is stage 1 alone
+    with pytest.raises(SystemExit):
+        runtime.parse_config(pretrain.Config, pretrain.PRESETS, ["--help"])
+    help_text = capsys.readouterr().out  # adapt.py's comments, and pretrain.py's own where it changes a default
+    assert "scratch model: vision width" in help_text and "runs/pretrain_scenes" in help_text
+
 
 
 # ======== caption.py ========
