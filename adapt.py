@@ -17,14 +17,11 @@ logit_scale clamping; after every epoch, rank captions against pairs on the vali
 and keep the best checkpoint; at the end, report the best checkpoint's test retrieval.
 
 The file reads in that order: the Config and presets; the model, optimizer and schedule; one training step;
-evaluation; the process set-up (DDP, autocast, GradScaler); stage 1's data; stage 0; the loop, the test
-split and --eval; a whole run (train_and_test) and main.
+evaluation; the process set-up (DDP, autocast, GradScaler); stage 1's data; the loop, the test split and
+--eval; a whole run (train_and_test) and main.
 
-Stage 0 (--data scenes) is the same loop one step earlier: CLIP itself, from scratch, on single synthetic
-scenes and sentences naming their objects, with the same contrastive loss. It stands in for OpenAI's
-pretraining on 400M web image-text pairs, which the synthetic world lacks. It ends by checking CLIP-style
-zero-shot classification of held-out objects and by writing the weights in OpenAI's names and format: the
-file assets/synth-ViT-32.pt that clip.MODELS names "synth-ViT/32" and the synth preset adapts.
+Stage 0, which made the synthetic CLIP that the synth preset adapts, is this loop one step earlier: pretrain.py
+imports it.
 
 Differs from reference (REFERENCE.md section 2):
   - the best epoch is chosen on the validation split; the reference selects on the test split;
@@ -35,7 +32,6 @@ Differs from reference (REFERENCE.md section 2):
   - the synth preset freezes the intra-image blocks outright and computes their tokens once (see build_encoder).
 
 Run:  python adapt.py --data synth            the synthetic CLIP adapted to pairs, 2 CPU cores, about 10 minutes
-      python adapt.py --data scenes           stage 0: pretrain the synthetic CLIP (rebuilds assets/synth-ViT-32.pt)
       python adapt.py --data clevr            the paper's run on CLEVR-Change (GPUs recommended)
       torchrun --standalone --nproc_per_node=2 adapt.py --data clevr
       python adapt.py --data synth --resume   continue an interrupted run from out_dir/ckpt_last.pt
@@ -45,7 +41,6 @@ Run:  python adapt.py --data synth            the synthetic CLIP adapted to pair
 Shape letters: B pairs in a batch, R image side (224), T caption tokens (32), E joint embedding width.
 """
 import dataclasses
-import itertools
 import json
 import math
 import os
@@ -57,7 +52,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed import destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
@@ -67,12 +61,12 @@ import data
 import metrics
 import runtime
 import synth
-from encoder import EncoderConfig, IntraTokens, PairEncoder
+from encoder import EncoderConfig, PairEncoder
 from losses import contrastive_loss
 
-IMAGE_KEYS = ("before", "after", "image")  # a batch's images: a pair (stage 1) or one image (stage 0)
+IMAGE_KEYS = ("before", "after", "image")  # a batch's images: a pair, or one image (pretrain.py's scenes)
 MAX_LOGIT_SCALE = math.log(100)  # logit_scale is clamped to ln(100): a temperature of at least 0.01, as CLIP
-MODEL_KEYS = ("data", "pretrain", "clip_model", "intra_layers", "freeze_intra", "max_words",
+MODEL_KEYS = ("data", "clip_model", "intra_layers", "freeze_intra", "max_words",
               "scratch_width", "scratch_layers", "scratch_patch", "scratch_text_width", "scratch_text_layers",
               "scratch_embed_dim", "synth_pairs")
 
@@ -80,14 +74,13 @@ MODEL_KEYS = ("data", "pretrain", "clip_model", "intra_layers", "freeze_intra", 
 @dataclass
 class Config:
     # data
-    data: str = "clevr"            # dataset preset: clevr, spot, ier, pairs, synth, or scenes (stage 0)
+    data: str = "clevr"            # dataset preset: clevr, spot, ier, pairs, synth
     data_root: str = ""            # the dataset's folder ("" = data/<dataset>, see data.py)
     synth_pairs: int = 2000        # synth only: scenes drawn on first use
     max_words: int = 32            # caption length in tokens, start and end tokens included
     image_cache: bool = False      # keep preprocessed 224x224 pixels in .npy files (skips PNG decoding)
     num_workers: int = 4           # DataLoader worker processes per training process
     # model
-    pretrain: bool = False         # stage 0: train CLIP itself on single synthetic scenes (the scenes preset)
     clip_model: str = "ViT-B/32"   # model name (clip.MODELS) or weights file, or "scratch" (the scratch_* sizes)
     intra_layers: int = 9          # vision blocks that see each image alone; the rest see the pair
     scratch_width: int = 256       # scratch model: vision width
@@ -138,7 +131,7 @@ class Config:
 # computed once and a step costs a quarter. The reference's two rates, scaled: the new joint parameters at
 # 1e-2, the rest of CLIP (inter-image blocks, text tower) at 1e-3. The before and after embeddings are the only
 # thing that tells the two images apart, and at 1e-3 they grew too slowly: drops were retrieved, and
-# captioned, as additions (README, "The synthetic run"). scenes is stage 0, which made that CLIP: all trains.
+# captioned, as additions (README, "The synthetic run").
 PRESETS = {
     "clevr": dict(epochs=12, batch_size=128, lr=1e-4, clip_lr_scale=1e-3),
     "spot": dict(epochs=20, batch_size=128, lr=1e-4, clip_lr_scale=1e-3),
@@ -146,9 +139,6 @@ PRESETS = {
     "pairs": dict(epochs=12, batch_size=64, lr=1e-4, clip_lr_scale=1e-3),
     "synth": dict(clip_model="synth-ViT/32", intra_layers=4, freeze_intra=True, synth_pairs=6000, epochs=6,
                   batch_size=128, lr=1e-2, clip_lr_scale=0.1, num_workers=0, image_cache=True, log_every=20),
-    "scenes": dict(pretrain=True, clip_model="scratch", scratch_width=128, scratch_text_width=128,
-                   scratch_text_layers=2, scratch_embed_dim=128, epochs=8, batch_size=128, lr=1e-3, clip_lr_scale=1.0,
-                   weight_decay=0.1, freeze=False, num_workers=1, log_every=20, eval_batch_size=250),
 }
 
 
@@ -156,8 +146,8 @@ PRESETS = {
 # Model, optimizer and schedule
 
 
-def build_encoder(config: Config, vocab_size: int) -> tuple[nn.Module, dict]:
-    """The pair encoder (stage 1) or CLIP alone (stage 0), and the CLIP sizes a checkpoint needs to rebuild it."""
+def build_clip(config: Config, vocab_size: int) -> clip.CLIP:
+    """CLIP from scratch at the scratch_* sizes, or pretrained: OpenAI's ViT-B/32, the synthetic CLIP, or a file."""
     if config.clip_model == "scratch":
         clip_config = clip.CLIPConfig(
             embed_dim=config.scratch_embed_dim, image_resolution=data.IMAGE_SIZE,
@@ -165,25 +155,26 @@ def build_encoder(config: Config, vocab_size: int) -> tuple[nn.Module, dict]:
             vision_patch_size=config.scratch_patch, context_length=config.max_words, vocab_size=vocab_size,
             transformer_width=config.scratch_text_width, transformer_heads=max(1, config.scratch_text_width // 64),
             transformer_layers=config.scratch_text_layers)
-        clip_model = clip.CLIP(clip_config)
-    else:
-        clip_model, _ = clip.load(config.clip_model)  # OpenAI's ViT-B/32, the synthetic CLIP, or a file
-        clip_config = clip_model.config
-        if clip_config.vocab_size != vocab_size:
-            raise runtime.ConfigError(f"{config.clip_model} has a vocabulary of {clip_config.vocab_size} tokens but "
-                                      f"the {config.data} dataset's tokenizer has {vocab_size}; use the model's "
-                                      f"vocabulary file")
-    if config.pretrain:
-        model = SceneCLIP(clip_model)
-    else:
-        model = PairEncoder(clip_model, EncoderConfig(config.intra_layers))
+        return clip.CLIP(clip_config)
+    clip_model, _ = clip.load(config.clip_model)  # OpenAI's ViT-B/32, the synthetic CLIP, or a file
+    if clip_model.config.vocab_size != vocab_size:
+        raise runtime.ConfigError(f"{config.clip_model} has a vocabulary of {clip_model.config.vocab_size} tokens "
+                                  f"but the {config.data} dataset's tokenizer has {vocab_size}; use the model's "
+                                  f"vocabulary file")
+    return clip_model
+
+
+def build_encoder(config: Config, vocab_size: int) -> tuple[PairEncoder, dict]:
+    """The pair encoder, and the CLIP sizes a checkpoint needs to rebuild it."""
+    clip_model = build_clip(config, vocab_size)
+    model = PairEncoder(clip_model, EncoderConfig(config.intra_layers))
     if config.freeze:
         model.freeze()
     if config.freeze_intra:
         # differs from reference: the intra-image blocks do not train at all (the reference trains every CLIP
-        # block at lr x 1e-3), so each image's intra-image tokens are a constant that IntraTokens computes once
+        # block at lr x 1e-3), so each image's intra-image tokens are a constant that data.IntraTokens computes once
         model.freeze(model.intra_image_parts())
-    return model, dataclasses.asdict(clip_config)
+    return model, dataclasses.asdict(clip_model.config)
 
 
 def build_optimizer(model: nn.Module, config: Config, device: torch.device) -> torch.optim.AdamW:
@@ -202,7 +193,7 @@ def get_lr(step: int, total_steps: int, config: Config) -> float:
 
 
 def visual_embedding(out: dict) -> torch.Tensor:
-    """The embedding the captions are contrasted with: a pair's (stage 1) or an image's (stage 0), (B, E)."""
+    """The embedding the captions are contrasted with: a pair's, or an image's (pretrain.py), (B, E)."""
     return out["pair_embedding"] if "pair_embedding" in out else out["image_embedding"]
 
 
@@ -236,15 +227,14 @@ def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp
 
 
 # -----------------------------------------------------------------------------
-# Evaluation: rank every caption of a split against every pair (REFERENCE 2.6), or every description against
-# every scene (stage 0)
+# Evaluation: rank every caption of a split against every pair (REFERENCE 2.6)
 
 
 def retrieval_set(split, images):
-    """(images to embed, texts, text -> row): a split's pairs and change captions, or stage-0 scenes and their
-    descriptions."""
-    if isinstance(split, synth.SceneSamples):
-        return split, [split.description(i) for i in range(len(split))], list(range(len(split)))
+    """(images to embed, texts, text -> row): a split's pairs, their change captions and each caption's pair. A
+    split that is a dataset of its own images (pretrain.py's scenes) gives its texts itself, retrieval_texts()."""
+    if hasattr(split, "retrieval_texts"):
+        return split, *split.retrieval_texts()
     return data.PairImages(split, images), *data.retrieval_texts(split)
 
 
@@ -324,103 +314,8 @@ def read_pairs(config: Config, dist_, resolution: int = data.IMAGE_SIZE) -> tupl
             dist.barrier()
     splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
     tokenizer = clip.get_tokenizer(data.bpe_path(config.data, root))
-    images = data.ImageReader(resolution)
-    if config.image_cache:
-        every_pair = [p for s in splits.values() for p in s]
-        if dist_.master:  # written once, by the master, while the others wait
-            data.image_cache(every_pair, root / ".cache", "all", resolution)
-        if dist_.ddp:
-            dist.barrier()
-        images = data.ImageReader(resolution, data.image_cache(every_pair, root / ".cache", "all", resolution))
+    images = data.image_reader(splits, root, resolution, config.image_cache, dist_)
     return splits, tokenizer, images
-
-
-# -----------------------------------------------------------------------------
-# Stage 0 (--data scenes): CLIP itself, pretrained on single synthetic scenes, the stand-in for OpenAI's
-# pretraining that made the synthetic CLIP the synth preset adapts
-
-
-class SceneCLIP(nn.Module):
-    """Stage 0: CLIP itself on one image and its description, as OpenAI pretrained it (CLIP paper, 2.3).
-
-    forward returns what train_step and evaluate read, as PairEncoder's does for a pair; the parameter
-    groups follow PairEncoder's rule (here every parameter is CLIP's; no decay on biases and norms).
-    """
-
-    def __init__(self, clip_model: clip.CLIP):
-        super().__init__()
-        self.clip = clip_model
-
-    def forward(self, image: torch.Tensor, text: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        out = {"image_embedding": self.clip.encode_image(image), "logit_scale": self.clip.logit_scale}  # (B, E)
-        if text is not None:
-            out["text_embedding"] = self.clip.encode_text(text)  # (B, E)
-        return out
-
-    def encode_text(self, text: torch.Tensor) -> torch.Tensor:
-        return self.clip.encode_text(text)  # (B, T) -> (B, E)
-
-    optimizer_groups = PairEncoder.optimizer_groups
-
-
-def read_scenes(config: Config, dist_) -> tuple[dict, clip.SimpleTokenizer]:
-    """Stage 0's splits of single scenes and their tokenizer; the scenes are drawn once, by the master, while the
-    others wait."""
-    root = Path(config.data_root or synth.SCENES_ROOT)
-    if dist_.master:
-        synth.ensure_scenes(root)
-    if dist_.ddp:
-        dist.barrier()
-    tokenizer = clip.get_tokenizer(root / data.SYNTH_BPE_FILE)
-    splits = {s: synth.SceneSamples(root, s, tokenizer, train=s == "train", max_words=config.max_words)
-              for s in data.SPLITS}
-    return splits, tokenizer
-
-
-ZERO_SHOT_SCENES = 240        # stage 0's zero-shot check: held-out scenes of one object each
-ZERO_SHOT_FIRST = 1_000_000   # their indices, after every scene of synth.SCENE_SPLITS
-SYNTH_CLIP_FILE = "synth-ViT-32.pt"  # stage 0's product, shipped in assets/ as the model clip.load calls "synth-ViT/32"
-
-
-@torch.no_grad()
-def zero_shot_attributes(model: SceneCLIP, tokenizer, config: Config, device, ctx) -> dict:
-    """CLIP's zero-shot classification, in the synthetic world: each held-out scene of one object against the
-    descriptions of all 96 objects (2 sizes x 8 colours x 2 materials x 3 shapes). Accuracy in %, of the
-    whole object and of each attribute (chance: 1.0, 50, 12.5, 50, 33.3)."""
-    cfg = synth.SynthConfig()
-    indices = list(range(ZERO_SHOT_FIRST, ZERO_SHOT_FIRST + ZERO_SHOT_SCENES))
-    truth = [synth.pretrain_objects(i, cfg, n_objects=1)[0] for i in indices]
-    images = clip.normalize(synth.scene_pixels([[obj] for obj in truth], cfg)).to(device)  # (S, 3, R, R)
-    classes = [dict(zip(synth.ATTRIBUTE_ORDER, values))
-               for values in itertools.product(synth.SIZES, synth.COLORS, synth.MATERIALS, synth.SHAPES)]
-    prompts = torch.stack([data.text_tokens(tokenizer, synth.describe_scene([c]), config.max_words)
-                           for c in classes]).to(device)  # (96, T)
-    was_training = model.training
-    model.eval()
-    with ctx:
-        image_e = F.normalize(model(images)["image_embedding"].float(), dim=-1)  # (S, E)
-        text_e = F.normalize(model.encode_text(prompts).float(), dim=-1)  # (96, E)
-    model.train(was_training)
-    predicted = [classes[j] for j in (image_e @ text_e.T).argmax(dim=1).tolist()]
-    right = {a: [p[a] == t[a] for p, t in zip(predicted, truth)] for a in synth.ATTRIBUTE_ORDER}
-    right = {"object": [all(r) for r in zip(*right.values())], **right}
-    return {name: 100 * sum(r) / len(r) for name, r in right.items()}
-
-
-def export_clip(model: clip.CLIP, path: Path) -> Path:
-    """CLIP's weights as OpenAI ships them: OpenAI's parameter names, float16; written atomically."""
-    runtime.save_checkpoint({k: v.detach().to("cpu", torch.float16) for k, v in model.state_dict().items()}, path)
-    return path
-
-
-def finish_stage0(model: SceneCLIP, tokenizer, config: Config, device, ctx, out_dir: Path, say) -> None:
-    """Stage 0's product: the zero-shot check, and the best epoch's CLIP as a weights file in OpenAI's names."""
-    accuracy = zero_shot_attributes(model, tokenizer, config, device, ctx)
-    runtime.save_json(accuracy, out_dir / "zero_shot.json")
-    say("zero-shot attributes of held-out single-object scenes, CLIP-style (prompts of all 96 objects): "
-        + ", ".join(f"{k} {v:.1f}%" for k, v in accuracy.items()))
-    path = export_clip(model.clip, out_dir / SYNTH_CLIP_FILE)
-    say(f"wrote {path}, sha256 {clip.sha256_of(path)}")
 
 
 # -----------------------------------------------------------------------------
@@ -431,7 +326,7 @@ def checkpoint(model: nn.Module, optimizer, scaler, config: Config, clip_config:
     """What ckpt_last.pt and ckpt_best.pt hold: enough to resume, and to rebuild the encoder in stage 2."""
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
             "config": dataclasses.asdict(config), "clip_config": clip_config,
-            "encoder_config": None if config.pretrain else dataclasses.asdict(model.config),
+            "encoder_config": dataclasses.asdict(model.config) if isinstance(model, PairEncoder) else None,
             "bpe_path": str(tokenizer.bpe_path), **progress, "rng": runtime.rng_state()}
 
 
@@ -512,8 +407,6 @@ def test(model: nn.Module, splits: dict, tokenizer, images, config: Config, devi
 def evaluate_checkpoint(config: Config, dist_, ctx, out_dir: Path) -> None:
     """--eval: the test split's retrieval with a stage-1 checkpoint: adapt.py's (out_dir/ckpt_best.pt), or the
     adaptation stage of a CLIP4IDC release (--checkpoint pretrained/pytorch_model.bin.clevr), the paper's table."""
-    if config.pretrain:
-        raise runtime.ConfigError("--eval scores a pair encoder; stage 0 prints its test retrieval when it ends")
     path = Path(config.checkpoint or out_dir / "ckpt_best.pt")
     model, state = runtime.load_encoder(path, config.intra_layers)
     if state.get("release") and config.dtype == "auto":  # scored in float32, as the reference's figures: bf16
@@ -529,15 +422,11 @@ def evaluate_checkpoint(config: Config, dist_, ctx, out_dir: Path) -> None:
 
 
 def train_and_test(config: Config, dist_, dtype: str, ctx, scaler, out_dir: Path) -> None:
-    """Stage 1 (or stage 0): read the data, build the encoder, train it, then score the test split."""
+    """Stage 1: read the data, build the encoder, train it, then score the test split."""
     device, master = dist_.device, dist_.master
-    if config.pretrain:  # stage 0: single scenes, each with its description
-        splits, tokenizer = read_scenes(config, dist_)
-        train_set, images = splits["train"], None
-    else:  # stage 1: image pairs, each with its change captions
-        splits, tokenizer, images = read_pairs(config, dist_)
-        train_set = data.AdaptationSamples(splits["train"], tokenizer, train=True, images=images,
-                                           max_words=config.max_words)
+    splits, tokenizer, images = read_pairs(config, dist_)
+    train_set = data.AdaptationSamples(splits["train"], tokenizer, train=True, images=images,
+                                       max_words=config.max_words)
     model, clip_config = build_encoder(config, tokenizer.vocab_size)
     model.to(device)
     optimizer = build_optimizer(model, config, device)
@@ -545,9 +434,9 @@ def train_and_test(config: Config, dist_, dtype: str, ctx, scaler, out_dir: Path
     state = runtime.start_or_resume(ckpt_path, config, MODEL_KEYS, dist_, model, optimizer, scaler)
     if state is not None and master:
         print(f"resumed {ckpt_path} at step {state['step']}")
-    if config.freeze_intra and not config.pretrain:  # training reads each image's intra tokens, computed now
+    if config.freeze_intra:  # training reads each image's intra tokens, computed now
         started = time.time()
-        train_set.images = IntraTokens(model, splits["train"], images, config.eval_batch_size, device, ctx,
+        train_set.images = data.IntraTokens(model, splits["train"], images, config.eval_batch_size, device, ctx,
                                        images.cache_dir)
         if master:
             print(f"intra-image tokens of {len(train_set.images.row)} training images {train_set.images.origin} "
@@ -561,8 +450,6 @@ def train_and_test(config: Config, dist_, dtype: str, ctx, scaler, out_dir: Path
                  clip_config, state, out_dir)
     if master:
         test(raw_model, splits, tokenizer, images, config, device, ctx, step, out_dir)
-        if config.pretrain:
-            finish_stage0(raw_model, tokenizer, config, device, ctx, out_dir, print)
 
 
 def main(argv=None):

@@ -73,9 +73,10 @@ import explain
 import metrics
 import runtime
 import synth
-from decoder import CaptionDecoder, DecoderConfig, ids_to_text, release_decoder
-from encoder import FROZEN_IN_REFERENCE, IntraTokens, PairEncoder, no_decay_names, release_stage
+from decoder import CaptionDecoder, DecoderConfig, ids_to_text
+from encoder import FROZEN_IN_REFERENCE, PairEncoder, no_decay_names
 from losses import caption_loss
+from release import release_decoder, release_stage
 
 MODEL_KEYS = ("data", "max_words", "finetune_encoder", "use_no_change_pair", "train_word_embedding",
               "decoder_layers", "decoder_heads", "decoder_ffn")
@@ -496,14 +497,7 @@ def read_splits(config: Config, dist_, root: Path, resolution: int) -> tuple[dic
     """The dataset's splits, the image reader (from the cache with --image_cache) and each split's evaluation
     pairs (with CLEVR-Change's distractor pairs, data.evaluation_pairs)."""
     splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
-    images = data.ImageReader(resolution)
-    if config.image_cache:
-        every_pair = [p for s in splits.values() for p in s]
-        if dist_.master:  # written once, by the master, while the others wait
-            data.image_cache(every_pair, root / ".cache", "all")
-        if dist_.ddp:
-            dist.barrier()
-        images = data.ImageReader(resolution, data.image_cache(every_pair, root / ".cache", "all"))
+    images = data.image_reader(splits, root, resolution, config.image_cache, dist_)
     return splits, images, {s: data.evaluation_pairs(splits[s], config.use_no_change_pair) for s in data.SPLITS}
 
 
@@ -568,7 +562,7 @@ def training_set(config: Config, stage1: Stage1, pairs, images, tokenizer, featu
     train_images = images if config.finetune_encoder else None
     if config.finetune_encoder and stage1.freeze_intra:  # training reads each image's intra tokens, computed now
         started = time.time()
-        train_images = IntraTokens(stage1.encoder, pairs, images, config.eval_batch_size, device, ctx,
+        train_images = data.IntraTokens(stage1.encoder, pairs, images, config.eval_batch_size, device, ctx,
                                    images.cache_dir)
         say(f"intra-image tokens of {len(train_images.row)} training images {train_images.origin} "
             f"({time.time() - started:.0f} s): the intra-image blocks stay frozen, as in stage 1")

@@ -72,7 +72,7 @@ from PIL import Image
 # The named models: where each weights file comes from, and its sha256, checked on download and on every load.
 # OpenAI's published weights: the folder name in the URL is the file's sha256 (openai/CLIP clip/clip.py).
 # "synth-ViT/32" is this project's CLIP of the synthetic world (width 128, 6 + 2 blocks, 32-pixel patches),
-# pretrained like OpenAI's but on single synthetic scenes (`python adapt.py --data scenes`, stage 0) and
+# pretrained like OpenAI's but on single synthetic scenes (`python pretrain.py`, stage 0) and
 # shipped in assets/; it reaches the cache through the same download-and-check path as OpenAI's file.
 MODELS = {
     "ViT-B/32": ("https://openaipublic.azureedge.net/clip/models/"
@@ -183,19 +183,18 @@ class SelfAttention(nn.Module):
         nn.init.xavier_uniform_(self.in_proj_weight)
         nn.init.zeros_(self.out_proj.bias)
 
-    def forward(self, x: torch.Tensor, causal: bool = False, rows: list[int] | None = None) -> torch.Tensor:
-        """x (B, L, D) -> (B, L, D); with rows, only those positions ask (queries): (B, len(rows), D)."""
-        B, L, D = x.shape
-        if rows is None:
-            q, k, v = F.linear(x, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)  # 3 x (B, L, D)
-        else:  # every position still gives its key and value; only the given rows ask
-            assert not causal, "rows= selects queries of full attention only"
-            q = F.linear(x[:, rows], self.in_proj_weight[:D], self.in_proj_bias[:D])                 # (B, Q, D)
-            k, v = F.linear(x, self.in_proj_weight[D:], self.in_proj_bias[D:]).chunk(2, dim=-1)  # 2 x (B, L, D)
+    def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
+        """x (B, L, D) -> (B, L, D): every position asks (its query) and answers (its key and value)."""
+        q, k, v = F.linear(x, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)  # 3 x (B, L, D)
+        return self.attend(q, k, v, causal)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
+        """The heads' attention of queries q (B, Q, D) over keys k and values v (B, L, D), then out_proj: (B, Q, D)."""
+        B, D = q.shape[0], q.shape[-1]
         q, k, v = (t.view(B, -1, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, *, D/H)
         # differs from reference: fused scaled_dot_product_attention instead of nn.MultiheadAttention; with
         # causal, position i sees positions <= i only: the -inf mask OpenAI's text tower builds by hand
-        x = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # (B, H, Q, D/H), Q = L without rows
+        x = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # (B, H, Q, D/H)
         x = x.transpose(1, 2).reshape(B, -1, D)                         # (B, Q, D)
         return self.out_proj(x)
 
@@ -215,13 +214,9 @@ class ResidualAttentionBlock(nn.Module):
         ]))
         self.ln_2 = LayerNorm(d_model)
 
-    def forward(self, x: torch.Tensor, causal: bool = False, rows: list[int] | None = None) -> torch.Tensor:
-        """(B, L, D) -> (B, L, D). With rows, the output at those positions only, (B, len(rows), D): a position
-        sees the others only through attention's keys and values, so the rest of the block (its query, the
-        residual, the MLP) runs on the rows that are read, and the output is the same as block(x)[:, rows]."""
-        attended = self.attn(self.ln_1(x), causal=causal, rows=rows)  # (B, Q, D), Q = L without rows
-        x = (x if rows is None else x[:, rows]) + attended            # (B, Q, D)
-        x = x + self.mlp(self.ln_2(x))                                # (B, Q, D)
+    def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), causal=causal)  # (B, L, D)
+        x = x + self.mlp(self.ln_2(x))                   # (B, L, D)
         return x
 
 

@@ -10,7 +10,8 @@ It holds, top to bottom:
      CLEVR-Change, Spot-the-Diff, Image-Editing-Request (IER) and a simple JSON format for your own pairs;
      the synthetic dataset (`--data synth`, the project's default) is drawn by synth.py in the CLEVR-Change
      layout and read here like CLEVR-Change;
-  2. images: loading with readable errors, CLIP4IDC's preprocessing, an opt-in cache of preprocessed pixels;
+  2. images: loading with readable errors, CLIP4IDC's preprocessing, an opt-in cache of preprocessed pixels,
+     and the cache it extends: each image's intra-image tokens, when the intra-image blocks are frozen;
   3. caption token ids;
   4. the samples: stage 1 (one per pair and caption), stage 2 (one per pair, plus the no-change pair),
      evaluation pairs with the scorer's ids and reference lists, ids per change type (stage 0's samples of
@@ -55,7 +56,8 @@ Run:  python data.py                                   write a pair of your own 
       python data.py --check --data clevr|spot|ier|pairs [--data_root DIR]   after downloading: is it complete?
 
 Shape letters: B pairs in a batch, R image side after preprocessing (224), T caption tokens (max_words, 32),
-H, W height and width of a stored image (320 x 480 for CLEVR-Change and the synthetic set).
+H, W height and width of a stored image (320 x 480 for CLEVR-Change and the synthetic set),
+N+1 tokens per image and D vision width (encoder.py's intra-image tokens).
 """
 import argparse
 import gzip
@@ -72,6 +74,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from PIL import Image, ImageDraw, ImageFont, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset
 
@@ -476,11 +479,16 @@ class _Preprocess(Dataset):
         return torch.from_numpy(preprocess_uint8(self.paths[i], self.image_size))
 
 
+def add_file_stamps(digest, paths: list) -> None:
+    """Feed each file's path, size and modification time to a hashlib digest: a changed file changes the digest."""
+    for path in paths:
+        stat = os.stat(path)
+        digest.update(f"{path}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
+
+
 def fingerprint(paths: list[Path], image_size: int) -> str:
     digest = hashlib.sha256(str(image_size).encode())
-    for path in paths:
-        stat = path.stat()
-        digest.update(f"{path}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
+    add_file_stamps(digest, paths)
     return digest.hexdigest()
 
 
@@ -589,6 +597,74 @@ class ImageReader:
         pixels = self.cache[path] if self.cache is not None else preprocess_uint8(path, self.image_size)
         # differs from reference: float32 pixels; C4I's loader builds float64 arrays and casts them in the model
         return clip.normalize(np.array(pixels))  # a writable copy: torch refuses to share read-only memory; (3, R, R)
+
+
+def image_reader(splits: dict, root: Path, resolution: int, cached: bool, dist_) -> ImageReader:
+    """The image reader of a dataset's splits, of resolution x resolution images: decoding each file, or with
+    cached, reading the image cache of every pair of every split (root/.cache/all_<R>.npy). The cache is built
+    once, by the master, while the other processes wait (dist_: runtime.Distributed, its master and ddp)."""
+    if not cached:
+        return ImageReader(resolution)
+    every_pair = [p for s in splits.values() for p in s]
+    if dist_.master:
+        image_cache(every_pair, Path(root) / ".cache", "all", resolution)
+    if dist_.ddp:
+        dist.barrier()
+    return ImageReader(resolution, image_cache(every_pair, Path(root) / ".cache", "all", resolution))
+
+
+class IntraTokens:
+    """path -> the image's intra-image tokens (N+1, D), computed once for every image of `pairs`.
+
+    Used in place of the image reader when the intra-image blocks are frozen (adapt.py --freeze_intra, and
+    caption.py --finetune_encoder on such a stage-1 checkpoint): they, and so their output, never change, and a
+    training step then starts at the join (PairEncoder.intra_pair). Evaluation still encodes the
+    pixels, all the way through. model is encoder.py's PairEncoder (its intra_image and intra_image_weights are
+    read); images is a function path -> normalised image (3, R, R), such as an ImageReader.
+
+    With cache_dir, the tokens are also kept in a file there, named by what they depend on (the weights that
+    compute them, each image file's size and modification time, the precision): stage 2 then reads the
+    tokens stage 1 computed instead of computing them again, and a changed image or weight gets a new file.
+    """
+
+    def __init__(self, model: torch.nn.Module, pairs: list, images, batch_size: int, device, ctx,
+                 cache_dir: Path | None = None):
+        paths = sorted({path for p in pairs for path in (p.before, p.after, p.distractor) if path is not None})
+        self.row = {path: i for i, path in enumerate(paths)}
+        file = None if cache_dir is None else Path(cache_dir) / f"intra_tokens_{self.key(model, paths, ctx)}.pt"
+        self.read_from = file if file is not None and file.is_file() else None
+        if self.read_from is not None:
+            self.tokens = torch.load(file, weights_only=True)  # (images, N+1, D), a plain tensor
+            return
+        chunks = []
+        with torch.no_grad():
+            for start in range(0, len(paths), batch_size):
+                pixels = torch.stack([images(path) for path in paths[start:start + batch_size]]).to(device)
+                with ctx:
+                    chunks.append(model.intra_image(pixels).float().cpu())  # (b, N+1, D)
+        self.tokens = torch.cat(chunks)  # (images, N+1, D)
+        if file is not None:  # written whole, then renamed: an interrupted run leaves no half-written file
+            file.parent.mkdir(parents=True, exist_ok=True)
+            partial = file.with_suffix(f".partial-{os.getpid()}")
+            torch.save(self.tokens, partial)
+            os.replace(partial, file)
+
+    @staticmethod
+    def key(model: torch.nn.Module, paths: list, ctx) -> str:
+        """A digest of what the tokens depend on: the intra-image weights, the image files, the precision."""
+        digest = hashlib.sha256(str(getattr(ctx, "fast_dtype", "float32")).encode())
+        for name, tensor in model.intra_image_weights().items():
+            digest.update(name.encode() + tensor.detach().float().cpu().numpy().tobytes())
+        add_file_stamps(digest, paths)
+        return digest.hexdigest()[:16]
+
+    @property
+    def origin(self) -> str:
+        """Where the tokens came from, for the scripts to say."""
+        return f"read from {self.read_from}" if self.read_from is not None else "computed once"
+
+    def __call__(self, path) -> torch.Tensor:
+        return self.tokens[self.row[path]]  # (N+1, D)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -35,8 +35,6 @@ Use (caption.py):
     logits = decoder.to_logits(states[caption_out != pad_id])     # (number of target tokens, V)
     tokens = decoder.eval().greedy_decode(visual, sot_id, eot_id, max_len=22)   # (B, <= 22)
     texts = [ids_to_text(row, tokenizer.decode, eot_id) for row in tokens]
-    decoder = release_decoder(release, 100, clip.token_embedding.weight, clip.positional_embedding)  # its released
-                                                                  # decoder (encoder.read_release(path)[1])
 
 Run:  python decoder.py                        a tiny random decoder decodes a batch with and without the cache
       (full-size timings of greedy decoding and of a training step: python bench.py decoder)
@@ -370,111 +368,6 @@ def ids_to_text(ids: Sequence[int], decode: Callable[[list[int]], str], eot_id: 
     return decode(ids).split(pad_text, 1)[0].strip()
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The reference's names, to read its released captioning weights (trained/pytorch_model.bin.*)
-#
-# The reference saves its whole caption model; the decoder's tensors sit under "decoder." with the names of
-# C4I:modules/module_decoder.py: BERT-style layers ("encoder" = our visual layers, "decoder" = our caption
-# layers), each attention an "att" (query, key, value) and an "output" (dense, LayerNorm). Its word embedding
-# is one Parameter saved under three keys (CLIP's token_embedding, the decoder's input embedding and the
-# output weight), its position embedding under two (CLIP's and the decoder's): ours has each once.
-
-REFERENCE_OUTPUT_WEIGHT = "decoder.classifier.cls.predictions.decoder.weight"  # the tied output weight
-REFERENCE_TIES = {"decoder.embeddings.word_embeddings.weight": ("clip.token_embedding.weight", REFERENCE_OUTPUT_WEIGHT),
-                  "decoder.embeddings.position_embeddings.weight": ("clip.positional_embedding",)}
-REFERENCE_ATTENTION = {"query": "att.query", "key": "att.key", "value": "att.value",
-                       "out": "output.dense", "norm": "output.LayerNorm"}
-REFERENCE_FEED_FORWARD = {"up": "intermediate.dense", "down": "output.dense", "norm": "output.LayerNorm"}
-
-
-def reference_names(layers: int) -> dict[str, str]:
-    """Our CaptionDecoder's state-dict names -> the reference's keys, for a decoder of `layers` layers."""
-    names = {"word_embedding": "decoder.embeddings.word_embeddings.weight",
-             "position_embedding": "decoder.embeddings.position_embeddings.weight",
-             "output_bias": "decoder.classifier.cls.predictions.bias"}
-    modules = {"embedding_norm": "decoder.embeddings.LayerNorm",
-               "head_dense": "decoder.classifier.cls.predictions.transform.dense",
-               "head_norm": "decoder.classifier.cls.predictions.transform.LayerNorm"}
-    stacks = {"visual_layers": ("decoder.encoder", {"self_attention": "slf_attn"}),
-              "caption_layers": ("decoder.decoder", {"self_attention": "slf_attn", "cross_attention": "enc_attn"})}
-    for ours, (theirs, attentions) in stacks.items():
-        for i in range(layers):
-            for our_attention, their_attention in attentions.items():
-                modules.update({f"{ours}.{i}.{our_attention}.{part}": f"{theirs}.layer.{i}.{their_attention}.{name}"
-                                for part, name in REFERENCE_ATTENTION.items()})
-            modules.update({f"{ours}.{i}.feed_forward.{part}": f"{theirs}.layer.{i}.{name}"
-                            for part, name in REFERENCE_FEED_FORWARD.items()})
-    for ours, theirs in modules.items():  # each a Linear or a LayerNorm: weight and bias
-        names.update({f"{ours}.{p}": f"{theirs}.{p}" for p in ("weight", "bias")})
-    return names
-
-
-def reference_layers(state_dict: dict[str, torch.Tensor]) -> int:
-    """How many layers the reference's decoder.* keys hold (as many visual layers as caption layers)."""
-    counts = [len({key.split(".")[3] for key in state_dict if key.startswith(f"decoder.{stack}.layer.")})
-              for stack in ("encoder", "decoder")]
-    if counts[0] != counts[1]:
-        raise ValueError(f"the reference's decoder has {counts[0]} visual and {counts[1]} caption layers; "
-                         "its model pairs them one to one, so a file with different counts is damaged")
-    return counts[0]
-
-
-def rename_reference_decoder_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The decoder.* tensors of a reference captioning model as a CaptionDecoder state dict, in float32.
-
-    The tied copies are checked equal (they are one Parameter in the reference) and read once; a missing key
-    or a decoder.* key that has no place here raises ValueError, so nothing is dropped or left random.
-    """
-    names = reference_names(reference_layers(state_dict))
-    for key, copies in REFERENCE_TIES.items():
-        for copy in copies:
-            if copy in state_dict and key in state_dict and not torch.equal(state_dict[copy].float(),
-                                                                             state_dict[key].float()):
-                raise ValueError(f"{copy} differs from {key}: the reference ties them, so the file is damaged")
-    theirs = {key for key in state_dict if key.startswith("decoder.")} - {REFERENCE_OUTPUT_WEIGHT}
-    missing, unexpected = sorted(set(names.values()) - theirs), sorted(theirs - set(names.values()))
-    if missing or unexpected:
-        raise ValueError(f"the reference's decoder keys do not fit CLIP4IDC's caption decoder: missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]} ({len(missing)} and {len(unexpected)} in all)")
-    return {ours: state_dict[key].float() for ours, key in names.items()}
-
-
-def to_reference_decoder_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A CaptionDecoder state dict under the reference's decoder.* names, the output weight included (no cast)."""
-    names = reference_names(len({key.split(".")[1] for key in state_dict if key.startswith("caption_layers.")}))
-    theirs = {names[key]: value for key, value in state_dict.items()}
-    theirs[REFERENCE_OUTPUT_WEIGHT] = state_dict["word_embedding"]
-    return theirs
-
-
-def release_decoder_config(state_dict: dict[str, torch.Tensor], visual_tokens: int) -> DecoderConfig:
-    """The reference's decoder sizes, read off its tensors; visual_tokens M from the pair encoder (2(N+1))."""
-    words = state_dict["decoder.embeddings.word_embeddings.weight"]  # (V, E)
-    hidden = words.shape[1]
-    # Heads are not in the tensors: the reference's decoder-base config has 8 heads of 64 channels at width
-    # 512, CLIP's head width too (clip.build_model reads CLIP's heads the same way).
-    return DecoderConfig(hidden=hidden, heads=max(1, hidden // 64),
-                         ffn=state_dict["decoder.decoder.layer.0.intermediate.dense.weight"].shape[0],
-                         layers=reference_layers(state_dict), vocab_size=words.shape[0],
-                         max_positions=state_dict["decoder.embeddings.position_embeddings.weight"].shape[0],
-                         visual_tokens=visual_tokens)
-
-
-def release_decoder(state_dict: dict[str, torch.Tensor], visual_tokens: int,
-                    word_embedding: Optional[nn.Parameter] = None,
-                    position_embedding: Optional[nn.Parameter] = None) -> CaptionDecoder:
-    """The caption decoder of a reference captioning release, loaded with strict=True, in eval mode.
-
-    state_dict is the whole release (decoder.* is read; clip.* only to check the ties). Pass the pair encoder's
-    CLIP token_embedding.weight and positional_embedding to share them, as the reference does.
-    """
-    ours = rename_reference_decoder_keys(state_dict)  # first: it says what is wrong with a damaged file
-    decoder = CaptionDecoder(release_decoder_config(state_dict, visual_tokens), word_embedding, position_embedding)
-    decoder.load_state_dict(ours, strict=True)
-    return decoder.eval()
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Demo
 
 

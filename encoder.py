@@ -13,9 +13,8 @@ text embedding, the feature at the end-of-text token.
 
 Differs from reference:
 - The four new parameters live on the PairEncoder as `before_embedding`, `after_embedding`,
-  `joint_positional_embedding`, `ln_mid` (the reference: `clip.visual.bef_embedding`, ...);
-  `rename_reference_keys` maps a reference checkpoint onto these names, and `read_release` and
-  `release_encoder` read the reference's released files (pytorch_model.bin.*) as they are saved.
+  `joint_positional_embedding`, `ln_mid` (the reference: `clip.visual.bef_embedding`, ...); release.py maps
+  the reference's released files onto these names.
 - Weights stay float32 (the training script chooses autocast); the reference casts CLIP to fp16.
 - The intra-image layers see the batch as [all before images; all after images] instead of the
   reference's interleaved (before, after) pairs; each image is encoded alone, so this changes nothing.
@@ -25,15 +24,14 @@ Run `python encoder.py` to push a random image pair through a tiny random CLIP a
 The benchmark of one full-size training step is `python bench.py adapt`.
 
 Shape letters: B pairs in the batch, R image side (224), N patches per image ((224/32)^2 = 49),
-D vision width (768), E joint embedding width (512), T caption tokens, L = 2(N+1) joint tokens (100).
+D vision width (768), E joint embedding width (512), T caption tokens, L = 2(N+1) joint tokens (100),
+Q rows computed alone (block_at_rows: stage 1 reads the 2 CLS rows).
 """
-import hashlib
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import clip
 
@@ -65,14 +63,18 @@ def under(name: str, part: str) -> bool:
     return name == part or name.startswith(part + ".")
 
 
-# The reference's checkpoint names of the new parameters, and ours.
-REFERENCE_NAMES = {
-    "clip.visual.bef_embedding": "before_embedding",
-    "clip.visual.aft_embedding": "after_embedding",
-    "clip.visual.joint_positional_embedding": "joint_positional_embedding",
-    "clip.visual.ln_mid.weight": "ln_mid.weight",
-    "clip.visual.ln_mid.bias": "ln_mid.bias",
-}
+def block_at_rows(block: clip.ResidualAttentionBlock, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """block(x)[:, rows], computed for those rows alone: (B, L, D) -> (B, len(rows), D), the same numbers up to
+    float rounding. A position sees the others only through attention's keys and values, so every position
+    still gives its key and value, while the rest of the block (the query, the residual, the MLP) runs on the
+    rows that are read. Stage 1 reads the two CLS rows of the last inter-image block (PairEncoder.embed_pair)."""
+    attn, D = block.attn, x.shape[-1]
+    h = block.ln_1(x)                                                                      # (B, L, D)
+    q = F.linear(h[:, rows], attn.in_proj_weight[:D], attn.in_proj_bias[:D])              # (B, Q, D): the rows ask
+    k, v = F.linear(h, attn.in_proj_weight[D:], attn.in_proj_bias[D:]).chunk(2, dim=-1)  # 2 x (B, L, D): all answer
+    x = x[:, rows] + attn.attend(q, k, v)                                                 # (B, Q, D)
+    x = x + block.mlp(block.ln_2(x))                                                      # (B, Q, D)
+    return x
 
 
 class PairEncoder(nn.Module):
@@ -92,7 +94,7 @@ class PairEncoder(nn.Module):
         self.n_patches = clip_model.visual.positional_embedding.shape[0] - 1  # N
         tokens = 2 * (self.n_patches + 1)  # L: before CLS + N patches, then after CLS + N patches
         scale = width ** -0.5  # the reference's init scale, as CLIP's for class_embedding
-        # differs from reference: named here, not clip.visual.bef_embedding etc. (rename_reference_keys)
+        # differs from reference: named here, not clip.visual.bef_embedding etc. (release.py maps them)
         self.before_embedding = nn.Parameter(scale * torch.randn(width))  # (D,) added to every before token
         self.after_embedding = nn.Parameter(scale * torch.randn(width))  # (D,) added to every after token
         # a new table, not a copy of CLIP's positional_embedding, as in the reference
@@ -125,7 +127,7 @@ class PairEncoder(nn.Module):
             return x[:, rows]  # (B, len(rows), D)
         for i, block in enumerate(blocks):
             last = i == len(blocks) - 1
-            x = block(x, rows=rows if last else None)  # (B, L, D), the last (B, len(rows), D) with rows
+            x = block_at_rows(block, x, rows) if last and rows is not None else block(x)  # (B, L, D); last (B, Q, D)
         return x
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,7 +148,7 @@ class PairEncoder(nn.Module):
     def intra_pair(self, before: torch.Tensor, after: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The intra-image tokens of both images, (B, N+1, D) each, from images (B, 3, R, R) (normalised, as
         clip.pair_transform makes them), or the tokens themselves when given: adapt.py computes them once per
-        image when the intra-image blocks are frozen (--freeze_intra, IntraTokens), and then every step
+        image when the intra-image blocks are frozen (--freeze_intra, data.IntraTokens), and then every step
         starts at the join."""
         if before.dim() == 3:
             return before, after
@@ -212,6 +214,13 @@ class PairEncoder(nn.Module):
         blocks = tuple(f"visual.transformer.resblocks.{i}" for i in range(self.config.intra_layers))
         return (*VISION_EMBEDDING, *blocks)
 
+    def intra_image_weights(self) -> dict[str, torch.Tensor]:
+        """CLIP's tensors that compute the intra-image tokens (intra_image_parts), by OpenAI's names, in
+        state-dict order: what data.IntraTokens keys its file on."""
+        parts = self.intra_image_parts()
+        return {name: tensor for name, tensor in self.clip.state_dict().items()
+                if any(under(name, part) for part in parts)}
+
     def optimizer_groups(self, lr: float, clip_lr_scale: float, weight_decay: float,
                          joint_lr_scale: float = 1.0) -> list[dict]:
         """Parameter groups for a torch optimizer, frozen parameters left out.
@@ -244,137 +253,6 @@ def no_decay_names(model: nn.Module) -> set[str]:
             names.update(f"{module_name}.{name}" for name, _ in module.named_parameters())
     return names
 
-
-class IntraTokens:
-    """path -> the image's intra-image tokens (N+1, D), computed once for every image of `pairs`.
-
-    Used in place of the image reader when the intra-image blocks are frozen (adapt.py --freeze_intra, and
-    caption.py --finetune_encoder on such a stage-1 checkpoint): they, and so their output, never change, and a
-    training step then starts at the join (PairEncoder.intra_pair). Evaluation still encodes the
-    pixels, all the way through. images is a function path -> normalised image (3, R, R).
-
-    With cache_dir, the tokens are also kept in a file there, named by what they depend on (the weights that
-    compute them, each image file's size and modification time, the precision): stage 2 then reads the
-    tokens stage 1 computed instead of computing them again, and a changed image or weight gets a new file.
-    """
-
-    def __init__(self, model: PairEncoder, pairs: list, images, batch_size: int, device, ctx,
-                 cache_dir: Path | None = None):
-        paths = sorted({path for p in pairs for path in (p.before, p.after, p.distractor) if path is not None})
-        self.row = {path: i for i, path in enumerate(paths)}
-        file = None if cache_dir is None else Path(cache_dir) / f"intra_tokens_{self.key(model, paths, ctx)}.pt"
-        self.read_from = file if file is not None and file.is_file() else None
-        if self.read_from is not None:
-            self.tokens = torch.load(file)  # (images, N+1, D)
-            return
-        chunks = []
-        with torch.no_grad():
-            for start in range(0, len(paths), batch_size):
-                pixels = torch.stack([images(path) for path in paths[start:start + batch_size]]).to(device)
-                with ctx:
-                    chunks.append(model.intra_image(pixels).float().cpu())  # (b, N+1, D)
-        self.tokens = torch.cat(chunks)  # (images, N+1, D)
-        if file is not None:  # written whole, then renamed: an interrupted run leaves no half-written file
-            file.parent.mkdir(parents=True, exist_ok=True)
-            partial = file.with_suffix(f".partial-{os.getpid()}")
-            torch.save(self.tokens, partial)
-            os.replace(partial, file)
-
-    @staticmethod
-    def key(model: PairEncoder, paths: list, ctx) -> str:
-        """A digest of what the tokens depend on: the intra-image weights, the image files, the precision."""
-        digest = hashlib.sha256(str(getattr(ctx, "fast_dtype", "float32")).encode())
-        parts = model.intra_image_parts()
-        for name, tensor in model.clip.state_dict().items():
-            if any(under(name, part) for part in parts):
-                digest.update(name.encode() + tensor.detach().float().cpu().numpy().tobytes())
-        for path in paths:
-            stat = os.stat(path)
-            digest.update(f"{path}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
-        return digest.hexdigest()[:16]
-
-    @property
-    def origin(self) -> str:
-        """Where the tokens came from, for the scripts to say."""
-        return f"read from {self.read_from}" if self.read_from is not None else "computed once"
-
-    def __call__(self, path) -> torch.Tensor:
-        return self.tokens[self.row[path]]  # (N+1, D)
-
-
-# ---------------------------------------------------------------------------------------------------
-# The reference's released weights
-#
-# The reference publishes the model after each stage (C4I:README.md): pretrained/pytorch_model.bin.{clevr,spot}
-# after adaptation and trained/pytorch_model.bin.{clevr,spot} after captioning. Each is what its scripts save,
-# torch.save(model.state_dict()): one flat dict of tensors, the CLIP4IDC model's clip.* (CLIP under OpenAI's
-# names, the pair parameters under clip.visual.*, many of CLIP's weights float16 as its convert_weights left
-# them) and, after captioning, decoder.* (the caption decoder, float32; decoder.py maps its names).
-
-RELEASE = ("a CLIP4IDC release file, the reference's torch.save(model.state_dict()) (pytorch_model.bin.*): "
-           "tensors under clip.*, and decoder.* after the captioning stage")
-
-
-def rename_reference_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A reference CLIP4IDC checkpoint (pytorch_model.bin.*) as a PairEncoder state dict, in float32.
-
-    Its clip.* keys are CLIP's and keep their names, except the four new parameters (REFERENCE_NAMES).
-    Keys outside clip.* (the reference's caption decoder) are left out; load the result with
-    strict=True so that anything missing fails loudly.
-    """
-    return {REFERENCE_NAMES.get(key, key): value.float() if value.is_floating_point() else value
-            for key, value in state_dict.items() if key.startswith("clip.")}
-
-
-def to_reference_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A PairEncoder state dict under the reference's names: rename_reference_keys the other way (no cast)."""
-    ours_to_reference = {ours: reference for reference, ours in REFERENCE_NAMES.items()}
-    return {ours_to_reference.get(key, key): value for key, value in state_dict.items()}
-
-
-def release_stage(state) -> int | None:
-    """1 for a release of the adaptation stage (clip.* only), 2 for one of the captioning stage (clip.* and
-    decoder.*), None for anything else (this project's checkpoints are dicts with a "model" entry)."""
-    if not isinstance(state, dict) or not all(isinstance(value, torch.Tensor) for value in state.values()):
-        return None
-    if not all(isinstance(key, str) and key.startswith(("clip.", "decoder.")) for key in state):
-        return None
-    if "clip.visual.joint_positional_embedding" not in state:  # CLIP4IDC's pair parameters, not a plain CLIP
-        return None
-    return 2 if any(key.startswith("decoder.") for key in state) else 1
-
-
-def read_release(path) -> tuple[int, dict[str, torch.Tensor]]:
-    """(stage, state dict) of a reference release file, read as data (weights_only), never run as code.
-
-    Raises clip.FileError, one line saying what was expected, for a file of any other kind.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no file at {path}: pass the path of a release file such as "
-                                "trained/pytorch_model.bin.clevr")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # not a torch file, or one holding more than tensors and containers
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
-        raise clip.FileError(f"{path} is not {RELEASE}; torch.load read no state dict from it ({reason})") from None
-    stage = release_stage(state)
-    if stage is None:
-        raise clip.FileError(f"{path} is not {RELEASE}")
-    return stage, state
-
-
-def release_encoder(state_dict: dict[str, torch.Tensor], config: EncoderConfig = EncoderConfig()) -> PairEncoder:
-    """The pair encoder of a release (either stage) in float32 and eval mode, CLIP sized from the tensors.
-
-    Loaded with strict=True: no parameter stays random. The split point is not in the file; the reference's
-    is --intra_num_hidden_layers, 9 by default and in all its scripts, as EncoderConfig.
-    """
-    ours = rename_reference_keys(state_dict)  # float32: CLIP's float16 weights widen exactly
-    clip_state = {key.removeprefix("clip."): value for key, value in ours.items() if key.startswith("clip.")}
-    model = PairEncoder(clip.build_model(clip_state), config)  # build_model reads CLIP's sizes off the shapes
-    model.load_state_dict(ours, strict=True)
-    return model.eval()
 
 
 if __name__ == "__main__":

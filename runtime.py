@@ -45,8 +45,8 @@ import torch
 
 import clip
 import data
-import encoder
 from encoder import EncoderConfig, PairEncoder
+from release import RELEASE, release_encoder, release_stage
 
 # -----------------------------------------------------------------------------
 # Configuration: a dataclass becomes the command line
@@ -67,10 +67,12 @@ USER_ERRORS = (FileNotFoundError, FileExistsError, ConfigError, CheckpointError,
 def _field_comments(cls) -> dict:
     """The `# comment` written after each field of a dataclass, used as that flag's --help text."""
     comments = {}
-    for line in inspect.getsource(cls).splitlines():
-        match = re.match(r"\s*(\w+)\s*:[^#]*#\s*(.*)$", line)
-        if match:
-            comments[match.group(1)] = match.group(2).strip()
+    for klass in reversed(cls.__mro__):  # a subclass's comments after its bases' (pretrain.Config extends adapt's)
+        if dataclasses.is_dataclass(klass):
+            for line in inspect.getsource(klass).splitlines():
+                match = re.match(r"\s*(\w+)\s*:[^#]*#\s*(.*)$", line)
+                if match:
+                    comments[match.group(1)] = match.group(2).strip()
     return comments
 
 
@@ -312,12 +314,12 @@ def start_or_resume(path, config, model_keys, dist_, model, optimizer, scaler) -
 def load_checkpoint(path, required=("model", "config"), release: bool = False) -> dict:
     """Read a checkpoint with `weights_only=True`: tensors and plain containers only, never code.
 
-    release=True also accepts a CLIP4IDC release file, the reference's bare state dict (encoder.release_stage).
+    release=True also accepts a CLIP4IDC release file, the reference's bare state dict (release.py).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}: train first, or pass the right path")
-    expected = "a checkpoint of this project" + (f", or {encoder.RELEASE}" if release else "")
+    expected = "a checkpoint of this project" + (f", or {RELEASE}" if release else "")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -325,7 +327,7 @@ def load_checkpoint(path, required=("model", "config"), release: bool = False) -
         raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {reason}); expected "
                               f"{expected}. It may be truncated or corrupt: delete it, or point to another "
                               f"checkpoint.") from None
-    if release and encoder.release_stage(state) is not None:
+    if release and release_stage(state) is not None:
         return state
     missing = [k for k in required if not isinstance(state, dict) or k not in state]
     if missing:
@@ -345,8 +347,8 @@ def load_encoder(path, intra_layers: int = 9) -> tuple[PairEncoder, dict]:
         raise FileNotFoundError(f"no stage-1 checkpoint at {path}: run adapt.py for this dataset first "
                                 f"(python adapt.py --data ...), or pass --encoder_ckpt")
     state = load_checkpoint(path, required=("model", "clip_config", "encoder_config"), release=True)
-    if encoder.release_stage(state) is not None:
-        model = encoder.release_encoder(state, EncoderConfig(intra_layers))
+    if release_stage(state) is not None:
+        model = release_encoder(state, EncoderConfig(intra_layers))
         return model, {"clip_config": dataclasses.asdict(model.clip.config), "bpe_path": None, "release": True}
     model = PairEncoder(clip.CLIP(clip.CLIPConfig(**state["clip_config"])), EncoderConfig(**state["encoder_config"]))
     model.load_state_dict(state["model"])

@@ -16,7 +16,7 @@ It holds, top to bottom:
   4. the changed object's boxes, in RCC's change_captions_with_bbox.json format (explain.py's pointing game);
   5. make_synth / ensure_synth: the dataset written in the CLEVR-Change layout (see data.py's docstring);
   6. stage 0: single scenes with sentences naming their objects, and their samples: the synthetic CLIP
-     (assets/synth-ViT-32.pt, clip.py's "synth-ViT/32") was pretrained on them by `adapt.py --data scenes`.
+     (assets/synth-ViT-32.pt, clip.py's "synth-ViT/32") was pretrained on them by `pretrain.py`.
 
 What it writes:
   data/synth         the CLEVR-Change layout (data.py's docstring), with change_captions_with_bbox.json, plus
@@ -36,8 +36,7 @@ random number of a pair comes from the seed and the pair's number, whatever the 
 Run:  python synth.py                                  draw 10 pairs in a temp folder, print one with its tokens
       python synth.py --make-synth DIR [--pairs N] [--seed S] [--workers W]
       python synth.py --make-scenes DIR [--seed S] [--workers W]   stage 0's 21,000 scenes (3.2 GB)
-adapt.py and caption.py draw data/synth on first use of --data synth; adapt.py --data scenes draws
-data/synth_scenes.
+adapt.py and caption.py draw data/synth on first use of --data synth; pretrain.py draws data/synth_scenes.
 
 Shape letters: H, W height and width of a drawn image (320 x 480), S side of an object's sprite,
 R image side after preprocessing (224), T caption tokens (max_words, 32).
@@ -671,7 +670,7 @@ def ensure_synth(root: str | os.PathLike, cfg: SynthConfig | None = None, worker
 # ---------------------------------------------------------------------------------------------------
 # CLIP4IDC starts from OpenAI's CLIP, pretrained on 400M (image, text) pairs of the web, whose blocks already
 # know objects and their attributes; adaptation (stage 1) then teaches them to compare. This world has no
-# such CLIP, so adapt.py's stage 0 (`--data scenes`) makes one the way OpenAI did: CLIP's contrastive loss on
+# such CLIP, so stage 0 (`python pretrain.py`) makes one the way OpenAI did: CLIP's contrastive loss on
 # single images and sentences about them. The scenes come from their own seed stream (no IDC scene, of any
 # split, is ever seen) and the sentence names every object, in a random order, with random synonyms:
 # "big shiny ball and small red rubber cube and ...". With at most 6 objects it fits CLIP's 32 tokens.

@@ -44,13 +44,14 @@ import clip
 import data
 import explain
 import metrics
+import pretrain
 import runtime
 import synth
-from decoder import (REFERENCE_OUTPUT_WEIGHT, CaptionDecoder, DecoderConfig, ids_to_text, release_decoder,
-                     rename_reference_decoder_keys, to_reference_decoder_keys)
-from encoder import (FROZEN_IN_REFERENCE, EncoderConfig, IntraTokens, PairEncoder, read_release, release_encoder,
-                     rename_reference_keys, to_reference_keys)
+from decoder import CaptionDecoder, DecoderConfig, ids_to_text
+from encoder import FROZEN_IN_REFERENCE, EncoderConfig, PairEncoder, block_at_rows
 from losses import caption_loss, contrastive_loss, gather_with_grad
+from release import (REFERENCE_OUTPUT_WEIGHT, read_release, release_decoder, release_encoder,
+                     rename_reference_decoder_keys, rename_reference_keys, to_reference_decoder_keys, to_reference_keys)
 
 HERE = Path(__file__).resolve().parent
 VECTORS = HERE / "tests"
@@ -703,7 +704,7 @@ def test_a_block_run_at_some_rows_equals_the_full_blocks_rows_values_and_gradien
     full_grads = [x.grad.clone()] + [p.grad.clone() for p in block.parameters()]
     x.grad = None
     block.zero_grad()
-    only = block(x, rows=rows)  # (3, 2, D)
+    only = block_at_rows(block, x, rows)  # (3, 2, D)
     (only * grad_out).sum().backward()
     torch.testing.assert_close(only, full, rtol=1e-5, atol=1e-6)
     for got, expected in zip([x.grad] + [p.grad for p in block.parameters()], full_grads):
@@ -782,7 +783,7 @@ def test_frozen_intra_image_blocks_train_from_their_tokens_computed_once_as_from
     pixels = dict(zip(["b0", "a0", "d0", "b1", "a1", "d1"], _images(batch=6)))
     pairs = [data.ImagePair(id=str(i), before=f"b{i}", after=f"a{i}", captions=["x"], distractor=f"d{i}")
              for i in range(2)]
-    cache = IntraTokens(model, pairs, pixels.__getitem__, batch_size=4, device=torch.device("cpu"),
+    cache = data.IntraTokens(model, pairs, pixels.__getitem__, batch_size=4, device=torch.device("cpu"),
                         ctx=contextlib.nullcontext())
     assert len(cache.row) == 6 and cache("d1").shape == (N + 1, D)
     text = torch.randint(1, 900, (2, 8))
@@ -811,7 +812,7 @@ def test_intra_tokens_kept_in_a_file_are_read_back_and_a_changed_image_or_intra_
     images = lambda path: computed.append(path) or pixels[path]
 
     def tokens():
-        return IntraTokens(model, pairs, images, 4, torch.device("cpu"), contextlib.nullcontext(), tmp_path / "cache")
+        return data.IntraTokens(model, pairs, images, 4, torch.device("cpu"), contextlib.nullcontext(), tmp_path / "cache")
 
     first = tokens()
     assert first.read_from is None and len(computed) == 3 and len(list((tmp_path / "cache").iterdir())) == 1
@@ -843,130 +844,6 @@ def test_optimizer_groups_put_new_parameters_at_lr_and_clip_at_the_scaled_lr_wit
         == [(1e-4, 0.2), (1e-4, 0.0), (1e-4 * 1e-3, 0.2), (1e-4 * 1e-3, 0.0)]
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert set().union(*members.values()) == trainable and sum(map(len, members.values())) == len(trainable)
-
-
-def test_a_reference_checkpoint_loads_after_renaming_its_new_parameters():
-    model = _tiny_encoder()
-    ours_to_reference = {ours: reference for reference, ours in
-                         [("clip.visual.bef_embedding", "before_embedding"), ("clip.visual.aft_embedding", "after_embedding"),
-                          ("clip.visual.joint_positional_embedding", "joint_positional_embedding"),
-                          ("clip.visual.ln_mid.weight", "ln_mid.weight"), ("clip.visual.ln_mid.bias", "ln_mid.bias")]}
-    reference = {ours_to_reference.get(key, key): value.half() for key, value in model.state_dict().items()}
-    reference["decoder.some_layer.weight"] = torch.zeros(3)
-    fresh = _tiny_encoder()
-    fresh.load_state_dict(rename_reference_keys(reference), strict=True)
-    torch.testing.assert_close(fresh.before_embedding, model.before_embedding.half().float())
-
-
-# --- the reference's released weights ---
-
-RELEASE_CLIP = {**TINY, "transformer_width": 32}  # the decoder ties CLIP's word embedding: text width = joint width E
-RELEASE_DECODER = dict(layers=3, width=32, ffn=64, vocab=TINY["vocab_size"], positions=TINY["context_length"])
-
-
-def reference_decoder_shapes(layers, width, ffn, vocab, positions):
-    """The decoder.* keys and shapes of the reference's caption model, written out from its modules
-    (C4I:modules/module_decoder.py, DecoderModel): BERT-style layers, the word embedding also saved as the
-    output weight (classifier.cls.predictions.decoder.weight)."""
-    def linear(name, n_in, n_out):
-        return {f"{name}.weight": (n_out, n_in), f"{name}.bias": (n_out,)}
-
-    def norm(name):
-        return {f"{name}.weight": (width,), f"{name}.bias": (width,)}
-
-    def attention(name):  # DecoderAttention: att (MultiHeadAttention) and output (BertSelfOutput)
-        return {**linear(f"{name}.att.query", width, width), **linear(f"{name}.att.key", width, width),
-                **linear(f"{name}.att.value", width, width), **linear(f"{name}.output.dense", width, width),
-                **norm(f"{name}.output.LayerNorm")}
-
-    shapes = {"decoder.embeddings.word_embeddings.weight": (vocab, width),
-              "decoder.embeddings.position_embeddings.weight": (positions, width),
-              **norm("decoder.embeddings.LayerNorm")}
-    for i in range(layers):
-        for stack, attentions in (("encoder", ("slf_attn",)), ("decoder", ("slf_attn", "enc_attn"))):
-            layer = f"decoder.{stack}.layer.{i}"
-            for name in attentions:
-                shapes.update(attention(f"{layer}.{name}"))
-            shapes.update({**linear(f"{layer}.intermediate.dense", width, ffn),
-                           **linear(f"{layer}.output.dense", ffn, width), **norm(f"{layer}.output.LayerNorm")})
-    head = "decoder.classifier.cls.predictions"
-    shapes.update({**linear(f"{head}.transform.dense", width, width), **norm(f"{head}.transform.LayerNorm"),
-                   f"{head}.decoder.weight": (vocab, width), f"{head}.bias": (vocab,)})
-    return shapes
-
-
-def reference_release(stage: int, seed: int = 0, vocab: int = TINY["vocab_size"]) -> dict:
-    """A tiny state dict as the reference saves it (torch.save(model.state_dict())): CLIP under OpenAI's names
-    (clip.py keeps them), the pair parameters under clip.visual.*, the weights its convert_weights halves in
-    float16; stage 2 adds the decoder, the tied embeddings stored under each of their names."""
-    generator = torch.Generator().manual_seed(seed)
-    tiny_clip = clip.CLIP(clip.CLIPConfig(**{**RELEASE_CLIP, "vocab_size": vocab}))
-    shapes = {f"clip.{key}": tuple(value.shape) for key, value in tiny_clip.state_dict().items()}
-    shapes.update({"clip.visual.bef_embedding": (D,), "clip.visual.aft_embedding": (D,),
-                   "clip.visual.joint_positional_embedding": (2 * (N + 1), D),
-                   "clip.visual.ln_mid.weight": (D,), "clip.visual.ln_mid.bias": (D,)})
-    if stage == 2:
-        shapes.update(reference_decoder_shapes(**{**RELEASE_DECODER, "vocab": vocab}))
-    state = {key: torch.randn(shape, generator=generator) for key, shape in shapes.items()}
-    halved = ("conv1.weight", "in_proj_weight", "in_proj_bias", "clip.visual.proj", "clip.text_projection")
-    for key in state:  # Conv, Linear and attention weights and biases, and CLIP's two projections
-        if key.startswith("clip.") and (key.endswith(halved) or any(linear in key for linear in (".out_proj.", ".c_"))):
-            state[key] = state[key].half()
-    if stage == 2:  # one Parameter in the reference, saved under every name
-        for key in ("decoder.embeddings.word_embeddings.weight", "decoder.classifier.cls.predictions.decoder.weight"):
-            state[key] = state["clip.token_embedding.weight"]
-        state["decoder.embeddings.position_embeddings.weight"] = state["clip.positional_embedding"]
-    return state
-
-
-def test_a_reference_adaptation_file_is_stage_1_and_loads_strictly_with_every_tensor_in_place(tmp_path):
-    release = reference_release(stage=1)
-    torch.save(release, tmp_path / "pytorch_model.bin.clevr")
-    stage, state = read_release(tmp_path / "pytorch_model.bin.clevr")
-    assert stage == 1 and len(state) == len(release)
-    model = release_encoder(state, EncoderConfig(intra_layers=3))  # strict: every parameter from the file
-    assert model.clip.config == clip.CLIPConfig(**RELEASE_CLIP)  # sized from the tensors
-    assert torch.equal(model.before_embedding, release["clip.visual.bef_embedding"])
-    assert torch.equal(model.after_embedding, release["clip.visual.aft_embedding"])
-    assert torch.equal(model.joint_positional_embedding, release["clip.visual.joint_positional_embedding"])
-    assert torch.equal(model.ln_mid.bias, release["clip.visual.ln_mid.bias"])
-    assert torch.equal(model.clip.visual.transformer.resblocks[3].mlp.c_fc.bias,
-                       release["clip.visual.transformer.resblocks.3.mlp.c_fc.bias"].float())
-    assert not model.training
-
-
-def test_a_float16_release_loads_as_float32_with_the_same_values(tmp_path):
-    release = reference_release(stage=1)
-    assert release["clip.visual.proj"].dtype == torch.float16
-    torch.save(release, tmp_path / "pytorch_model.bin.clevr")
-    model = release_encoder(read_release(tmp_path / "pytorch_model.bin.clevr")[1], EncoderConfig(intra_layers=3))
-    assert {p.dtype for p in model.parameters()} == {torch.float32}
-    assert torch.equal(model.clip.visual.proj, release["clip.visual.proj"].float())
-
-
-def test_the_pair_encoders_names_to_the_references_and_back_are_the_identity():
-    ours = _tiny_encoder().state_dict()
-    theirs = to_reference_keys(ours)
-    assert "clip.visual.bef_embedding" in theirs and "before_embedding" not in theirs
-    back = rename_reference_keys(theirs)
-    assert back.keys() == ours.keys() and all(torch.equal(back[key], ours[key]) for key in ours)
-
-
-@pytest.mark.parametrize("kind", ["a checkpoint of this project", "a plain CLIP", "text", "a pickled object"])
-def test_a_file_of_another_kind_is_refused_in_one_line_saying_what_a_release_is(kind, tmp_path):
-    path = tmp_path / "weights.bin"
-    if kind == "a checkpoint of this project":
-        torch.save({"model": _tiny_encoder().state_dict(), "config": {}}, path)
-    elif kind == "a plain CLIP":
-        torch.save(clip.CLIP(clip.CLIPConfig(**TINY)).state_dict(), path)
-    elif kind == "text":
-        path.write_text("not weights")
-    else:
-        torch.save(types.SimpleNamespace(model=1), path)  # weights_only refuses to build it
-    with pytest.raises(clip.FileError) as error:
-        read_release(path)
-    assert "\n" not in str(error.value) and str(path) in str(error.value)
-    assert "CLIP4IDC release file" in str(error.value) and "decoder.*" in str(error.value)
 
 
 # ======== decoder.py ========
@@ -1195,7 +1072,136 @@ def test_ids_to_text_cuts_at_eot_then_at_the_pad_text():
     assert ids_to_text([9, 1], decode, eot_id=9) == ""
 
 
-# --- the reference's names ---
+# ======== release.py ========
+
+# --- the pair encoder's names ---
+
+
+def test_a_reference_checkpoint_loads_after_renaming_its_new_parameters():
+    model = _tiny_encoder()
+    ours_to_reference = {ours: reference for reference, ours in
+                         [("clip.visual.bef_embedding", "before_embedding"), ("clip.visual.aft_embedding", "after_embedding"),
+                          ("clip.visual.joint_positional_embedding", "joint_positional_embedding"),
+                          ("clip.visual.ln_mid.weight", "ln_mid.weight"), ("clip.visual.ln_mid.bias", "ln_mid.bias")]}
+    reference = {ours_to_reference.get(key, key): value.half() for key, value in model.state_dict().items()}
+    reference["decoder.some_layer.weight"] = torch.zeros(3)
+    fresh = _tiny_encoder()
+    fresh.load_state_dict(rename_reference_keys(reference), strict=True)
+    torch.testing.assert_close(fresh.before_embedding, model.before_embedding.half().float())
+
+
+# --- the reference's released weights ---
+
+RELEASE_CLIP = {**TINY, "transformer_width": 32}  # the decoder ties CLIP's word embedding: text width = joint width E
+RELEASE_DECODER = dict(layers=3, width=32, ffn=64, vocab=TINY["vocab_size"], positions=TINY["context_length"])
+
+
+def reference_decoder_shapes(layers, width, ffn, vocab, positions):
+    """The decoder.* keys and shapes of the reference's caption model, written out from its modules
+    (C4I:modules/module_decoder.py, DecoderModel): BERT-style layers, the word embedding also saved as the
+    output weight (classifier.cls.predictions.decoder.weight)."""
+    def linear(name, n_in, n_out):
+        return {f"{name}.weight": (n_out, n_in), f"{name}.bias": (n_out,)}
+
+    def norm(name):
+        return {f"{name}.weight": (width,), f"{name}.bias": (width,)}
+
+    def attention(name):  # DecoderAttention: att (MultiHeadAttention) and output (BertSelfOutput)
+        return {**linear(f"{name}.att.query", width, width), **linear(f"{name}.att.key", width, width),
+                **linear(f"{name}.att.value", width, width), **linear(f"{name}.output.dense", width, width),
+                **norm(f"{name}.output.LayerNorm")}
+
+    shapes = {"decoder.embeddings.word_embeddings.weight": (vocab, width),
+              "decoder.embeddings.position_embeddings.weight": (positions, width),
+              **norm("decoder.embeddings.LayerNorm")}
+    for i in range(layers):
+        for stack, attentions in (("encoder", ("slf_attn",)), ("decoder", ("slf_attn", "enc_attn"))):
+            layer = f"decoder.{stack}.layer.{i}"
+            for name in attentions:
+                shapes.update(attention(f"{layer}.{name}"))
+            shapes.update({**linear(f"{layer}.intermediate.dense", width, ffn),
+                           **linear(f"{layer}.output.dense", ffn, width), **norm(f"{layer}.output.LayerNorm")})
+    head = "decoder.classifier.cls.predictions"
+    shapes.update({**linear(f"{head}.transform.dense", width, width), **norm(f"{head}.transform.LayerNorm"),
+                   f"{head}.decoder.weight": (vocab, width), f"{head}.bias": (vocab,)})
+    return shapes
+
+
+def reference_release(stage: int, seed: int = 0, vocab: int = TINY["vocab_size"]) -> dict:
+    """A tiny state dict as the reference saves it (torch.save(model.state_dict())): CLIP under OpenAI's names
+    (clip.py keeps them), the pair parameters under clip.visual.*, the weights its convert_weights halves in
+    float16; stage 2 adds the decoder, the tied embeddings stored under each of their names."""
+    generator = torch.Generator().manual_seed(seed)
+    tiny_clip = clip.CLIP(clip.CLIPConfig(**{**RELEASE_CLIP, "vocab_size": vocab}))
+    shapes = {f"clip.{key}": tuple(value.shape) for key, value in tiny_clip.state_dict().items()}
+    shapes.update({"clip.visual.bef_embedding": (D,), "clip.visual.aft_embedding": (D,),
+                   "clip.visual.joint_positional_embedding": (2 * (N + 1), D),
+                   "clip.visual.ln_mid.weight": (D,), "clip.visual.ln_mid.bias": (D,)})
+    if stage == 2:
+        shapes.update(reference_decoder_shapes(**{**RELEASE_DECODER, "vocab": vocab}))
+    state = {key: torch.randn(shape, generator=generator) for key, shape in shapes.items()}
+    halved = ("conv1.weight", "in_proj_weight", "in_proj_bias", "clip.visual.proj", "clip.text_projection")
+    for key in state:  # Conv, Linear and attention weights and biases, and CLIP's two projections
+        if key.startswith("clip.") and (key.endswith(halved) or any(linear in key for linear in (".out_proj.", ".c_"))):
+            state[key] = state[key].half()
+    if stage == 2:  # one Parameter in the reference, saved under every name
+        for key in ("decoder.embeddings.word_embeddings.weight", "decoder.classifier.cls.predictions.decoder.weight"):
+            state[key] = state["clip.token_embedding.weight"]
+        state["decoder.embeddings.position_embeddings.weight"] = state["clip.positional_embedding"]
+    return state
+
+
+def test_a_reference_adaptation_file_is_stage_1_and_loads_strictly_with_every_tensor_in_place(tmp_path):
+    release = reference_release(stage=1)
+    torch.save(release, tmp_path / "pytorch_model.bin.clevr")
+    stage, state = read_release(tmp_path / "pytorch_model.bin.clevr")
+    assert stage == 1 and len(state) == len(release)
+    model = release_encoder(state, EncoderConfig(intra_layers=3))  # strict: every parameter from the file
+    assert model.clip.config == clip.CLIPConfig(**RELEASE_CLIP)  # sized from the tensors
+    assert torch.equal(model.before_embedding, release["clip.visual.bef_embedding"])
+    assert torch.equal(model.after_embedding, release["clip.visual.aft_embedding"])
+    assert torch.equal(model.joint_positional_embedding, release["clip.visual.joint_positional_embedding"])
+    assert torch.equal(model.ln_mid.bias, release["clip.visual.ln_mid.bias"])
+    assert torch.equal(model.clip.visual.transformer.resblocks[3].mlp.c_fc.bias,
+                       release["clip.visual.transformer.resblocks.3.mlp.c_fc.bias"].float())
+    assert not model.training
+
+
+def test_a_float16_release_loads_as_float32_with_the_same_values(tmp_path):
+    release = reference_release(stage=1)
+    assert release["clip.visual.proj"].dtype == torch.float16
+    torch.save(release, tmp_path / "pytorch_model.bin.clevr")
+    model = release_encoder(read_release(tmp_path / "pytorch_model.bin.clevr")[1], EncoderConfig(intra_layers=3))
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert torch.equal(model.clip.visual.proj, release["clip.visual.proj"].float())
+
+
+def test_the_pair_encoders_names_to_the_references_and_back_are_the_identity():
+    ours = _tiny_encoder().state_dict()
+    theirs = to_reference_keys(ours)
+    assert "clip.visual.bef_embedding" in theirs and "before_embedding" not in theirs
+    back = rename_reference_keys(theirs)
+    assert back.keys() == ours.keys() and all(torch.equal(back[key], ours[key]) for key in ours)
+
+
+@pytest.mark.parametrize("kind", ["a checkpoint of this project", "a plain CLIP", "text", "a pickled object"])
+def test_a_file_of_another_kind_is_refused_in_one_line_saying_what_a_release_is(kind, tmp_path):
+    path = tmp_path / "weights.bin"
+    if kind == "a checkpoint of this project":
+        torch.save({"model": _tiny_encoder().state_dict(), "config": {}}, path)
+    elif kind == "a plain CLIP":
+        torch.save(clip.CLIP(clip.CLIPConfig(**TINY)).state_dict(), path)
+    elif kind == "text":
+        path.write_text("not weights")
+    else:
+        torch.save(types.SimpleNamespace(model=1), path)  # weights_only refuses to build it
+    with pytest.raises(clip.FileError) as error:
+        read_release(path)
+    assert "\n" not in str(error.value) and str(path) in str(error.value)
+    assert "CLIP4IDC release file" in str(error.value) and "decoder.*" in str(error.value)
+
+
+# --- the caption decoder's names ---
 
 
 def test_the_decoders_names_to_the_references_and_back_are_the_identity():
@@ -1733,6 +1739,15 @@ def test_a_partial_image_cache_of_a_dead_process_is_removed_at_the_next_build(cl
         write_json(path, [])
     data.image_cache(data.read_clevr_change(clevr_root, "train"), tmp_path / "cache", "all", image_size=32)
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["all_32.json", "all_32.npy", living.name]
+
+
+def test_the_scripts_image_reader_reads_every_splits_images_from_one_cache_at_the_encoders_resolution(clevr_root):
+    splits = {s: data.load_split("clevr", s, clevr_root) for s in data.SPLITS}
+    alone = types.SimpleNamespace(master=True, ddp=False)  # one process: it builds the cache itself
+    reader = data.image_reader(splits, clevr_root, 32, cached=True, dist_=alone)
+    assert reader.cache_dir == clevr_root / ".cache" and reader.cache.array_path.name == "all_32.npy"
+    pair = splits["test"][0]
+    assert torch.equal(reader(pair.after), data.image_reader(splits, clevr_root, 32, False, alone)(pair.after))
 
 
 # ======== synth.py ========
@@ -2755,11 +2770,26 @@ def test_a_run_killed_mid_epoch_resumes_and_finishes_with_intact_checkpoints(syn
     assert not list(out.glob(".*.tmp*"))  # no half-written file left behind
 
 
-# --- stage 0: CLIP's own pretraining on single synthetic scenes ---
+def test_the_synth_preset_is_clip4idcs_recipe_on_the_synthetic_clip(tmp_path, monkeypatch):
+    config = runtime.parse_config(adapt.Config, adapt.PRESETS, ["--data", "synth"])
+    assert config.clip_model == "synth-ViT/32" and config.clip_model in clip.MODELS
+    monkeypatch.setenv("CLIP_CACHE", str(tmp_path))  # build_encoder loads it by name, through the checksummed cache
+    model, _ = adapt.build_encoder(config, vocab_size=clip.load("synth-ViT/32")[0].config.vocab_size)
+    b, a = torch.randn(2, 50, 128), torch.randn(2, 50, 128)  # two images' intra-image tokens (B, N+1, D)
+    with torch.no_grad():  # CLIP4IDC's join: before and after tokens as they are, marked, positioned, normalised
+        joined = torch.cat([b + model.before_embedding, a + model.after_embedding], dim=1)
+        torch.testing.assert_close(model.join(b, a), model.ln_mid(joined + model.joint_positional_embedding))
+    assert config.freeze and config.intra_layers == 4  # the reference's frozen set and split, scaled to 6 blocks
+    assert config.freeze_intra  # the intra-image blocks frozen, as the reference's 1e-7 all but freezes them
+    assert config.clip_lr_scale < 1  # the reference's two rates: new joint parameters fast, pretrained CLIP slower
 
-TINY_SCENES = ["--data", "scenes", "--scratch_width", "64", "--scratch_layers", "2", "--scratch_text_width", "64",
-               "--scratch_text_layers", "1", "--scratch_embed_dim", "32", "--batch_size", "8", "--epochs", "2",
-               "--eval_batch_size", "16", "--log_every", "1"]
+
+# ======== pretrain.py ========
+
+# Stage 0: CLIP's own pretraining on single synthetic scenes, with adapt.py's loop.
+
+TINY_SCENES = ["--scratch_width", "64", "--scratch_layers", "2", "--scratch_text_width", "64", "--scratch_text_layers", "1",
+               "--scratch_embed_dim", "32", "--batch_size", "8", "--epochs", "2", "--eval_batch_size", "16", "--log_every", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -2770,13 +2800,13 @@ def scenes_root(tmp_path_factory):
 def test_stage_0_pretrains_clip_on_scenes_and_writes_openai_style_weights_the_same_every_time(scenes_root, tmp_path):
     runs = []
     for name in ("first", "second"):
-        command = [sys.executable, str(HERE / "adapt.py"), *TINY_SCENES, "--data_root", str(scenes_root),
+        command = [sys.executable, str(HERE / "pretrain.py"), *TINY_SCENES, "--data_root", str(scenes_root),
                    "--out_dir", str(tmp_path / name)]
         runs.append(subprocess.run(command, cwd=HERE, capture_output=True, text=True, timeout=300,
                                    env={**os.environ, "OMP_NUM_THREADS": "1"}))
         assert runs[-1].returncode == 0, runs[-1].stderr
-    weights = tmp_path / "first" / adapt.SYNTH_CLIP_FILE
-    assert weights.read_bytes() == (tmp_path / "second" / adapt.SYNTH_CLIP_FILE).read_bytes()  # rebuilt bit for bit
+    weights = tmp_path / "first" / pretrain.SYNTH_CLIP_FILE
+    assert weights.read_bytes() == (tmp_path / "second" / pretrain.SYNTH_CLIP_FILE).read_bytes()  # rebuilt bit for bit
     assert f"sha256 {clip.sha256_of(weights)}" in runs[0].stdout
     model, _ = clip.load(weights)  # OpenAI's names and format: clip.load reads it like ViT-B-32.pt
     assert model.config.vision_width == 64 and model.config.vocab_size == 2 * 256 + len(synth.synth_vocabulary()) + 2
@@ -2801,29 +2831,24 @@ def test_zero_shot_attributes_scores_a_model_that_knows_the_answer_100_percent(s
             return torch.tensor([[float(o[a] == v) for a, vs in zip(synth.ATTRIBUTE_ORDER, values) for v in vs]
                                  for o in objects])
     cfg = synth.SynthConfig()
-    truth = [synth.pretrain_objects(adapt.ZERO_SHOT_FIRST + i, cfg, n_objects=1)[0]
-             for i in range(adapt.ZERO_SHOT_SCENES)]
+    truth = [synth.pretrain_objects(pretrain.ZERO_SHOT_FIRST + i, cfg, n_objects=1)[0]
+             for i in range(pretrain.ZERO_SHOT_SCENES)]
     classes = [dict(zip(synth.ATTRIBUTE_ORDER, v))
                for v in itertools.product(synth.SIZES, synth.COLORS, synth.MATERIALS, synth.SHAPES)]
-    config = adapt.Config()
-    accuracy = adapt.zero_shot_attributes(Oracle(), synth_tokenizer, config, torch.device("cpu"), contextlib.nullcontext())
+    config = pretrain.Config()
+    accuracy = pretrain.zero_shot_attributes(Oracle(), synth_tokenizer, config, torch.device("cpu"), contextlib.nullcontext())
     assert accuracy == {"object": 100.0, "size": 100.0, "color": 100.0, "material": 100.0, "shape": 100.0}
 
 
-def test_the_synth_preset_is_clip4idcs_recipe_on_the_synthetic_clip(tmp_path, monkeypatch):
-    config = runtime.parse_config(adapt.Config, adapt.PRESETS, ["--data", "synth"])
-    assert config.clip_model == "synth-ViT/32" and config.clip_model in clip.MODELS
-    monkeypatch.setenv("CLIP_CACHE", str(tmp_path))  # build_encoder loads it by name, through the checksummed cache
-    model, _ = adapt.build_encoder(config, vocab_size=clip.load("synth-ViT/32")[0].config.vocab_size)
-    b, a = torch.randn(2, 50, 128), torch.randn(2, 50, 128)  # two images' intra-image tokens (B, N+1, D)
-    with torch.no_grad():  # CLIP4IDC's join: before and after tokens as they are, marked, positioned, normalised
-        joined = torch.cat([b + model.before_embedding, a + model.after_embedding], dim=1)
-        torch.testing.assert_close(model.join(b, a), model.ln_mid(joined + model.joint_positional_embedding))
-    assert config.freeze and config.intra_layers == 4  # the reference's frozen set and split, scaled to 6 blocks
-    assert config.freeze_intra  # the intra-image blocks frozen, as the reference's 1e-7 all but freezes them
-    assert config.clip_lr_scale < 1  # the reference's two rates: new joint parameters fast, pretrained CLIP slower
-    stage_0 = runtime.parse_config(adapt.Config, adapt.PRESETS, ["--data", "scenes"])
-    assert stage_0.pretrain and stage_0.clip_model == "scratch"
+def test_stage_0_is_its_own_command_whose_default_is_the_scenes_preset_on_adapts_knobs(capsys):
+    config = runtime.parse_config(pretrain.Config, pretrain.PRESETS, [])
+    assert config.data == "scenes" and config.clip_model == "scratch" and not config.freeze
+    assert isinstance(config, adapt.Config) and "scenes" not in adapt.PRESETS  # adapt.py is stage 1 alone
+    with pytest.raises(SystemExit):
+        runtime.parse_config(pretrain.Config, pretrain.PRESETS, ["--help"])
+    help_text = capsys.readouterr().out  # adapt.py's comments, and pretrain.py's own where it changes a default
+    assert "scratch model: vision width" in help_text and "runs/pretrain_scenes" in help_text
+
 
 
 # ======== caption.py ========
