@@ -164,8 +164,8 @@ def check_device(device: str) -> str:
     except RuntimeError:
         raise ConfigError(f"--device {device!r} is not a device: use auto, cpu, cuda or cuda:N") from None
     if kind == "cuda" and not torch.cuda.is_available():
-        build = "a CPU build of torch" if torch.version.cuda is None else "no GPU visible to torch"
-        raise ConfigError(f"--device {device}: this torch {torch.__version__} has {build}; use --device cpu, or "
+        build = "is a CPU build" if torch.version.cuda is None else "sees no GPU"
+        raise ConfigError(f"--device {device}: this torch ({torch.__version__}) {build}; use --device cpu, or "
                           f"install a CUDA build of torch (pytorch.org) on a machine with an NVIDIA GPU")
     if kind not in ("cpu", "cuda"):
         raise ConfigError(f"--device {device!r}: this project trains on cpu or cuda")

@@ -2556,7 +2556,8 @@ def test_a_diverging_learning_rate_stops_stage_1_at_once_in_one_line_and_saves_n
                        "0", "--grad_clip", "1e30")
     assert result.returncode == 1 and "Traceback" not in result.stderr
     line = result.stderr.strip()
-    assert "\n" not in line and re.search(r"diverged at step \d+: loss nan, .*learning rate 1e\+30.*--lr", line), line
+    assert "\n" not in line
+    assert re.search(r"diverged at step \d+: loss nan, .*learning rate [\d.]+e\+(29|30);.*--lr", line), line
     assert not (out / "ckpt_best.pt").exists() and not (out / "ckpt_last.pt").exists()
 
 
@@ -2987,7 +2988,7 @@ def test_a_diverging_learning_rate_stops_stage_2_in_one_line_and_saves_no_best_m
     result = stage2(stage1, out, "--epochs", "2", "--lr", "1e30", "--warmup", "0", "--grad_clip", "1e30")
     assert result.returncode == 1 and "Traceback" not in result.stderr
     line = result.stderr.strip()
-    assert "\n" not in line and re.search(r"diverged at step \d+: .*learning rate 1e\+30.*--lr", line), line
+    assert "\n" not in line and re.search(r"diverged at step \d+: .*learning rate [\d.]+e\+(29|30);.*--lr", line), line
     if (out / "ckpt_best.pt").exists():  # the epochs before it diverged may keep their best model: finite
         state = torch.load(out / "ckpt_best.pt", weights_only=True)
         assert all(torch.isfinite(v).all() for v in state["model"].values())
