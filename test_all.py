@@ -2901,9 +2901,9 @@ def test_the_synth_preset_finetunes_the_inter_image_blocks_and_keeps_stage_1s_fr
     result = stage2(stage1, tmp_path / "cap", "--epochs", 1)
     assert result.returncode == 0, result.stderr
     assert "finetuning the encoder" in result.stdout and "intra-image tokens of" in result.stdout
-    before = torch.load(stage1["encoder"], weights_only=False)["model"]
+    before = torch.load(stage1["encoder"], weights_only=True)["model"]
     after = {k.removeprefix("encoder."): v for k, v in
-             torch.load(tmp_path / "cap" / "ckpt_last.pt", weights_only=False)["model"].items()
+             torch.load(tmp_path / "cap" / "ckpt_last.pt", weights_only=True)["model"].items()
              if k.startswith("encoder.")}
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     intra = "clip.visual.transformer.resblocks.0."  # TINY_CLIP: 1 intra-image block, 1 inter-image block
