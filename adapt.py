@@ -69,6 +69,9 @@ MAX_LOGIT_SCALE = math.log(100)  # logit_scale is clamped to ln(100): a temperat
 MODEL_KEYS = ("data", "clip_model", "intra_layers", "freeze_intra", "max_words",
               "scratch_width", "scratch_layers", "scratch_patch", "scratch_text_width", "scratch_text_layers",
               "scratch_embed_dim", "synth_pairs")
+# what --resume also refuses to change: what the training computes (its batch, schedule, rates, data order)
+TRAINING_KEYS = ("freeze", "epochs", "batch_size", "grad_accum", "lr", "clip_lr_scale", "weight_decay", "warmup",
+                 "beta2", "eps", "grad_clip", "seed")
 
 
 @dataclass
@@ -122,6 +125,17 @@ class Config:
                                                "grad_accum", "lr", "log_every", "save_every", "eval_batch_size"),
                                non_negative=("num_workers", "clip_lr_scale", "weight_decay", "grad_clip"),
                                fraction=("warmup",))
+        # at least one word between the start and end tokens; CLIP's text positions hold 77 (clip.CLIPConfig)
+        most = self.max_words if self.clip_model == "scratch" else clip.CLIPConfig.context_length
+        runtime.check_length("max_words", self.max_words, 3, most, "start token, at least one word, end token; "
+                             "CLIP's text tower has 77 positions")
+        self.check_split()
+
+    def check_split(self):
+        """The split point within a scratch model's blocks (a named model's is checked once it is loaded)."""
+        if self.clip_model == "scratch" and not 0 < self.intra_layers <= self.scratch_layers:
+            raise runtime.ConfigError(f"--intra_layers {self.intra_layers}: the scratch model has --scratch_layers "
+                                      f"{self.scratch_layers} vision blocks, so it must be in [1, {self.scratch_layers}]")
 
 
 # Dataset presets, applied before the command-line flags (REFERENCE 2.1). IER has no reference run: we use
@@ -161,12 +175,18 @@ def build_clip(config: Config, vocab_size: int) -> clip.CLIP:
         raise runtime.ConfigError(f"{config.clip_model} has a vocabulary of {clip_model.config.vocab_size} tokens "
                                   f"but the {config.data} dataset's tokenizer has {vocab_size}; use the model's "
                                   f"vocabulary file")
+    runtime.check_length("max_words", config.max_words, 3, clip_model.config.context_length,
+                         f"{config.clip_model}'s text tower has {clip_model.config.context_length} positions")
     return clip_model
 
 
 def build_encoder(config: Config, vocab_size: int) -> tuple[PairEncoder, dict]:
     """The pair encoder, and the CLIP sizes a checkpoint needs to rebuild it."""
     clip_model = build_clip(config, vocab_size)
+    blocks = clip_model.config.vision_layers
+    if not 0 < config.intra_layers <= blocks:
+        raise runtime.ConfigError(f"--intra_layers {config.intra_layers}: {config.clip_model} has {blocks} vision "
+                                  f"blocks, so it must be in [1, {blocks}]")
     model = PairEncoder(clip_model, EncoderConfig(config.intra_layers))
     if config.freeze:
         model.freeze()
@@ -198,8 +218,9 @@ def visual_embedding(out: dict) -> torch.Tensor:
 
 
 def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp: bool,
-               logit_scale: torch.nn.Parameter) -> torch.Tensor:
-    """One optimizer step over grad_accum micro-batches; returns the mean loss (a tensor, not synced)."""
+               logit_scale: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over grad_accum micro-batches; returns the mean loss and the gradient norm before
+    clipping (tensors, not synced)."""
     total = 0.0
     for i, batch in enumerate(micro_batches):
         if ddp:  # all-reduce the gradients only after the last micro-batch
@@ -217,13 +238,13 @@ def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp
         scaler.scale(loss).backward()
         total = total + loss.detach()
     scaler.unscale_(optimizer)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():  # a temperature below 0.01 makes the softmax too sharp to train, as CLIP found
         logit_scale.clamp_(max=MAX_LOGIT_SCALE)
-    return total
+    return total, grad_norm
 
 
 # -----------------------------------------------------------------------------
@@ -278,7 +299,7 @@ def summary(scores: dict) -> str:
 
 def setup(config: Config) -> tuple[runtime.Distributed, str, object, torch.amp.GradScaler]:
     """This process: one of torchrun's (RANK is set: DDP) or the only one; its device; the precision context."""
-    device = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    device = runtime.check_device(config.device)  # auto: cuda when torch sees a GPU; a missing GPU is refused
     ddp = int(os.environ.get("RANK", -1)) != -1
     rank, local_rank, world_size = (int(os.environ.get(k, 0)) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     if ddp and device.startswith("cuda"):
@@ -327,7 +348,9 @@ def checkpoint(model: nn.Module, optimizer, scaler, config: Config, clip_config:
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
             "config": dataclasses.asdict(config), "clip_config": clip_config,
             "encoder_config": dataclasses.asdict(model.config) if isinstance(model, PairEncoder) else None,
-            "bpe_path": str(tokenizer.bpe_path), **progress, "rng": runtime.rng_state()}
+            # the vocabulary itself, so that the file travels alone; its path only as a hint of where it came from
+            "vocabulary": runtime.vocabulary_tensor(tokenizer.bpe_path), "bpe_path": str(tokenizer.bpe_path),
+            **progress, "rng": runtime.rng_state()}
 
 
 def train(config: Config, dist_, ctx, scaler, dtype: str, model: nn.Module, raw_model: nn.Module, optimizer,
@@ -350,46 +373,57 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, model: nn.Module, raw_
             f"{config.batch_size} = {micro} x {dist_.world_size} processes x {config.grad_accum} accumulation; "
             f"{steps_per_epoch} steps per epoch, {total_steps} in all; {dtype} on {device}; "
             f"{sum(p.numel() for p in raw_model.parameters() if p.requires_grad) / 1e6:.1f}M trainable parameters")
-    save = lambda path, epoch: runtime.save_checkpoint(checkpoint(
-        raw_model, optimizer, scaler, config, clip_config, tokenizer, epoch=epoch, step=step, best_metric=best,
-        best_epoch=best_epoch, history=history), path)
+    saved = {"step": None if state is None else step}  # ckpt_last.pt's step, for the line Ctrl-C prints
+
+    def save(path, epoch):
+        runtime.save_checkpoint(checkpoint(raw_model, optimizer, scaler, config, clip_config, tokenizer, epoch=epoch,
+                                           step=step, best_metric=best, best_epoch=best_epoch, history=history), path)
+        if path.name == "ckpt_last.pt":
+            saved["step"] = step
+
     progress = runtime.Progress(total_steps, first_step=step)
     model.train()
-    while step < total_steps:
-        epoch = step // steps_per_epoch
-        done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
-        batches = runtime.epoch_batches(train_set, sampler, epoch, done_in_epoch, micro, config.grad_accum,
-                                        config.num_workers, device)
-        for _ in range(done_in_epoch, steps_per_epoch):
-            for group in optimizer.param_groups:
-                group["lr"] = get_lr(step, total_steps, config) * group["lr_scale"]
-            micro_batches = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()
-                              if k in (*IMAGE_KEYS, "caption")} for _ in range(config.grad_accum)]
-            loss = train_step(model, optimizer, scaler, micro_batches, ctx, config, dist_.ddp,
-                              raw_model.clip.logit_scale)
-            step += 1
-            if master and (step % config.log_every == 0 or step == total_steps):
-                loss_value, scale = loss.item(), raw_model.clip.logit_scale.exp().item()  # .item() waits: here only
-                say(progress.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=loss_value,
-                                  lr=get_lr(step, total_steps, config), temp=1 / scale), flush=True)
-                log.write(step=step, epoch=epoch, loss=loss_value, lr=get_lr(step, total_steps, config),
-                          logit_scale=scale)
-            if master and step % config.save_every == 0 and step % steps_per_epoch:
+    try:  # Ctrl-C: one line saying what ckpt_last.pt holds and the command that resumes, instead of a traceback
+        while step < total_steps:
+            epoch = step // steps_per_epoch
+            done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
+            batches = runtime.epoch_batches(train_set, sampler, epoch, done_in_epoch, micro, config.grad_accum,
+                                            config.num_workers, device)
+            for _ in range(done_in_epoch, steps_per_epoch):
+                lr = get_lr(step, total_steps, config)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr * group["lr_scale"]
+                micro_batches = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()
+                                  if k in (*IMAGE_KEYS, "caption")} for _ in range(config.grad_accum)]
+                loss, grad_norm = train_step(model, optimizer, scaler, micro_batches, ctx, config, dist_.ddp,
+                                             raw_model.clip.logit_scale)
+                step += 1
+                runtime.check_finite(loss, grad_norm, scaler, dist_.ddp, step, lr)  # stop where it diverges
+                if master and (step % config.log_every == 0 or step == total_steps):
+                    loss_value, scale = loss.item(), raw_model.clip.logit_scale.exp().item()  # .item() waits
+                    say(progress.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=loss_value,
+                                      lr=get_lr(step, total_steps, config), temp=1 / scale if scale else math.inf),
+                        flush=True)
+                    log.write(step=step, epoch=epoch, loss=loss_value, lr=get_lr(step, total_steps, config),
+                              logit_scale=scale)
+                if master and step % config.save_every == 0 and step % steps_per_epoch:
+                    save(out_dir / "ckpt_last.pt", epoch)
+            if master:  # end of epoch: validation retrieval on the master, the others wait
+                runtime.check_finite_model(raw_model, step, lr)  # a non-finite model is never scored nor saved
+                scores = evaluate(raw_model, splits["val"], tokenizer, images, config, device, ctx)
+                history.append({"epoch": epoch, "step": step, **scores})
+                improved = scores["text_to_pair_R1"] >= best  # a tie keeps the later epoch, as the reference
+                best, best_epoch = (scores["text_to_pair_R1"], epoch) if improved else (best, best_epoch)
+                say(f"epoch {epoch + 1} validation: {summary(scores)}" + (" (best so far)" if improved else ""))
+                log.write(step=step, epoch=epoch, split="val", **scores)
+                if improved:
+                    save(out_dir / "ckpt_best.pt", epoch)
                 save(out_dir / "ckpt_last.pt", epoch)
-        if master:  # end of epoch: validation retrieval on the master, the others wait
-            scores = evaluate(raw_model, splits["val"], tokenizer, images, config, device, ctx)
-            history.append({"epoch": epoch, "step": step, **scores})
-            improved = scores["text_to_pair_R1"] >= best  # a tie keeps the later epoch, as the reference
-            best, best_epoch = (scores["text_to_pair_R1"], epoch) if improved else (best, best_epoch)
-            say(f"epoch {epoch + 1} validation: {summary(scores)}" + (" (best so far)" if improved else ""))
-            log.write(step=step, epoch=epoch, split="val", **scores)
-            if improved:
-                save(out_dir / "ckpt_best.pt", epoch)
-            save(out_dir / "ckpt_last.pt", epoch)
-        if dist_.ddp:
-            dist.barrier()
+            if dist_.ddp:
+                dist.barrier()
+    except KeyboardInterrupt:
+        raise runtime.interrupted(out_dir / "ckpt_last.pt", saved["step"]) from None
     return step
-
 
 def test(model: nn.Module, splits: dict, tokenizer, images, config: Config, device, ctx, step: int,
          out_dir: Path) -> None:
@@ -431,7 +465,8 @@ def train_and_test(config: Config, dist_, dtype: str, ctx, scaler, out_dir: Path
     model.to(device)
     optimizer = build_optimizer(model, config, device)
     ckpt_path = out_dir / "ckpt_last.pt"
-    state = runtime.start_or_resume(ckpt_path, config, MODEL_KEYS, dist_, model, optimizer, scaler)
+    state = runtime.start_or_resume(ckpt_path, config, MODEL_KEYS + TRAINING_KEYS, dist_, model, optimizer,
+                                     scaler)
     if state is not None and master:
         print(f"resumed {ckpt_path} at step {state['step']}")
     if config.freeze_intra:  # training reads each image's intra tokens, computed now

@@ -80,6 +80,9 @@ from release import release_decoder, release_stage
 
 MODEL_KEYS = ("data", "max_words", "finetune_encoder", "use_no_change_pair", "train_word_embedding",
               "decoder_layers", "decoder_heads", "decoder_ffn")
+# what --resume also refuses to change: what the training computes (its batch, schedule, rates, data order)
+TRAINING_KEYS = ("epochs", "batch_size", "grad_accum", "lr", "clip_lr_scale", "weight_decay", "warmup", "beta2",
+                 "eps", "grad_clip", "dropout", "max_len", "seed")
 SEMANTIC = "semantic change"  # the papers' "SC" row: change pairs only, no distractors
 ATTENTION_PAIRS = 4  # test pairs in test_attention.png, the first of the grid
 
@@ -137,6 +140,11 @@ class Config:
                                non_negative=("num_workers", "patience", "clip_lr_scale", "weight_decay", "grad_clip",
                                              "dropout"),
                                fraction=("warmup",))
+        # at least one word before the end token; the upper bounds are the decoder's positions (load_stage1)
+        runtime.check_length("max_words", self.max_words, 2, clip.CLIPConfig.context_length,
+                             "a word and the end token; CLIP's text positions, which the decoder uses, hold 77")
+        if self.explain:  # its format is checked now, not found unwritable after the work
+            runtime.check_image_path("explain", self.explain)
 
 
 # Dataset presets (REFERENCE 3.4). Spot-the-Diff, IER and your own pairs have no distractor images, and on
@@ -257,8 +265,10 @@ def get_lr(step: int, total_steps: int, config: Config) -> float:
     return config.lr * max(0.0, (x - 1) / (config.warmup - 1))
 
 
-def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp: bool) -> torch.Tensor:
-    """One optimizer step over grad_accum micro-batches; returns the mean loss (a tensor, not synced)."""
+def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config,
+               ddp: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over grad_accum micro-batches; returns the mean loss and the gradient norm before
+    clipping (tensors, not synced)."""
     total = 0.0
     for i, batch in enumerate(micro_batches):
         if ddp:  # all-reduce the gradients only after the last micro-batch
@@ -268,11 +278,11 @@ def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp
         scaler.scale(loss).backward()  # float16: the loss times the scale, so that small gradients do not underflow
         total = total + loss.detach()
     scaler.unscale_(optimizer)  # first: the norm is clipped on the true gradients, not on the scaled ones
-    torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
     scaler.step(optimizer)  # float16: skipped when a gradient is inf or NaN, and update() then halves the scale
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return total
+    return total, grad_norm
 
 
 # -----------------------------------------------------------------------------
@@ -307,14 +317,17 @@ def cached_features(encoder, encoder_sha: str, pairs, images, cache_dir: Path, n
     if path.is_file():
         return path
     cache_dir.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.tmp")
+    partial = path.with_name(f".{path.name}.tmp{os.getpid()}")  # a killed run's is removed at the next start
     side = encoder.clip.visual.input_resolution // encoder.clip.visual.conv1.kernel_size[0]
     shape = (len(pairs), 2 * (side * side + 1), encoder.clip.visual.proj.shape[1])  # (rows, M, E)
-    array = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float16, shape=shape)
-    encode_pairs(encoder.to(device), pairs, images, array, config, device, ctx, f"{name} ({len(pairs)} pairs)")
-    array.flush()
-    del array
-    partial.replace(path)
+    try:
+        array = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float16, shape=shape)
+        encode_pairs(encoder.to(device), pairs, images, array, config, device, ctx, f"{name} ({len(pairs)} pairs)")
+        array.flush()
+        del array
+        partial.replace(path)
+    finally:  # an interrupt or an error leaves no partial file behind
+        partial.unlink(missing_ok=True)
     return path
 
 
@@ -430,7 +443,7 @@ def evaluate_test(encoder, decoder, features: np.ndarray, pairs, test_pairs, ima
 
 def setup(config: Config) -> tuple[runtime.Distributed, str, object, torch.amp.GradScaler]:
     """This process: one of torchrun's (RANK is set: DDP) or the only one; its device; the precision context."""
-    device = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    device = runtime.check_device(config.device)  # auto: cuda when torch sees a GPU; a missing GPU is refused
     ddp = int(os.environ.get("RANK", -1)) != -1
     rank, local_rank, world_size = (int(os.environ.get(k, 0)) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     if ddp and device.startswith("cuda"):
@@ -460,37 +473,53 @@ class Stage1:
     path: Path
     sha256: str           # the captioner records it, and refuses to run on another encoder
     encoder: PairEncoder  # in eval mode
-    state: dict           # the checkpoint's other entries: config, clip_config, bpe_path
+    state: dict           # the checkpoint's other entries: config, clip_config, vocabulary (or bpe_path)
     freeze_intra: bool    # stage 1 froze the intra-image blocks (the synth preset): stage 2 keeps them frozen
 
 
-def load_stage1(config: Config, trained_on: str | None) -> Stage1:
-    """The stage-1 encoder (adapt.py's checkpoint or a CLIP4IDC release); trained_on: the sha256 that the trained
-    captioner (--eval, --pair) recorded of its encoder, which must still be this one."""
-    path = Path(config.encoder_ckpt or f"runs/adapt_{config.data}/ckpt_best.pt")
+def load_stage1(config: Config, trained: dict | None = None, trained_path: Path | None = None) -> Stage1:
+    """The stage-1 encoder, found in this order: --encoder_ckpt when given (a flag wins); the copy of stage 1 that a
+    trained captioner holds (--eval, --pair: its checkpoint travels alone); the file it recorded, if it is still
+    there (a hint, never a requirement); runs/adapt_<dataset>/ckpt_best.pt. The file is adapt.py's checkpoint or a
+    CLIP4IDC release.
+
+    trained: the trained captioner's checkpoint (ours), at trained_path; it recorded the sha256 of its encoder,
+    which must still be this one."""
+    if trained is not None and not config.encoder_ckpt and "stage1" in trained:
+        record = trained["stage1"]  # finetuned: no weights here, the captioner's encoder.* replace the random ones
+        return Stage1(trained_path, trained["encoder_sha256"], runtime.encoder_from_state(record), record,
+                      record["config"].get("freeze_intra", False))
+    hint = None if trained is None else trained.get("encoder_ckpt")
+    path = Path(config.encoder_ckpt or (hint if hint and Path(hint).is_file() else
+                                        f"runs/adapt_{config.data}/ckpt_best.pt"))
     encoder, state = runtime.load_encoder(path, config.intra_layers)
     sha256 = clip.sha256_of(path)
-    if trained_on is not None and trained_on != sha256:
-        raise runtime.ConfigError(f"{path} changed since the captioner was trained on it (its sha256 differs); "
-                                  f"train stage 2 again, or restore that stage-1 checkpoint")
+    if trained is not None and trained["encoder_sha256"] != sha256:
+        raise runtime.ConfigError(f"{path} is not the stage-1 checkpoint the captioner was trained on (its sha256 "
+                                  f"differs); pass that one with --encoder_ckpt, or train stage 2 again")
     return Stage1(path, sha256, encoder, state, state.get("config", {}).get("freeze_intra", False))
 
 
-def load_trained(config: Config, out_dir: Path) -> tuple[Config, dict]:
+def load_trained(config: Config, out_dir: Path) -> tuple[Config, dict, Path]:
     """--eval, --pair: the trained captioner, ours (out_dir/ckpt_best.pt) or the captioning stage of a CLIP4IDC
-    release (--checkpoint trained/pytorch_model.bin.clevr), and the config its model settings make."""
+    release (--checkpoint trained/pytorch_model.bin.clevr), the config its model settings make, and its path."""
     path = Path(config.checkpoint or out_dir / "ckpt_best.pt")
-    best = runtime.load_checkpoint(path, required=("model", "config", "encoder_sha256"), release=True)
+    best = runtime.load_checkpoint(path, required=("model", "config"), release=True)
     stage = release_stage(best)
     if stage == 1:
         raise runtime.ConfigError(f"{path} is the reference's adaptation stage (no decoder): caption with its "
                                   f"captioning stage (trained/pytorch_model.bin.*), or train a captioner on it with "
                                   f"--encoder_ckpt {path}")
     if stage == 2:  # the release holds its encoder too; its decoder reads the pair tokens, computed once
-        return dataclasses.replace(config, encoder_ckpt=str(path), finetune_encoder=False), best
-    # ours: the model settings it was trained with, and the stage-1 checkpoint it names
-    return dataclasses.replace(config, encoder_ckpt=best["encoder_ckpt"],
-                               **{k: best["config"][k] for k in MODEL_KEYS if k != "data"}), best
+        return dataclasses.replace(config, encoder_ckpt=str(path), finetune_encoder=False), best, path
+    if "encoder_sha256" not in best:
+        if "encoder_config" in best:
+            raise runtime.ConfigError(f"{path} is a stage-1 checkpoint (adapt.py's, no decoder): --checkpoint takes "
+                                      f"a captioner (caption.py's ckpt_best.pt); to train one on this encoder, pass "
+                                      f"--encoder_ckpt {path}")
+        raise runtime.CheckpointError(f"{path} lacks ['encoder_sha256']: expected a captioner of caption.py")
+    # ours: the model settings it was trained with
+    return dataclasses.replace(config, **{k: best["config"][k] for k in MODEL_KEYS if k != "data"}), best, path
 
 
 def read_splits(config: Config, dist_, root: Path, resolution: int) -> tuple[dict, data.ImageReader, dict]:
@@ -592,10 +621,18 @@ def describe(config: Config, samples: int, micro: int, dist_, steps_per_epoch: i
             f"{dtype} on {dist_.device}; {trainable / 1e6:.1f}M trainable parameters")
 
 
-def checkpoint(captioner: Captioner, optimizer, scaler, config: Config, stage1: Stage1, **progress) -> dict:
-    """What ckpt_last.pt and ckpt_best.pt hold: enough to resume training, and to --eval without the flags."""
+def checkpoint(captioner: Captioner, optimizer, scaler, config: Config, stage1: Stage1, tokenizer,
+               stage1_weights: bool = False, **progress) -> dict:
+    """What ckpt_last.pt and ckpt_best.pt hold: enough to resume training, and to --eval and --pair without the
+    flags or the stage-1 file: "stage1" holds its sizes, its configuration and its vocabulary, and (stage1_weights:
+    ckpt_best.pt) its weights when the captioner does not hold them (the encoder not finetuned)."""
+    record = {"clip_config": stage1.state["clip_config"], "encoder_config": dataclasses.asdict(stage1.encoder.config),
+              "config": stage1.state.get("config", {}), "vocabulary": runtime.vocabulary_tensor(tokenizer.bpe_path)}
+    if stage1_weights and not config.finetune_encoder:
+        record["model"] = stage1.encoder.state_dict()
     return {"model": captioner.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
-            "config": dataclasses.asdict(config), "encoder_ckpt": str(stage1.path.resolve()),
+            "config": dataclasses.asdict(config), "stage1": record,
+            "encoder_ckpt": str(stage1.path.resolve()),  # where stage 1 was: a hint for older checkpoints' readers
             "encoder_sha256": stage1.sha256, "decoder_config": dataclasses.asdict(captioner.decoder.config),
             **progress, "rng": runtime.rng_state()}
 
@@ -613,7 +650,8 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, root: Path, stage1: St
     optimizer = build_optimizer(captioner, config)
     step, best_cider, best_epoch, bad_epochs, history = 0, -1.0, -1, 0, []
     ckpt_path = out_dir / "ckpt_last.pt"
-    state = runtime.start_or_resume(ckpt_path, config, MODEL_KEYS, dist_, captioner, optimizer, scaler)
+    state = runtime.start_or_resume(ckpt_path, config, MODEL_KEYS + TRAINING_KEYS, dist_, captioner, optimizer,
+                                     scaler)
     if state is not None:
         if state["encoder_sha256"] != stage1.sha256:
             raise runtime.ConfigError(f"{ckpt_path} was trained on another stage-1 checkpoint than {stage1.path}")
@@ -629,49 +667,60 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, root: Path, stage1: St
         runtime.save_json(dataclasses.asdict(config), out_dir / "config.json")
         say(json.dumps(dataclasses.asdict(config)))
         say(describe(config, len(train_set), micro, dist_, steps_per_epoch, dtype, captioner))
-    save = lambda path: runtime.save_checkpoint(checkpoint(
-        captioner, optimizer, scaler, config, stage1, step=step, best_metric=best_cider, best_epoch=best_epoch,
-        bad_epochs=bad_epochs, history=history), path)
+    saved = {"step": None if state is None else step}  # ckpt_last.pt's step, for the line Ctrl-C prints
+
+    def save(path):
+        runtime.save_checkpoint(checkpoint(
+            captioner, optimizer, scaler, config, stage1, tokenizer, stage1_weights=path.name == "ckpt_best.pt",
+            step=step, best_metric=best_cider, best_epoch=best_epoch, bad_epochs=bad_epochs, history=history), path)
+        if path == ckpt_path:
+            saved["step"] = step
 
     progress = runtime.Progress(total_steps, first_step=step)
     model.train()
-    while step < total_steps and bad_epochs <= config.patience:
-        epoch = step // steps_per_epoch
-        done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
-        batches = runtime.epoch_batches(train_set, sampler, epoch, done_in_epoch, micro, config.grad_accum,
-                                        config.num_workers, device)
-        for _ in range(done_in_epoch, steps_per_epoch):
-            for group in optimizer.param_groups:
-                group["lr"] = get_lr(step, total_steps, config) * group["lr_scale"]
-            micro_batches = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()
-                              if torch.is_tensor(v)} for _ in range(config.grad_accum)]
-            loss = train_step(model, optimizer, scaler, micro_batches, ctx, config, dist_.ddp)
-            step += 1
-            if master and (step % config.log_every == 0 or step == total_steps):
-                value = loss.item()  # the only place that waits for the device
-                say(progress.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=value,
-                                  lr=get_lr(step, total_steps, config)), flush=True)
-                log.write(step=step, epoch=epoch, loss=value, lr=get_lr(step, total_steps, config))
-            if master and step % config.save_every == 0 and step % steps_per_epoch:
+    try:  # Ctrl-C: one line saying what ckpt_last.pt holds and the command that resumes, instead of a traceback
+        while step < total_steps and bad_epochs <= config.patience:
+            epoch = step // steps_per_epoch
+            done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
+            batches = runtime.epoch_batches(train_set, sampler, epoch, done_in_epoch, micro, config.grad_accum,
+                                            config.num_workers, device)
+            for _ in range(done_in_epoch, steps_per_epoch):
+                lr = get_lr(step, total_steps, config)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr * group["lr_scale"]
+                micro_batches = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()
+                                  if torch.is_tensor(v)} for _ in range(config.grad_accum)]
+                loss, grad_norm = train_step(model, optimizer, scaler, micro_batches, ctx, config, dist_.ddp)
+                step += 1
+                runtime.check_finite(loss, grad_norm, scaler, dist_.ddp, step, lr)  # stop where it diverges
+                if master and (step % config.log_every == 0 or step == total_steps):
+                    value = loss.item()
+                    say(progress.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=value,
+                                      lr=get_lr(step, total_steps, config)), flush=True)
+                    log.write(step=step, epoch=epoch, loss=value, lr=get_lr(step, total_steps, config))
+                if master and step % config.save_every == 0 and step % steps_per_epoch:
+                    save(ckpt_path)
+            if master:  # end of epoch: validation CIDEr-D, decoded by the master alone while the others wait
+                runtime.check_finite_model(captioner, step, lr)  # a non-finite model is never scored nor saved
+                cider, predictions = validate(captioner, feature_path, eval_pairs["val"], images, tokenizer, config,
+                                              device, ctx)
+                improved = cider >= best_cider  # a tie keeps the later epoch, as the reference
+                best_cider, best_epoch = (cider, epoch) if improved else (best_cider, best_epoch)
+                bad_epochs = 0 if improved else bad_epochs + 1
+                history.append({"epoch": epoch, "step": step, "val_CIDEr": cider})
+                example = eval_pairs["val"][0].id
+                say(f"epoch {epoch + 1} validation CIDEr-D {cider:.4f}" + (" (best so far)" if improved else "")
+                    + f"; {example}: {predictions[example]!r}")
+                log.write(step=step, epoch=epoch, split="val", CIDEr=cider)
+                if improved:
+                    save(out_dir / "ckpt_best.pt")
                 save(ckpt_path)
-        if master:  # end of epoch: validation CIDEr-D, decoded by the master alone while the others wait
-            cider, predictions = validate(captioner, feature_path, eval_pairs["val"], images, tokenizer, config,
-                                          device, ctx)
-            improved = cider >= best_cider  # a tie keeps the later epoch, as the reference
-            best_cider, best_epoch = (cider, epoch) if improved else (best_cider, best_epoch)
-            bad_epochs = 0 if improved else bad_epochs + 1
-            history.append({"epoch": epoch, "step": step, "val_CIDEr": cider})
-            example = eval_pairs["val"][0].id
-            say(f"epoch {epoch + 1} validation CIDEr-D {cider:.4f}" + (" (best so far)" if improved else "")
-                + f"; {example}: {predictions[example]!r}")
-            log.write(step=step, epoch=epoch, split="val", CIDEr=cider)
-            if improved:
-                save(out_dir / "ckpt_best.pt")
-            save(ckpt_path)
-        if dist_.ddp:  # everyone follows the master's patience
-            flag = torch.tensor([bad_epochs], device=device)
-            dist.broadcast(flag, 0)
-            bad_epochs = int(flag)
+            if dist_.ddp:  # everyone follows the master's patience
+                flag = torch.tensor([bad_epochs], device=device)
+                dist.broadcast(flag, 0)
+                bad_epochs = int(flag)
+    except KeyboardInterrupt:
+        raise runtime.interrupted(ckpt_path, saved["step"]) from None
     if bad_epochs > config.patience:
         say(f"stopped early: {bad_epochs} epochs without a better validation CIDEr-D")
     if master:  # the test split, scored once, with the epoch chosen on validation
@@ -688,9 +737,9 @@ def main(argv=None):
                                   "(--eval writes test_attention.png by itself)")
     runtime.keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
     out_dir = Path(config.out_dir or f"runs/caption_{config.data}")
-    best = None
-    if config.eval or config.pair:  # the trained captioner decides the model settings and names its encoder
-        config, best = load_trained(config, out_dir)
+    best = best_path = None
+    if config.eval or config.pair:  # the trained captioner decides the model settings and holds stage 1's
+        config, best, best_path = load_trained(config, out_dir)
     release = best is not None and release_stage(best) == 2
     if release and config.dtype == "auto":  # the reference decodes in float32 (its CLIP in fp16): bf16 autocast
         config = dataclasses.replace(config, dtype="float32")  # on a GPU would flip its near-ties (BENCHMARKS 11)
@@ -702,8 +751,14 @@ def main(argv=None):
             synth.ensure_synth(root, synth.SynthConfig(pairs=config.synth_pairs))
         if dist_.ddp:
             dist.barrier()
-    stage1 = load_stage1(config, None if best is None or release else best["encoder_sha256"])
-    tokenizer = clip.get_tokenizer(stage1.state["bpe_path"] if config.pair else data.bpe_path(config.data, root))
+    stage1 = load_stage1(config, None if best is None or release else best, best_path)
+    positions = stage1.encoder.clip.positional_embedding.shape[0]  # the decoder's, tied to CLIP's
+    for name in ("max_words", "max_len"):
+        runtime.check_length(name, getattr(config, name), 2 if name == "max_words" else 1, positions,
+                             f"the decoder has {positions} positions, CLIP's")
+    # --pair reads no data: the vocabulary is the one the checkpoint keeps (else the dataset's, else OpenAI's)
+    tokenizer = (runtime.checkpoint_tokenizer(stage1.state, data.bpe_path(config.data, root)) if config.pair
+                 else clip.get_tokenizer(data.bpe_path(config.data, root)))
     if tokenizer.vocab_size != stage1.encoder.clip.config.vocab_size:
         raise runtime.ConfigError(f"the tokenizer of {config.data} has {tokenizer.vocab_size} tokens but the stage-1 "
                                   f"model {stage1.path} has {stage1.encoder.clip.config.vocab_size}: it was trained "

@@ -348,3 +348,16 @@ def localisation(encoder: PairEncoder, decoder: CaptionDecoder, pairs: list[data
         if batches % 20 == 0 or start + batch_size >= len(rows):
             print(f"attention of {len(rows)} change pairs: " + progress.line(batches), flush=True)
     return localisation_table({view: h for view, h in hits.items() if h}, chance)
+
+
+if __name__ == "__main__":
+    # explain.py reads attention out of trained models, so it runs through caption.py; on its own, the pointing
+    # game on a hand-made map: the changed object covers the patches of a box, and the map peaks on one of them
+    print("usage: python caption.py --data synth --pair BEFORE AFTER --explain OUT.png   (or --eval: "
+          "test_attention.png and the pointing game's table)")
+    target = box_patches([100, 60, 40, 40], 224, 224, grid=7)  # (49,): the patches a 40-pixel box overlaps
+    patch_map = np.zeros(2 * 49)  # (2N,): one value per patch of the before and the after image
+    patch_map[49 + int(np.flatnonzero(target)[0])] = 1.0  # the peak on the after image, on the box
+    print(f"a box [x 100, y 60, w 40, h 40] of a 224 x 224 image covers patches {np.flatnonzero(target).tolist()} "
+          f"of 49 (chance {target.mean():.0%}); a map peaking on patch {49 + int(np.flatnonzero(target)[0])} of "
+          f"the pair's 98 hits it: {pointing_hit(patch_map, target)}")

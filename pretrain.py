@@ -40,6 +40,9 @@ class Config(adapt.Config):  # adapt.py's knobs; their defaults here are the sce
     data: str = "scenes"           # stage 0's one dataset: single synthetic scenes (data/synth_scenes)
     out_dir: str = ""              # checkpoints and logs ("" = runs/pretrain_scenes)
 
+    def check_split(self):
+        """Stage 0 trains CLIP on single images: there is no pair encoder, so no split point to check."""
+
 
 # The scenes preset: a CLIP of width 128 (6 vision blocks on 32-pixel patches, 2 text blocks), from scratch;
 # everything trains, at one rate.

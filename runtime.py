@@ -13,8 +13,10 @@ you can read top to bottom:
   a stage-1 pair encoder from adapt.py's checkpoint or from a CLIP4IDC release file (the reference's weights);
   `start_or_resume` begins a run or continues one from its last checkpoint.
 - `run`: a script's main(), with the errors a user can fix (`USER_ERRORS`: a missing or bad file, a bad setting,
-  bad data) printed as one line; any other exception, a bug or an out-of-memory, keeps its traceback.
-- `check_settings`: a Config's values checked before anything is read, so a bad flag fails at once.
+  bad data), a diverged run and Ctrl-C printed as one line; any other exception, a bug or an out-of-memory,
+  keeps its traceback.
+- `check_settings`, `check_device`, `check_length`: a Config's values checked before any work, so a bad flag
+  fails at once; `check_config`: what --resume refuses to change; `check_finite`: a run stops where it diverges.
 - `rng_state` / `set_rng_state`: Python, NumPy and torch generators as plain tensors and lists, so that a
   resumed run draws the same numbers it would have drawn.
 - `batch_plan`, `epoch_batches`, `SkipSampler`: the global batch split over processes and accumulation, and one
@@ -35,13 +37,16 @@ import math
 import os
 import random
 import re
+import shlex
 import sys
+import tempfile
 import time
 import typing
 from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
 import clip
 import data
@@ -134,17 +139,103 @@ def check_settings(config, positive=(), non_negative=(), fraction=()) -> None:
     for names, ok, what in ((positive, lambda v: v > 0, "> 0"), (non_negative, lambda v: v >= 0, ">= 0"),
                             (fraction, lambda v: 0 <= v < 1, "in [0, 1)")):
         for name in names:
-            if not ok(getattr(config, name)):
-                raise ConfigError(f"--{name} {getattr(config, name)!r}: it must be {what}")
+            value = getattr(config, name)
+            if isinstance(value, float) and not math.isfinite(value):  # inf passes "> 0", and nan fails no test
+                raise ConfigError(f"--{name} {value!r}: it must be a finite number, {what}")
+            if not ok(value):
+                raise ConfigError(f"--{name} {value!r}: it must be {what}")
 
 
 def check_config(saved: dict, current: dict, keys, path) -> None:
-    """Refuse to resume from a checkpoint whose model-shaping settings differ from this run's."""
-    different = [f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}"
+    """Refuse to resume from a checkpoint whose settings `keys` (those that shape the model or change what the
+    training computes: batch, schedule, rates, lengths) differ from this run's."""
+    different = [f"--{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}"
                  for k in keys if saved.get(k) != current.get(k)]
     if different:
         raise ConfigError(f"{path} was written by a run with another configuration ("
                           + "; ".join(different) + "). Use the same flags, or a new --out_dir.")
+
+
+def check_device(device: str) -> str:
+    """--device as torch will use it: auto is cuda when torch sees a GPU, else cpu; a GPU that is not there is
+    refused in one line (a CPU build of torch, or no driver) instead of a traceback at the first tensor."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ConfigError(f"--device {device!r} is not a device: use auto, cpu, cuda or cuda:N") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        build = "is a CPU build" if torch.version.cuda is None else "sees no GPU"
+        raise ConfigError(f"--device {device}: this torch ({torch.__version__}) {build}; use --device cpu, or "
+                          f"install a CUDA build of torch (pytorch.org) on a machine with an NVIDIA GPU")
+    if kind not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: this project trains on cpu or cuda")
+    return device
+
+
+def check_length(name: str, value: int, least: int, most: int, why: str) -> None:
+    """A length flag (caption tokens) inside what the model can hold: refused before any work starts."""
+    if not least <= value <= most:
+        raise ConfigError(f"--{name} {value}: it must be in [{least}, {most}] ({why})")
+
+
+def check_image_path(name: str, path: str) -> None:
+    """An output image path whose extension PIL can write (.png, .jpg, ...), checked before the work that fills it."""
+    Image.init()  # registers every format PIL has, so that the list below is complete
+    kind = Image.registered_extensions().get(Path(path).suffix.lower())
+    if kind not in Image.SAVE:
+        named = f"*{Path(path).suffix}" if Path(path).suffix else "without an extension"
+        raise ConfigError(f"--{name} {path}: PIL cannot write an image {named}; end the name with .png (or .jpg, "
+                          f".webp)")
+
+
+class Diverged(RuntimeError):
+    """A training step whose loss or gradient norm is not finite: the run stops there, saving nothing more."""
+
+
+def check_finite(loss: torch.Tensor, grad_norm: torch.Tensor, scaler, ddp: bool, step: int, lr: float) -> None:
+    """Stop the run at the first optimizer step whose loss or gradient norm is inf or NaN (Diverged, one line).
+
+    float16: GradScaler skips a step whose scaled gradients overflowed and halves its scale; that is expected, so
+    the gradient norm is not checked then. The loss is the model's own output in every precision: no scale mends
+    a non-finite one. Reading the flag waits for the device once per step; the arithmetic is untouched. Under DDP
+    the flag is all-reduced, so that every process stops at the same step (the losses differ between processes).
+    """
+    bad = ~torch.isfinite(loss.detach())
+    if not scaler.is_enabled():
+        bad = bad | ~torch.isfinite(grad_norm)
+    if ddp:
+        bad = bad.to(torch.int32)
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+    if bool(bad):
+        raise Diverged(f"training diverged at step {step}: loss {float(loss):.4g}, gradient norm "
+                       f"{float(grad_norm):.4g}, learning rate {lr:.3g}; nothing of this step was saved. Try a lower "
+                       f"--lr (say {lr / 10:.1g}) or a longer --warmup, with a new --out_dir; in float16, "
+                       f"--dtype bfloat16 or float32")
+
+
+def check_finite_model(model: torch.nn.Module, step: int, lr: float) -> None:
+    """Before a model is scored and saved: every weight finite (a last step can make them inf with a finite loss)."""
+    bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        raise Diverged(f"training diverged at step {step}: {len(bad)} weights are not finite ({bad[0]}, ...), at "
+                       f"learning rate {lr:.3g}; this model was not saved. Try a lower --lr (say {lr / 10:.1g}) or "
+                       f"a longer --warmup, with a new --out_dir")
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during training, with the one line to print: what was saved, and the command that resumes."""
+
+
+def interrupted(path, saved_step: int | None) -> Interrupted:
+    """The Interrupted for a run whose last checkpoint is `path`, last saved at saved_step (None: not yet)."""
+    if saved_step is None:
+        return Interrupted(f"interrupted before the first checkpoint: nothing was saved; run the same command "
+                           f"again to start over")
+    argv = [a for a in sys.argv if a not in ("--resume", "--no-resume")]
+    command = shlex.join(["python", *argv, "--resume"])
+    return Interrupted(f"interrupted: {path} holds step {saved_step}; continue with: {command}")
 
 
 def run(main, program: str) -> None:
@@ -152,9 +243,13 @@ def run(main, program: str) -> None:
     any other exception (a bug, a shape mismatch inside torch, CUDA out of memory) keeps its traceback."""
     try:
         main()
-    except USER_ERRORS as error:
+    except USER_ERRORS + (Diverged,) as error:
         print(f"{program}: error: {error}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C: one line, no traceback, and the shell's status for SIGINT
+        print(f"{program}: {interrupt}" if isinstance(interrupt, Interrupted) else f"{program}: interrupted",
+              file=sys.stderr)
+        sys.exit(130)
 
 
 # -----------------------------------------------------------------------------
@@ -276,9 +371,23 @@ def save_checkpoint(state: dict, path) -> None:
     _fsync_dir(path.parent)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: no signal, only the question whether the process exists
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, and belongs to someone else
+        return True
+    return True
+
+
 def remove_partial_files(folder) -> None:
-    """Delete the temporary files of saves that a killed run left behind (never a finished checkpoint)."""
+    """Delete the temporary files (.NAME.tmpPID) that a killed process left behind: never a finished file, nor the
+    temporary file of a process still running (another run writing to the same folder)."""
     for partial in Path(folder).glob(".*.tmp*"):
+        pid = partial.name.rpartition(".tmp")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+            continue
         partial.unlink(missing_ok=True)
 
 
@@ -348,11 +457,42 @@ def load_encoder(path, intra_layers: int = 9) -> tuple[PairEncoder, dict]:
                                 f"(python adapt.py --data ...), or pass --encoder_ckpt")
     state = load_checkpoint(path, required=("model", "clip_config", "encoder_config"), release=True)
     if release_stage(state) is not None:
+        blocks = len({k.split(".")[4] for k in state if k.startswith("clip.visual.transformer.resblocks.")})
+        if not 0 < intra_layers <= blocks:
+            raise ConfigError(f"--intra_layers {intra_layers}: {path} has {blocks} vision blocks, so it must be in "
+                              f"[1, {blocks}] (the reference's split point is 9)")
         model = release_encoder(state, EncoderConfig(intra_layers))
         return model, {"clip_config": dataclasses.asdict(model.clip.config), "bpe_path": None, "release": True}
+    return encoder_from_state(state), state
+
+
+def encoder_from_state(state: dict) -> PairEncoder:
+    """A pair encoder in eval mode, rebuilt from the sizes a checkpoint records (clip_config, encoder_config) and
+    its weights ("model"; without them the weights are random, for a captioner that holds its encoder's)."""
     model = PairEncoder(clip.CLIP(clip.CLIPConfig(**state["clip_config"])), EncoderConfig(**state["encoder_config"]))
-    model.load_state_dict(state["model"])
-    return model.eval(), state
+    if "model" in state:
+        model.load_state_dict(state["model"])
+    return model.eval()
+
+
+def vocabulary_tensor(bpe_path) -> torch.Tensor:
+    """A vocabulary file's bytes as a uint8 tensor: kept inside a checkpoint, so the checkpoint travels alone."""
+    return torch.frombuffer(bytearray(Path(bpe_path).read_bytes()), dtype=torch.uint8)
+
+
+def checkpoint_tokenizer(state: dict, data_vocabulary=None) -> clip.SimpleTokenizer:
+    """The tokenizer a checkpoint's model was trained with: the vocabulary kept inside it; for a checkpoint
+    without one (older ones), the file at its stored path if it is still there (a hint, never a requirement),
+    else data_vocabulary (the dataset's own, data.bpe_path), else OpenAI's (a release's, found by clip.py)."""
+    if "vocabulary" in state:
+        with tempfile.TemporaryDirectory() as folder:  # read once: the tokenizer keeps its merges, not the file
+            path = Path(folder) / "bpe_vocab.txt.gz"
+            path.write_bytes(state["vocabulary"].numpy().tobytes())
+            return clip.SimpleTokenizer(path)
+    for hint in (state.get("bpe_path"), data_vocabulary):
+        if hint is not None and Path(hint).is_file():
+            return clip.get_tokenizer(hint)
+    return clip.get_tokenizer(None)
 
 
 def save_json(obj, path) -> None:
@@ -360,8 +500,11 @@ def save_json(obj, path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 # -----------------------------------------------------------------------------
