@@ -65,12 +65,18 @@ USER_ERRORS = (FileNotFoundError, FileExistsError, ConfigError, CheckpointError,
 
 
 def _field_comments(cls) -> dict:
-    """The `# comment` written after each field of a dataclass, used as that flag's --help text."""
-    comments = {}
+    """The `# comment` written after each field of a dataclass, used as that flag's --help text; a line holding
+    only a comment whose # stands in the same column continues it."""
+    comments, field, column = {}, None, -1
     for line in inspect.getsource(cls).splitlines():
         match = re.match(r"\s*(\w+)\s*:[^#]*#\s*(.*)$", line)
         if match:
-            comments[match.group(1)] = match.group(2).strip()
+            field, column = match.group(1), line.index("#")
+            comments[field] = match.group(2).strip()
+        elif field is not None and line.lstrip().startswith("#") and line.index("#") == column:
+            comments[field] += " " + line[column + 1:].strip()
+        else:
+            field = None
     return comments
 
 

@@ -2273,6 +2273,19 @@ def test_config_flags_follow_the_dataset_preset_then_the_command_line():
         runtime.parse_config(adapt.Config, adapt.PRESETS, ["--data", "spot", "--learning_rate", "3e-4"])
 
 
+def test_a_flags_help_is_its_field_comment_with_the_comment_lines_below_it_in_the_same_column():
+    comments = runtime._field_comments(adapt.Config)
+    assert comments["lr"] == "learning rate of the new joint parameters"  # one line
+    # continued over four lines; the section comment "# run" below the last field of its group is not taken in
+    assert comments["grad_accum"].startswith("micro-batches per optimizer step: the global batch runs in this many")
+    assert comments["grad_accum"].endswith("captions as negatives, a different loss")
+    assert "# " not in comments["grad_accum"] and "  " not in comments["grad_accum"]
+    assert comments["grad_clip"] == "global gradient-norm clipping"
+    for config in (adapt.Config, caption.Config):  # what a GPU user needs is explained, not only named
+        assert all(len(runtime._field_comments(config)[flag]) > 100 for flag in ("num_workers", "grad_accum", "device",
+                                                                                 "dtype"))
+
+
 def test_dtype_auto_is_float32_on_the_cpu_and_an_unknown_dtype_is_refused_with_the_choices():
     assert runtime.resolve_dtype("auto", torch.device("cpu")) == "float32"
     assert runtime.resolve_dtype("float16", torch.device("cpu")) == "float16"  # the GPU's fp16 path, emulated
