@@ -750,6 +750,11 @@ def in_fresh_process(*args) -> dict:
     return result
 
 
+def significant(x: float, digits: int = 4) -> float:
+    """x rounded to `digits` significant digits, for a JSON that a reader reads."""
+    return float(f"{x:.{digits}g}")
+
+
 def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """(slope, intercept) of the least-squares line through the points (x, y)."""
     mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
@@ -824,18 +829,18 @@ def run_costs(batch_sizes=(1, 2, 4, 8), stages=tuple(COST_STAGES), sizes: CostSi
         trainable, parameters = rows[0]["trainable"], rows[0]["parameters"]
         result["stages"][stage] = {
             "what": COST_STAGES[stage],
-            "gflop_per_pair": [round(f / 1e9, 3) for f in per_pair],
-            "peak_rss_gb": [round(row["peak_rss_bytes"] / 1e9, 3) for row in rows],
-            "saved_for_backward_gb": [round(row["saved_bytes"] / 1e9, 3) for row in rows],
+            "gflop_per_pair": [significant(f / 1e9) for f in per_pair],
+            "peak_rss_gb": [significant(row["peak_rss_bytes"] / 1e9) for row in rows],
+            "saved_for_backward_gb": [significant(row["saved_bytes"] / 1e9) for row in rows],
             "rss_mb_per_pair": round(rss_slope / 1e6, 1), "rss_fixed_gb": round(rss_intercept / 1e9, 2),
             "saved_mb_per_pair": round(saved_slope / 1e6, 2), "saved_fixed_mb": round(saved_intercept / 1e6, 2),
             "parameters_m": round(parameters / 1e6, 2), "trainable_m": round(trainable / 1e6, 2),
             # float32 weights, their gradients and AdamW's two moments: what a GPU holds besides the activations
-            "weights_grads_adam_gb": round((4 * parameters + 12 * trainable) / 1e9, 2)}
+            "weights_grads_adam_gb": significant((4 * parameters + 12 * trainable) / 1e9)}
         flops[stage if stage == "stage1" else f"{stage}_2"] = per_pair[-1]
         if stage != "stage1":  # Spot-the-Diff and IER: one caption per pair, no distractor pair
             flops[f"{stage}_1"] = step_flops(stage, sizes, captions_per_pair=1)
-    result["gflop_per_pair"] = {k: round(v / 1e9, 3) for k, v in flops.items()}
+    result["gflop_per_pair"] = {k: significant(v / 1e9) for k, v in flops.items()}
     result["disk"] = disk_sizes(sizes)
     if set(COST_STAGES) <= set(stages):
         result["estimate"] = run_hours(flops)
