@@ -82,7 +82,10 @@ class Config:
     synth_pairs: int = 2000        # synth only: scenes drawn on first use
     max_words: int = 32            # caption length in tokens, start and end tokens included
     image_cache: bool = False      # keep preprocessed 224x224 pixels in .npy files (skips PNG decoding)
-    num_workers: int = 4           # DataLoader worker processes per training process
+    num_workers: int = 4           # DataLoader processes per training process that read and preprocess the images, so
+                                   # that a step need not wait for them; 0: the training process reads them between
+                                   # steps. On a GPU, raise it until the GPU stays busy (decoding a pair's PNGs takes
+                                   # about 5 ms of CPU), or use --image_cache, which needs few workers or none
     # model
     clip_model: str = "ViT-B/32"   # model name (clip.MODELS) or weights file, or "scratch" (the scratch_* sizes)
     intra_layers: int = 9          # vision blocks that see each image alone; the rest see the pair
@@ -97,7 +100,10 @@ class Config:
     # optimisation
     epochs: int = 12               # passes over the training samples
     batch_size: int = 128          # global batch: per-process batch x processes x grad_accum
-    grad_accum: int = 1            # micro-batches per optimizer step
+    grad_accum: int = 1            # micro-batches per optimizer step: the global batch runs in this many pieces, one
+                                   # after another, when it does not fit in memory; the step averages their gradients.
+                                   # The contrastive loss then sees only a micro-batch's captions as negatives, a
+                                   # different loss
     lr: float = 1e-4               # learning rate of the new joint parameters
     clip_lr_scale: float = 1e-3    # CLIP's parameters train at lr x clip_lr_scale
     weight_decay: float = 0.2      # decoupled weight decay (not on biases and norms)
@@ -107,9 +113,15 @@ class Config:
     grad_clip: float = 1.0         # global gradient-norm clipping
     # run
     seed: int = 42                 # random seed (each process adds its rank)
-    device: str = "auto"           # auto, cpu, cuda
-    dtype: str = "auto"            # auto (bf16/fp16 on GPU; float32 on CPU, for a release), float32, bfloat16, float16
-    compile: bool = False          # torch.compile the encoder: fused element-wise work, after a minute of compiling
+    device: str = "auto"           # where to train: auto (cuda when torch sees a GPU, else cpu), cpu or cuda; under
+                                   # torchrun each process takes the GPU of its LOCAL_RANK. Choose GPUs with
+                                   # CUDA_VISIBLE_DEVICES
+    dtype: str = "auto"            # precision of the products: auto is bfloat16 autocast on a GPU that has it (A100,
+                                   # H100), float16 autocast with a loss scaler on one that has not (V100), float32 on
+                                   # the CPU and when scoring a release; or float32, bfloat16, float16. The weights stay
+                                   # float32
+    compile: bool = False          # torch.compile the pair encoder: up to a minute of compiling, then fused
+                                   # element-wise work; no faster on the CPU (BENCHMARKS.md), not yet timed on a GPU
     out_dir: str = ""              # checkpoints and logs ("" = runs/adapt_<dataset>)
     log_every: int = 10            # optimizer steps between progress lines
     save_every: int = 200          # optimizer steps between ckpt_last.pt saves (and at every epoch end)

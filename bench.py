@@ -58,8 +58,11 @@ import hashlib
 import itertools
 import json
 import math
+import multiprocessing
 import os
+import queue as queue_module
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -829,6 +832,254 @@ def report_first(summary: dict, folder: str) -> None:
     if failed:
         raise SystemExit(f"first: {failed[0]} failed; its output is in {Path(folder) / failed[0].replace('.py', '.log')}")
 
+# cost: what a full run costs, on paper, from two measurements per stage at the papers' sizes: the FLOPs of one
+# training pair, and the memory of one training step at a few batch sizes (section 7)
+
+COST_STAGES = {  # one training step of each stage, at the papers' sizes, as adapt.py and caption.py run it
+    "stage1": "adapt.py's clevr preset: the ViT-B/32 pair encoder (9 intra-image + 3 inter-image blocks) and CLIP's "
+              "text tower against each other (contrastive), the reference's frozen set",
+    "stage2_cached": "caption.py's clevr preset: the caption decoder alone, on cached pair tokens",
+    "stage2_finetune": "caption.py --finetune_encoder, the reference's way: the pair encoder and the decoder, end to "
+                       "end (the text tower frozen, unused)",
+}
+GPU_PEAK_TFLOPS = {  # dense tensor-core peaks in the vendors' data sheets (no sparsity)
+    "V100 (fp16)": 125, "A100 (bf16)": 312, "H100 SXM (bf16)": 989}
+GPU_FRACTIONS = (0.3, 0.5)  # the fractions of that peak a step is assumed to reach
+IMAGE_CACHE_BYTES = 224 * 224 * 3  # data.image_cache: one uint8 (R, R, 3) image
+# Each dataset's published counts (data.PUBLISHED), and what a run reads of them:
+#   images: the unique files data.image_cache keeps for every pair of every split (before, after, distractor):
+#     CLEVR-Change: 3 per id (default, semantic, nonsemantic), 39,803 ids in its splits, none shared;
+#     Spot-the-Diff: 2 per id (<id>.png, <id>_2.png), 11,329 ids, no split shares an id;
+#     IER: the distinct img0/img1 names of its train/valid/test.json (github.com/airsplay/VisualRelationships at
+#       9bee562): 4,516 + 684 + 848, 5,883 distinct (165 images are in two splits);
+#   feature_rows: caption.py's cached pair tokens, one row per evaluation pair (data.evaluation_pairs):
+#     CLEVR-Change also its distractor pair, (before, nonsemantic), so 2 rows per id;
+#   stage1_samples: adapt.py trains on one sample per (train pair, change caption): Spot-the-Diff's 17,676 train
+#     sentences, IER's 3,061 requests; CLEVR-Change's caption files were never read here: 6 change captions per
+#     pair is an assumption (the RCC paper's 493,735 captions for 79,606 pairs), and stage 1's time scales with it;
+#   stage2_pairs: caption.py trains on one item per train pair (CLEVR-Change: a change and a no-change caption).
+DATASET_COSTS = {
+    "clevr": {"images": 3 * (33_830 + 1_988 + 3_985), "feature_rows": 2 * (33_830 + 1_988 + 3_985),
+              "stage1_samples": 6 * 33_830, "stage2_pairs": 33_830, "captions_per_pair": 2},
+    "spot": {"images": 2 * (8_566 + 1_493 + 1_270), "feature_rows": 8_566 + 1_493 + 1_270,
+             "stage1_samples": 17_676, "stage2_pairs": 8_566, "captions_per_pair": 1},
+    "ier": {"images": 5_883, "feature_rows": 3_061 + 383 + 495,
+            "stage1_samples": 3_061, "stage2_pairs": 3_061, "captions_per_pair": 1},
+}
+
+
+@dataclasses.dataclass
+class CostSizes:
+    """The sizes a cost is measured at: OpenAI's ViT-B/32 and the clevr preset's decoder, or a tiny stand-in."""
+    clip_config: clip.CLIPConfig = dataclasses.field(default_factory=clip.CLIPConfig)  # ViT-B/32's sizes
+    intra_layers: int = 9           # adapt.Config's default: 9 intra-image blocks, 3 inter-image
+    decoder: dict = dataclasses.field(default_factory=dict)  # caption.Config fields over the clevr preset's
+    caption_tokens: int = 32        # T: every caption max_words long, an upper bound (a batch is cut to its longest)
+
+
+TINY_COST_SIZES = CostSizes(clip.CLIPConfig(embed_dim=32, image_resolution=64, vision_layers=3, vision_width=64,
+                                            vocab_size=300, transformer_width=32, transformer_heads=1,
+                                            transformer_layers=2),
+                            intra_layers=2, decoder=dict(decoder_heads=2, decoder_ffn=64, decoder_layers=1),
+                            caption_tokens=8)
+
+
+def cost_step(stage: str, batch_size: int, sizes: CostSizes, captions_per_pair: int = 2):
+    """(the model, a function running one training step of `stage` on one random batch of batch_size pairs).
+
+    Random weights and inputs, float32; the frozen sets, optimizers and steps of adapt.py and caption.py
+    (train_step). captions_per_pair 2: CLEVR-Change's change and no-change caption (in stage 2 also the
+    distractor pair); 1: Spot-the-Diff's and IER's one caption."""
+    torch.manual_seed(0)
+    encoder = PairEncoder(clip.CLIP(sizes.clip_config), EncoderConfig(sizes.intra_layers)).train()
+    side, vocab, length = sizes.clip_config.image_resolution, sizes.clip_config.vocab_size, sizes.caption_tokens
+    sot, eot = vocab - 2, vocab - 1
+    pixels = lambda: torch.randn(batch_size, 3, side, side)  # (B, 3, R, R)
+    words = lambda: torch.randint(1, vocab - 2, (batch_size, length - 1))  # (B, T-1), no padding
+    column = lambda token: torch.full((batch_size, 1), token)  # (B, 1)
+    scaler, ctx = torch.amp.GradScaler("cpu", enabled=False), contextlib.nullcontext()  # float32
+    if stage == "stage1":
+        config = adapt.Config(**adapt.PRESETS["clevr"])
+        encoder.freeze()  # adapt.build_encoder with the preset's freeze=True
+        optimizer = adapt.build_optimizer(encoder, config, torch.device("cpu"))
+        batch = {"before": pixels(), "after": pixels(), "caption": torch.cat([column(sot), words()], 1)}  # (B, T)
+        batch["caption"][:, -1] = eot  # every caption T tokens long: train_step cuts none
+        return encoder, lambda: adapt.train_step(encoder, optimizer, scaler, [batch], ctx, config, False,
+                                                 encoder.clip.logit_scale)
+    config = caption.Config(**{**caption.PRESETS["clevr"], **sizes.decoder, "max_words": length,
+                               "finetune_encoder": stage == "stage2_finetune",
+                               "use_no_change_pair": captions_per_pair == 2})
+    captioner = caption.build_captioner(config, encoder, dataclasses.asdict(sizes.clip_config)).train()
+    optimizer = caption.build_optimizer(captioner, config)
+    batch = {}
+    for name in ("caption", "no_change_caption")[:captions_per_pair]:
+        text = words()
+        batch[f"{name}_in"], batch[f"{name}_out"] = torch.cat([column(sot), text], 1), torch.cat([text, column(eot)], 1)
+    if config.finetune_encoder:  # pixels: the change pair and the distractor pair are encoded in the step
+        batch.update(before=pixels(), after=pixels(), **({"distractor": pixels()} if captions_per_pair == 2 else {}))
+    else:  # the pair tokens caption.py cached, (B, M, E) per pair
+        tokens = lambda: torch.randn(batch_size, 2 * (encoder.n_patches + 1), sizes.clip_config.embed_dim)
+        batch.update(visual=tokens(), **({"no_change_visual": tokens()} if captions_per_pair == 2 else {}))
+    return captioner, lambda: caption.train_step(captioner, optimizer, scaler, [batch], ctx, config, False)
+
+
+class SavedForBackward(torch.autograd.graph.saved_tensors_hooks):
+    """The bytes autograd keeps from the forward for the backward, the parameters left out: the activations.
+
+    Counted once per storage, so that views of one tensor are not counted twice."""
+
+    def __init__(self, model: torch.nn.Module):
+        parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.storages = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in parameters:
+                self.storages[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        super().__init__(pack, lambda tensor: tensor)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+
+def cost_of_step(stage: str, batch_size: int, sizes: CostSizes, captions_per_pair: int, threads: int) -> dict:
+    """One fresh process's measurements of one stage at one batch size (run it in a process of its own: the
+    peak resident memory is the process's). Two steps first, untimed: the second holds the optimizer's state
+    beside the activations, as every later step does; then a third with the FLOPs and the saved bytes counted."""
+    runtime.keep_freed_memory()  # as adapt.py and caption.py do before training
+    torch.set_num_threads(threads)
+    model, step = cost_step(stage, batch_size, sizes, captions_per_pair)
+    step()
+    step()
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    saved = SavedForBackward(model)
+    with flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter, saved:
+        step()
+    return {"batch_size": batch_size, "flops": counter.get_total_flops(), "saved_bytes": saved.bytes,
+            "peak_rss_bytes": peak_rss, "parameters": sum(p.numel() for p in model.parameters()),
+            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+
+
+def _cost_child(queue, *args):
+    queue.put(cost_of_step(*args))
+
+
+def in_fresh_process(*args) -> dict:
+    """cost_of_step in a new Python process (spawned: nothing inherited, so its peak memory is its own)."""
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_cost_child, args=(queue, *args))
+    child.start()
+    while True:  # read before join: a child cannot exit while its queue is full
+        try:
+            result = queue.get(timeout=1)
+            break
+        except queue_module.Empty:
+            if not child.is_alive():
+                raise SystemExit(f"bench cost: the measuring process failed (exit code {child.exitcode}), see above")
+    child.join()
+    return result
+
+
+def significant(x: float, digits: int = 4) -> float:
+    """x rounded to `digits` significant digits, for a JSON that a reader reads."""
+    return float(f"{x:.{digits}g}")
+
+
+def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through the points (x, y)."""
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    return slope, mean_y - slope * mean_x
+
+
+def step_flops(stage: str, sizes: CostSizes, captions_per_pair: int) -> float:
+    """The FLOPs of one training step of `stage` on one pair, counted in this process."""
+    model, step = cost_step(stage, 1, sizes, captions_per_pair)
+    with flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
+        step()
+    return counter.get_total_flops()
+
+
+def encode_flops_per_pair(sizes: CostSizes) -> float:
+    """The FLOPs of encoding one pair, forward only: caching stage 2's pair tokens, and every evaluation."""
+    torch.manual_seed(0)
+    encoder = PairEncoder(clip.CLIP(sizes.clip_config), EncoderConfig(sizes.intra_layers)).eval()
+    images = torch.randn(2, 3, sizes.clip_config.image_resolution, sizes.clip_config.image_resolution)  # (2, 3, R, R)
+    with torch.no_grad(), flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
+        encoder.encode_pair(images, images)
+    return counter.get_total_flops() / 2
+
+
+def disk_sizes(sizes: CostSizes) -> dict:
+    """Each dataset's image cache (uint8 pixels) and stage-2 feature cache (float16 pair tokens), in GB; and the
+    intra-image tokens of --freeze_intra (float32 (N+1, D) per training image, also held in memory)."""
+    patches = (sizes.clip_config.image_resolution // sizes.clip_config.vision_patch_size) ** 2  # N
+    row = 2 * (patches + 1) * sizes.clip_config.embed_dim * 2  # (M, E) float16
+    intra = (patches + 1) * sizes.clip_config.vision_width * 4  # (N+1, D) float32
+    train_images = {"clevr": 3 * 33_830, "spot": 2 * 8_566, "ier": 4_516}
+    return {name: {"images": d["images"], "image_cache_gb": round(d["images"] * IMAGE_CACHE_BYTES / 1e9, 2),
+                   "feature_rows": d["feature_rows"], "feature_cache_gb": round(d["feature_rows"] * row / 1e9, 2),
+                   "freeze_intra_tokens_gb": round(train_images[name] * intra / 1e9, 2)}
+            for name, d in DATASET_COSTS.items()}
+
+
+def run_hours(flops: dict) -> dict:
+    """Hours of a full run's training steps per dataset, stage and GPU, at each fraction of the GPU's peak:
+    arithmetic, FLOPs per pair x pairs x epochs / rate. Evaluation and data loading are left out."""
+    stage1_epochs = {name: adapt.PRESETS[name]["epochs"] for name in DATASET_COSTS}
+    stage2_epochs = {name: caption.PRESETS[name]["epochs"] for name in DATASET_COSTS}
+    hours = {}
+    for name, d in DATASET_COSTS.items():
+        k = d["captions_per_pair"]
+        work = {  # FLOPs of the whole stage
+            "stage1": flops["stage1"] * d["stage1_samples"] * stage1_epochs[name],
+            "stage2_cached": (flops[f"stage2_cached_{k}"] * d["stage2_pairs"] * stage2_epochs[name]
+                              + flops["encode"] * d["feature_rows"]),  # + encoding every pair once
+            "stage2_finetune": flops[f"stage2_finetune_{k}"] * d["stage2_pairs"] * stage2_epochs[name]}
+        hours[name] = {stage: {"pflop": round(total / 1e15, 1),
+                               **{f"{gpu} at {f:.0%}": round(total / (f * peak * 1e12) / 3600, 2)
+                                  for gpu, peak in GPU_PEAK_TFLOPS.items() for f in GPU_FRACTIONS}}
+                       for stage, total in work.items()}
+    return {"epochs": {"stage1": stage1_epochs, "stage2 (at most; early stopping may end sooner)": stage2_epochs},
+            "hours": hours}
+
+
+def run_costs(batch_sizes=(1, 2, 4, 8), stages=tuple(COST_STAGES), sizes: CostSizes | None = None,
+              threads: int = 2) -> dict:
+    """FLOPs per training pair and memory per batch size of each stage, each step in a fresh process; the
+    disk caches; and, from these, the hours of a full run on one GPU (estimates)."""
+    sizes = sizes or CostSizes()
+    result = {"sizes": dataclasses.asdict(sizes), "threads": threads, "stages": {}}
+    flops = {"encode": encode_flops_per_pair(sizes)}
+    for stage in stages:
+        rows = [in_fresh_process(stage, b, sizes, 2, threads) for b in batch_sizes]
+        per_pair = [row["flops"] / row["batch_size"] for row in rows]
+        rss_slope, rss_intercept = line_fit(batch_sizes, [row["peak_rss_bytes"] for row in rows])
+        saved_slope, saved_intercept = line_fit(batch_sizes, [row["saved_bytes"] for row in rows])
+        trainable, parameters = rows[0]["trainable"], rows[0]["parameters"]
+        result["stages"][stage] = {
+            "what": COST_STAGES[stage],
+            "gflop_per_pair": [significant(f / 1e9) for f in per_pair],
+            "peak_rss_gb": [significant(row["peak_rss_bytes"] / 1e9) for row in rows],
+            "saved_for_backward_gb": [significant(row["saved_bytes"] / 1e9) for row in rows],
+            "rss_mb_per_pair": round(rss_slope / 1e6, 1), "rss_fixed_gb": round(rss_intercept / 1e9, 2),
+            "saved_mb_per_pair": round(saved_slope / 1e6, 2), "saved_fixed_mb": round(saved_intercept / 1e6, 2),
+            "parameters_m": round(parameters / 1e6, 2), "trainable_m": round(trainable / 1e6, 2),
+            # float32 weights, their gradients and AdamW's two moments: what a GPU holds besides the activations
+            "weights_grads_adam_gb": significant((4 * parameters + 12 * trainable) / 1e9)}
+        flops[stage if stage == "stage1" else f"{stage}_2"] = per_pair[-1]
+        if stage != "stage1":  # Spot-the-Diff and IER: one caption per pair, no distractor pair
+            flops[f"{stage}_1"] = step_flops(stage, sizes, captions_per_pair=1)
+    result["gflop_per_pair"] = {k: significant(v / 1e9) for k, v in flops.items()}
+    result["disk"] = disk_sizes(sizes)
+    if set(COST_STAGES) <= set(stages):
+        result["estimate"] = run_hours(flops)
+    return result
+
 
 # ---------------------------------------------------------------------------------------------------------
 # The command line: one subcommand per figure; its flags are the figure's arguments, its defaults BENCHMARKS.md's
@@ -924,6 +1175,18 @@ def main(argv=None):
     p.add_argument("--extra", default="", help="flags for both scripts, e.g. '--synth_pairs 40 --epochs 1' (a smoke run)")
     p.add_argument("--repo", default=None, help="the repository to clone (default: the one this file is in)")
     p.set_defaults(run=lambda a: report_first(first_command(a.folder, a.commit, a.avx2, a.extra, a.repo), a.folder))
+
+    p = figure("cost", "each stage at the papers' sizes: FLOPs per training pair, peak memory per batch size (each "
+                       "step in a fresh process), the datasets' disk caches, and from these the hours of a full run on "
+                       "one GPU, estimated (JSON)")
+    p.add_argument("--threads", **threads)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8], help="pairs per step, one process each")
+    p.add_argument("--stages", nargs="+", choices=list(COST_STAGES), default=list(COST_STAGES),
+                   help="the steps measured (the estimate needs all three)")
+    p.add_argument("--tiny", action="store_true", help="a tiny CLIP and decoder instead of the papers' sizes (a test)")
+    p.set_defaults(run=lambda a: print(json.dumps(run_costs(a.batch_sizes, a.stages,
+                                                            TINY_COST_SIZES if a.tiny else None, a.threads),
+                                                  indent=2)))
 
     args = parser.parse_args(argv)
     args.run(args)

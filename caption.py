@@ -96,7 +96,11 @@ class Config:
     max_words: int = 32            # caption length in tokens, start and end tokens included
     use_no_change_pair: bool = True  # also train on (before, distractor) with a no-change caption (CLEVR-Change)
     image_cache: bool = False      # keep preprocessed 224x224 pixels in .npy files (skips PNG decoding)
-    num_workers: int = 4           # DataLoader worker processes per training process
+    num_workers: int = 4           # DataLoader processes per training process that read the cached pair tokens, or the
+                                   # images with --finetune_encoder and when encoding pairs; 0: the training process
+                                   # reads them between steps. On a GPU, raise it until the GPU stays busy (decoding a
+                                   # pair's PNGs takes about 5 ms of CPU), or use --image_cache, which needs few workers
+                                   # or none
     # model
     encoder_ckpt: str = ""         # stage 1: ours ("" = runs/adapt_<dataset>/ckpt_best.pt) or a CLIP4IDC release file
     intra_layers: int = 9          # a release's vision blocks that see each image alone (not in its file; ours record it)
@@ -110,7 +114,10 @@ class Config:
     epochs: int = 50               # at most this many passes over the training pairs
     patience: int = 10             # stop after this many epochs more without a better validation CIDEr-D
     batch_size: int = 16           # global batch of pairs: per-process batch x processes x grad_accum
-    grad_accum: int = 1            # micro-batches per optimizer step
+    grad_accum: int = 1            # micro-batches per optimizer step: the global batch runs in this many pieces, one
+                                   # after another, when it does not fit in memory; the step averages their gradients
+                                   # (the same step as one batch but for how the caption tokens fall into the pieces,
+                                   # and dropout)
     lr: float = 1e-4               # learning rate of the decoder
     clip_lr_scale: float = 1e-3    # the encoder (when finetuned) and the word embedding train at lr x clip_lr_scale
     weight_decay: float = 0.01     # decoupled weight decay (not on biases and norms)
@@ -121,8 +128,13 @@ class Config:
     max_len: int = 32              # greedy decoding writes at most this many tokens (the reference: always 32)
     # run
     seed: int = 2021               # random seed (each process adds its rank)
-    device: str = "auto"           # auto, cpu, cuda
-    dtype: str = "auto"            # auto (bf16/fp16 on GPU; float32 on CPU, for a release), float32, bfloat16, float16
+    device: str = "auto"           # where to train: auto (cuda when torch sees a GPU, else cpu), cpu or cuda; under
+                                   # torchrun each process takes the GPU of its LOCAL_RANK. Choose GPUs with
+                                   # CUDA_VISIBLE_DEVICES
+    dtype: str = "auto"            # precision of the products: auto is bfloat16 autocast on a GPU that has it (A100,
+                                   # H100), float16 autocast with a loss scaler on one that has not (V100), float32 on
+                                   # the CPU and for a release's weights; or float32, bfloat16, float16. The weights
+                                   # stay float32
     out_dir: str = ""              # checkpoints, features, predictions and scores ("" = runs/caption_<dataset>)
     log_every: int = 50            # optimizer steps between progress lines
     save_every: int = 500          # optimizer steps between ckpt_last.pt saves (and at every epoch end)

@@ -70,14 +70,23 @@ USER_ERRORS = (FileNotFoundError, FileExistsError, ConfigError, CheckpointError,
 
 
 def _field_comments(cls) -> dict:
-    """The `# comment` written after each field of a dataclass, used as that flag's --help text."""
+    """The `# comment` written after each field of a dataclass, used as that flag's --help text; a line holding
+    only a comment whose # stands in the same column continues it. A subclass's comments come after its bases'
+    (pretrain.Config extends adapt's)."""
     comments = {}
-    for klass in reversed(cls.__mro__):  # a subclass's comments after its bases' (pretrain.Config extends adapt's)
-        if dataclasses.is_dataclass(klass):
-            for line in inspect.getsource(klass).splitlines():
-                match = re.match(r"\s*(\w+)\s*:[^#]*#\s*(.*)$", line)
-                if match:
-                    comments[match.group(1)] = match.group(2).strip()
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        field, column = None, -1
+        for line in inspect.getsource(klass).splitlines():
+            match = re.match(r"\s*(\w+)\s*:[^#]*#\s*(.*)$", line)
+            if match:
+                field, column = match.group(1), line.index("#")
+                comments[field] = match.group(2).strip()
+            elif field is not None and line.lstrip().startswith("#") and line.index("#") == column:
+                comments[field] += " " + line[column + 1:].strip()
+            else:
+                field = None
     return comments
 
 

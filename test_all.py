@@ -2456,6 +2456,19 @@ def test_config_flags_follow_the_dataset_preset_then_the_command_line():
         runtime.parse_config(adapt.Config, adapt.PRESETS, ["--data", "spot", "--learning_rate", "3e-4"])
 
 
+def test_a_flags_help_is_its_field_comment_with_the_comment_lines_below_it_in_the_same_column():
+    comments = runtime._field_comments(adapt.Config)
+    assert comments["lr"] == "learning rate of the new joint parameters"  # one line
+    # continued over four lines; the section comment "# run" below the last field of its group is not taken in
+    assert comments["grad_accum"].startswith("micro-batches per optimizer step: the global batch runs in this many")
+    assert comments["grad_accum"].endswith("captions as negatives, a different loss")
+    assert "# " not in comments["grad_accum"] and "  " not in comments["grad_accum"]
+    assert comments["grad_clip"] == "global gradient-norm clipping"
+    for config in (adapt.Config, caption.Config):  # what a GPU user needs is explained, not only named
+        assert all(len(runtime._field_comments(config)[flag]) > 100 for flag in ("num_workers", "grad_accum", "device",
+                                                                                 "dtype"))
+
+
 def test_dtype_auto_is_float32_on_the_cpu_and_an_unknown_dtype_is_refused_with_the_choices():
     assert runtime.resolve_dtype("auto", torch.device("cpu")) == "float32"
     assert runtime.resolve_dtype("float16", torch.device("cpu")) == "float16"  # the GPU's fp16 path, emulated
@@ -3580,3 +3593,34 @@ def test_bench_first_stops_at_a_failing_script_and_says_where_its_output_is(fake
         bench.report_first(summary, str(tmp_path / "first"))
     with pytest.raises(SystemExit, match="is not empty"):
         bench.first_command(tmp_path / "first", repo=str(repo))
+
+def test_bench_cost_counts_the_same_flops_per_pair_at_every_batch_size_and_the_activations_growing_with_it():
+    # a tiny CLIP and decoder (the papers' sizes take minutes), stage 2 end to end, each batch size in its own process
+    result = bench.run_costs(batch_sizes=(1, 2), stages=("stage2_finetune",), sizes=bench.TINY_COST_SIZES,
+                             threads=torch.get_num_threads())
+    stage = result["stages"]["stage2_finetune"]
+    one, two = stage["gflop_per_pair"]
+    assert one > 0 and one == two  # every operator's work grows with the batch, so a pair's FLOPs do not change
+    saved_one, saved_two = stage["saved_for_backward_gb"]
+    assert saved_two == pytest.approx(2 * saved_one, rel=0.05)  # the activations: per pair
+    assert stage["saved_mb_per_pair"] > 0 and all(rss > 0.1 for rss in stage["peak_rss_gb"])  # torch alone is more
+    assert 0 < stage["trainable_m"] < stage["parameters_m"]  # the reference's frozen set and the text tower
+    flops = result["gflop_per_pair"]  # the change and the distractor pair cost about twice one pair with one caption
+    assert flops["stage2_finetune_2"] == one and 1.8 < flops["stage2_finetune_2"] / flops["stage2_finetune_1"] < 2.2
+    assert 0 < flops["encode"] < flops["stage2_finetune_1"]  # forward only, no decoder
+    assert "estimate" not in result  # the hours need all three stages
+    clevr = result["disk"]["clevr"]  # 3 images per id (default, semantic, nonsemantic), 39,803 ids in the splits
+    assert clevr["images"] == 3 * 39_803 and clevr["image_cache_gb"] == round(3 * 39_803 * 224 * 224 * 3 / 1e9, 2)
+    assert clevr["feature_rows"] == 2 * 39_803  # the change pair and the distractor pair
+
+
+def test_bench_cost_hours_are_flops_over_the_rate_of_each_gpu_at_each_fraction_of_its_peak():
+    flops = {name: 1e12 for name in ("encode", "stage1", "stage2_cached_2", "stage2_cached_1", "stage2_finetune_2",
+                                     "stage2_finetune_1")}
+    hours = bench.run_hours(flops)["hours"]
+    # stage 1 on Spot-the-Diff: 17,676 samples x 20 epochs x 1 TFLOP, on an H100 at half its 989 TFLOP/s
+    assert hours["spot"]["stage1"]["H100 SXM (bf16) at 50%"] == round(17_676 * 20 / (0.5 * 989) / 3600, 2)
+    assert hours["spot"]["stage1"]["pflop"] == round(17_676 * 20 / 1e3, 1)
+    # cached features: 50 epochs of 8,566 pairs, and encoding each of its 11,329 pairs once
+    assert hours["spot"]["stage2_cached"]["pflop"] == round((8_566 * 50 + 11_329) / 1e3, 1)
+
