@@ -29,6 +29,8 @@ figures in BENCHMARKS.md; smaller values (see each subcommand's --help) make a s
             (--confusion: true kind -> said kind), and the run's pointing game                      section 1
   first     the README's first command from a clean clone, each line time-stamped: per script wall
             time and peak memory, the phases, the steps' ms, CPU flags, md5 of both outputs, kinds  section 1
+  cost      each stage at the papers' sizes: FLOPs per training pair, activation memory per batch size,
+            the datasets' disk caches, and the GPU hours that follow from them (estimates); JSON    section 8
 
 Run:  python bench.py clip [--bpe-path FILE]       (the vocabulary from --bpe-path, CLIP_BPE_PATH or the cache)
       python bench.py decoder [--dtype bfloat16]   (about 2 minutes at the defaults)
@@ -41,6 +43,7 @@ Run:  python bench.py clip [--bpe-path FILE]       (the vocabulary from --bpe-pa
       python bench.py kinds runs/caption_synth [--confusion] [--data synth] [--data_root DIR]
       python bench.py first /tmp/first [--commit C] [--avx2]   (15-40 minutes; logs and summary.json in /tmp/first)
       python bench.py first /tmp/smoke --extra "--synth_pairs 40 --epochs 1"   (flags for both scripts: a smoke run)
+      python bench.py cost [--batch-sizes 1 2 4 8]   (about 10 minutes; --tiny: a smoke run)
       python bench.py decoder --batch-decode 2 --steps 2 --batch-train 2 --length 4 --repeats 1   (a smoke run)
       python bench.py FIGURE --help                (the flags of one figure)
 
