@@ -41,6 +41,7 @@ import argparse
 import functools
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -52,7 +53,7 @@ from pathlib import Path
 import numpy as np
 
 from meteor import (METEOR_DATA_ENV, METEOR_MODULES, CaptionInputError, FastMeteor, Meteor, MeteorConfig,
-                    collector_paused, load_meteor_resources)
+                    collector_paused, item_stats_forked, load_meteor_resources)
 
 
 @dataclass
@@ -448,41 +449,42 @@ def _ptb_rules():
     return [(re.compile(pattern), action) for pattern, action in rules]
 
 
+def _ptb_step(text, pos):
+    """(the tokens of the longest rule match at pos, where the next match starts); no rule: the character is
+    deleted, as -untokenizable firstDelete does."""
+    best, best_len = None, 0
+    for rx, action in _ptb_rules():
+        m = rx.match(text, pos)
+        if m is not None and m.end() - pos > best_len:
+            best, best_len = (m, action), m.end() - pos
+    if best is None:
+        return [], pos + 1
+    m, action = best
+    tok = m.group("tok") if "tok" in m.re.groupindex and m.group("tok") is not None else None
+    for extra in ("tok2", "tok3"):
+        if tok is None and extra in m.re.groupindex and m.group(extra) is not None:
+            tok = m.group(extra)
+    tok = m.group(0) if tok is None else tok
+    if action == "drop":
+        return [], pos + len(tok)
+    if action == "keep":
+        return [tok], pos + len(tok)
+    if isinstance(action, str):
+        return [action], pos + len(tok)
+    out, consumed = action(tok)
+    return [out], pos + consumed
+
+
 def _ptb_lex(text):
-    """Tokens of one line, by the lexer's longest-match rule; characters no rule covers are deleted."""
-    rules = _ptb_rules()
-    tokens, pos, end = [], 0, len(text)
-    while pos < end:
-        best, best_len = None, 0
-        for rx, action in rules:
-            m = rx.match(text, pos)
-            if m is not None and m.end() - pos > best_len:
-                best, best_len = (m, action), m.end() - pos
-        if best is None:                          # "Untokenizable": deleted, as -untokenizable firstDelete does
-            pos += 1
-            continue
-        m, action = best
-        tok = m.group("tok") if "tok" in m.re.groupindex and m.group("tok") is not None else None
-        for extra in ("tok2", "tok3"):
-            if tok is None and extra in m.re.groupindex and m.group(extra) is not None:
-                tok = m.group(extra)
-        tok = m.group(0) if tok is None else tok
-        if action == "drop":
-            pos += len(tok)
-        elif action == "keep":
-            tokens.append(tok)
-            pos += len(tok)
-        elif isinstance(action, str):
-            tokens.append(action)
-            pos += len(tok)
-        else:
-            out, consumed = action(tok)
-            tokens.append(out)
-            pos += consumed
+    """Tokens of one line, by the lexer's longest-match rule, one match after the other."""
+    tokens, pos = [], 0
+    while pos < len(text):
+        found, pos = _ptb_step(text, pos)
+        tokens.extend(found)
     return tokens
 
 
-def ptb_tokenize(text):
+def ptb_tokenize(text, lex=_ptb_lex):
     """The text every coco-caption scorer sees: PTB tokens, lower-cased, 17 punctuation tokens dropped.
 
     >>> ptb_tokenize("The cube can't move, it's RED!")
@@ -496,7 +498,7 @@ def ptb_tokenize(text):
     text = "".join(ch if ord(ch) < 0x10000 else " " for ch in text)
     # differs from reference: a caption is lexed alone, followed by "\n" as in the toolkit's input file; there the
     # next caption follows too, which a few abbreviation rules read as trailing context.
-    tokens = [tok.lower() for tok in _ptb_lex(text + "\n")]
+    tokens = [tok.lower() for tok in lex(text + "\n")]
     return " ".join(tok for tok in " ".join(tokens).split(" ") if tok not in PTB_DROPPED)
 
 
@@ -573,11 +575,15 @@ class CaptionScorer:
                 meteor_modules = METEOR_MODULES if resources is not None else ("exact", "stem")
             self.meteor_modules = tuple(meteor_modules)
             self.meteor = self.meteor_class(self.config.meteor, self.meteor_modules, resources)
-            per_item = self.meteor.item_stats_many([(self.candidates[i], self.references[i]) for i in self.ids])
+            per_item = self.meteor_statistics([(self.candidates[i], self.references[i]) for i in self.ids])
             self.meteor.forget()                              # the per-item statistics are all we keep
             self.meteor_stats = dict(zip(self.ids, per_item))
             for i, stats in self.meteor_stats.items():
                 self.items[i]["METEOR"] = self.meteor.score(stats)
+
+    def meteor_statistics(self, items):
+        """METEOR's statistics of each (candidate, references) item, from its best single reference."""
+        return self.meteor.item_stats_many(items)
 
     def _cider(self, ids):
         """CIDEr-D of these items, with document frequencies over their references only."""
@@ -635,19 +641,22 @@ class CaptionScorer:
         return {"corpus": corpus, "items": items, "info": info}
 
 
-def score_captions(predictions, references, metrics=METRICS, tokenize=True, meteor_modules=None, config=None):
+def score_captions(predictions, references, metrics=METRICS, tokenize=True, meteor_modules=None, config=None,
+                   processes=1):
     """Score {id: caption} against {id: [captions]} as coco-caption does; returns corpus and per-item scores.
 
     tokenize=False takes the captions as already PTB-tokenized. meteor_modules: None for all four when the METEOR
-    data is found (exact + stem otherwise), or e.g. ("exact", "stem").
+    data is found (exact + stem otherwise), or e.g. ("exact", "stem"). processes=2: see FastCaptionScorer.
     """
-    return FastCaptionScorer(predictions, references, metrics, tokenize, meteor_modules, config).score()
+    return FastCaptionScorer(predictions, references, metrics, tokenize, meteor_modules, config,
+                             processes=processes).score()
 
 
 def score_subsets(predictions, references, subsets, metrics=METRICS, tokenize=True, meteor_modules=None,
-                  config=None):
+                  config=None, processes=1):
     """{name: result} for named subsets of ids, e.g. per change type; each subset is re-scored on its own."""
-    scorer = FastCaptionScorer(predictions, references, metrics, tokenize, meteor_modules, config)
+    scorer = FastCaptionScorer(predictions, references, metrics, tokenize, meteor_modules, config,
+                               processes=processes)
     return {name: scorer.score(ids) for name, ids in subsets.items()}
 
 
@@ -745,6 +754,24 @@ _PTB_SPLIT_WORDS = {"cannot": ("can", "not"), "gonna": ("gon", "na"), "gotta": (
                     "wanna": ("wan", "na"), "lemme": ("lem", "me"), "gimme": ("gim", "me")}
 
 
+_PTB_PLAIN = re.compile(r" +|[A-Za-z]+(?=[ \n]|$)")   # spaces, or a plain word before a space: no rule does more
+
+
+def _ptb_lex_fast(text):
+    """_ptb_lex(text), taking runs of spaces and plain words without trying every rule on them. WHAT_PLAIN"""
+    tokens, pos = [], 0
+    while pos < len(text):
+        plain = _PTB_PLAIN.match(text, pos)
+        if plain is None:
+            found, pos = _ptb_step(text, pos)
+            tokens.extend(found)
+            continue
+        if text[pos] != " ":
+            tokens.extend(_PTB_SPLIT_WORDS.get(plain.group().lower(), (plain.group(),)))
+        pos = plain.end()
+    return tokens
+
+
 def ptb_tokenize_fast(text):
     """ptb_tokenize(text), with a shortcut for captions of words and spaces only (most captions): the lexer's
     tokens are then the words, but for the few it splits. WHAT_PTB"""
@@ -753,7 +780,7 @@ def ptb_tokenize_fast(text):
         for word in text.lower().split():
             tokens.extend(_PTB_SPLIT_WORDS.get(word, (word,)))
         return " ".join(tokens)
-    return ptb_tokenize(text)
+    return ptb_tokenize(text, _ptb_lex_fast)
 
 
 def lcs_length_fast(a, b):
@@ -780,9 +807,26 @@ class FastCaptionScorer(CaptionScorer):
     lcs = staticmethod(lcs_length_fast)
     meteor_class = FastMeteor
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, processes=1, **kwargs):
+        self.processes, self.meteor_items_in_worker, self._cider_all = processes, 0, None
         with collector_paused():
             super().__init__(*args, **kwargs)
+
+    def meteor_statistics(self, items):
+        """With processes > 1, a forked worker computes part of METEOR (meteor.item_stats_forked) while this process
+        computes the whole set's CIDEr. Forking inside a process that uses CUDA is best avoided: the library
+        functions use one process unless asked."""
+        if self.processes < 2:
+            return super().meteor_statistics(items)
+        per_item, self.meteor_items_in_worker = item_stats_forked(self.meteor, items, self._cider_whole_set)
+        return per_item
+
+    def _cider_whole_set(self):
+        if "CIDEr" in self.metrics:
+            self._cider_all = super()._cider(self.ids)
+
+    def _cider(self, ids):
+        return self._cider_all if self._cider_all is not None and ids == self.ids else super()._cider(ids)
 
     def score(self, ids=None):
         with collector_paused():
@@ -803,6 +847,8 @@ def main(argv=None):
     parser.add_argument("--meteor-modules", default=None,
                         help="e.g. exact,stem (default: all four when the METEOR data is found)")
     parser.add_argument("--pretokenized", action="store_true", help="captions are already PTB-tokenized")
+    parser.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1),
+                        help="2 lets a worker process compute part of METEOR (default: 2 on a multi-core machine)")
     args = parser.parse_args(argv)
     try:
         started = time.perf_counter()
@@ -813,7 +859,7 @@ def main(argv=None):
         modules = tuple(args.meteor_modules.split(",")) if args.meteor_modules else None
         with collector_paused():      # until the table is written: then the process ends, nothing left to scan
             result = score_captions(predictions, references, tuple(args.metrics.split(",")),
-                                    tokenize=not args.pretokenized, meteor_modules=modules)
+                                    tokenize=not args.pretokenized, meteor_modules=modules, processes=args.processes)
             result["info"]["seconds"] = round(time.perf_counter() - started, 3)
             print(json.dumps(result, ensure_ascii=False) if args.json else format_table(result))
     except CaptionInputError as e:
