@@ -31,7 +31,7 @@ Run:  python bench.py clip [--bpe-path FILE]       (the vocabulary from --bpe-pa
       python bench.py adapt [--compile]
       python bench.py caption
       python bench.py synth [--profile 3]
-      python bench.py metrics [--runs 3] [--variants "bit-parallel LCS"] [--no-toolkit]
+      python bench.py metrics [--runs 3] [--variants "paraphrase index"] [--no-toolkit]
       python bench.py load --root /tmp/bench_synth --batches 40
       python bench.py draw /tmp/gen1 --pairs 2000 [--workers 2]
       python bench.py decoder --batch-decode 2 --steps 2 --batch-train 2 --length 4 --repeats 1   (a smoke run)
@@ -587,10 +587,6 @@ METRICS_VARIANTS = {
     "batched beam search": "meteor.FastMeteor.item_stats_many = meteor.Meteor.item_stats_many",
     "garbage collector paused": "import contextlib; metrics.collector_paused = contextlib.nullcontext",
     "PTB words-only captions": "metrics.FastCaptionScorer.tokenizer = staticmethod(metrics.ptb_tokenize)",
-    "PTB lexer's plain runs": "metrics._ptb_lex_fast = metrics._ptb_lex",
-    "forked worker": "metrics.FastCaptionScorer.meteor_statistics = metrics.CaptionScorer.meteor_statistics",
-    "normaliser words-only lines": "meteor.FastMeteor.normalize = staticmethod(meteor.meteor_normalize)",
-    "bit-parallel LCS": "metrics.FastCaptionScorer.lcs = staticmethod(metrics.lcs_length)",
 }
 
 
@@ -637,7 +633,8 @@ def metrics_scoring(corpus: str = "../shared/metrics_vectors/clevr_size_timing.j
     bought = {name: statistics.median(1 - a / b for a, b in zip(base, w)) for name, w in walls.items()}
     table = [f"{'without':<30} {'median s':>9} {'all on, s':>9} {'bought':>7}  runs (s)"]
     for name in names[1:]:
-        table.append(f"{name:<30} {median[name]:9.2f} {median[names[0]]:9.2f} {100 * bought[name]:6.1f}%  {walls[name]}")
+        table.append(f"{name:<30} {median[name]:9.2f} {median[names[0]]:9.2f} {100 * bought[name]:6.1f}%  "
+                     f"{walls[name]}")
     table.append(f"{'(all speed variants on)':<30} {median[names[0]]:9.2f} {'':9} {'':7}  {base}")
     if toolkit:
         ratio = statistics.median(t / a for a, t in zip(base, walls["Java toolkit"]))

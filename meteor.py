@@ -11,7 +11,8 @@ fragmentation. pycocoevalcap runs it as `java -jar meteor-1.5.jar - - -stdio -l 
     3. the stemmer     Snowball English ("Porter2")
     4. alignment       each module's candidate matches, then Aligner's beam search over reference positions
     5. scoring         per item the best single reference; a corpus from summed statistics
-    6. speed variants  the same numbers, faster; each tested equal to the code above it stands in for
+    6. speed variants  the same numbers, faster: a paraphrase index, a batched beam search, a paused garbage
+                       collector; each tested equal to the code above it stands in for
 
 METEOR's synonym (WordNet) and paraphrase resources are data files of the METEOR 1.5 release. They are read with
 the standard library from the jar (a zip archive) and `data/paraphrase-en.gz` of an installed pycocoevalcap
@@ -23,7 +24,6 @@ Differences from the toolkit (each is marked `# differs from reference:` below):
 metrics.py runs this inside its scorer, after its PTB tokenizer; this file imports nothing of the project.
 Run:   python meteor.py        # demo: one candidate aligned with one reference, and its score
 """
-import concurrent.futures
 import contextlib
 import functools
 import gc
@@ -31,7 +31,6 @@ import gzip
 import importlib.util
 import itertools
 import math
-import multiprocessing
 import operator
 import os
 import re
@@ -437,7 +436,6 @@ class Meteor:
     """METEOR 1.5 statistics and scores, with the toolkit's settings (-l en -norm, task rank)."""
 
     # The plain steps. FastMeteor (section 6) puts faster ones with the same results in their place.
-    normalize = staticmethod(meteor_normalize)
     read_paraphrases = staticmethod(read_paraphrases)
 
     def __init__(self, config=None, modules=None, resources=None):
@@ -462,7 +460,7 @@ class Meteor:
     def words(self, text):
         """The normalised, lower-cased words Meteor aligns."""
         if text not in self._words:
-            self._words[text] = self.normalize(text)
+            self._words[text] = meteor_normalize(text)
         return self._words[text]
 
     def stem(self, word):
@@ -766,6 +764,7 @@ def _meteor_fields(hypothesis, references):
 # 6.1 The paraphrase index, for read_paraphrases (section 1). Unzipping the table alone takes seconds, so it is turned
 # once into a word-id index cached on disk. The index files each pair under its rarest word: a run reads only the
 # pairs filed under its own vocabulary, then keeps those whose words it all has (0.08 s for CLEVR's vocabulary).
+# It buys 39% of the whole scoring process on the CLEVR-Change-sized corpus (`python bench.py metrics`).
 def _paraphrase_cache_dir(gz):
     with open(gz, "rb") as f:
         head = f.read(1 << 16)
@@ -864,26 +863,13 @@ def load_paraphrases(resources, vocabulary):
     return table
 
 
-# 6.2 Lines of words and spaces, for meteor_normalize (section 2): no rule changes them. WHAT_NORM
-_WORDS_ONLY = re.compile(r"[A-Za-z0-9 ]*")
-
-
-def meteor_normalize_fast(line):
-    """meteor_normalize(line), with a shortcut for letters, digits and spaces: no rule changes them (on lower-case
-    text, as the PTB tokenizer gives; the rules would turn an upper-case "DOTMULTI" into ".")."""
-    if _WORDS_ONLY.fullmatch(line):
-        return line.lower().split()
-    return meteor_normalize(line)
-
-
-# 6.3 Many items at once, for Meteor.item_stats (section 5). The beam search of Meteor._resolve, one alignment at a time
-# in Python, is about half of METEOR's time. FastMeteor.item_stats_many collects the alignments of many items that need a search
-# (each distinct one once) and runs that same search on all of them together with numpy, step for step, so that
-# every tie is broken the same way. On the CLEVR-Change-sized corpus METEOR's statistics then take 4.2 s instead of
-# 5.9 s (one process).
+# 6.2 Many items at once, for Meteor.item_stats_many (section 5). The beam search of Meteor._resolve, one alignment
+# at a time in Python, is about half of METEOR's time. FastMeteor.item_stats_many collects the alignments of many
+# items that need a search (each distinct one once) and runs that same search on all of them together with numpy,
+# step for step, so that every tie is broken the same way. It buys 27% of the whole scoring process on the
+# CLEVR-Change-sized corpus (`python bench.py metrics`).
 class FastMeteor(Meteor):
     """Meteor with every speed variant of this section in place of the plain step it stands in for."""
-    normalize = staticmethod(meteor_normalize_fast)
     read_paraphrases = staticmethod(load_paraphrases)
 
     def item_stats_many(self, items):
@@ -1060,71 +1046,16 @@ class FastMeteor(Meteor):
         return -(math.floor(m_length * weights[stage]) + math.floor(length * weights[stage])) << 32
 
 
-# 6.4 A forked worker, for Meteor.item_stats_many (section 5) on a machine with two cores or more: a second
-# process computes part of METEOR while this one computes the other metrics, then both share what is left. WHAT_WORKER
-PARALLEL_MIN_ITEMS = 1000     # below this a worker process costs more than it saves
-METEOR_CHUNK_ITEMS = 250      # with a worker, METEOR's items are shared out in chunks of this many
-
-
-_worker_meteor = None   # in a forked worker: the parent's Meteor, its vocabulary already prepared
-
-
-def _adopt_meteor(meteor):
-    """The worker's initializer. The worker is forked, so `meteor` is the parent's object, copied, not pickled."""
-    global _worker_meteor
-    _worker_meteor = meteor
-
-
-def _meteor_chunk(items):
-    """METEOR statistics of a chunk of (hypothesis, references) items, in the worker process."""
-    return _worker_meteor.item_stats_many(items)
-
-
-def item_stats_forked(meteor, items, meanwhile):
-    """(meteor.item_stats_many(items), how many items a forked worker computed): the worker starts on the items
-    while this process runs meanwhile(), then takes back the chunks the worker has not begun."""
-    if len(items) < PARALLEL_MIN_ITEMS or "fork" not in multiprocessing.get_all_start_methods():
-        meanwhile()
-        return meteor.item_stats_many(items), 0
-    worker = _MeteorWorker(meteor, items)
-    meanwhile()
-    return worker.finish()
-
-
-class _MeteorWorker:
-    """meteor.item_stats_many(items), shared with a forked process: the worker starts on the items chunk by chunk;
-    finish() then computes here, from the last chunk back, those the worker has not begun, so both end together
-    whatever the machine's load."""
-
-    def __init__(self, meteor, items):
-        meteor.prepare_items(items)     # every word registered before the fork: the worker never prepares again
-        self.meteor = meteor
-        self.chunks = [items[k:k + METEOR_CHUNK_ITEMS] for k in range(0, len(items), METEOR_CHUNK_ITEMS)]
-        self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"),
-                                                           initializer=_adopt_meteor, initargs=(meteor,))
-        self.futures = [self.pool.submit(_meteor_chunk, chunk) for chunk in self.chunks]
-
-    def finish(self):
-        """(the statistics of every item, in order; how many of the items the worker computed)."""
-        per_chunk = [None] * len(self.chunks)
-        for k in reversed(range(len(self.chunks))):          # from the last chunk back, those the worker has not
-            if self.futures[k].cancel():                      # begun (cancel() fails once it has)
-                per_chunk[k] = self.meteor.item_stats_many(self.chunks[k])
-        in_worker = sum(len(chunk) for chunk, stats in zip(self.chunks, per_chunk) if stats is None)
-        per_chunk = [stats if stats is not None else future.result() for stats, future in zip(per_chunk, self.futures)]
-        self.pool.shutdown()
-        return list(itertools.chain.from_iterable(per_chunk)), in_worker
-
-
-# 6.5 The garbage collector paused, for scoring with it running: around all of section 5's steps, where METEOR's
-# tuples are most of what it would scan.
+# 6.3 The garbage collector paused, for scoring with it running: around all of metrics.py's scoring (its
+# FastCaptionScorer and command line), where METEOR's tuples are most of what it would scan. It buys 41% of the
+# whole scoring process on the CLEVR-Change-sized corpus (`python bench.py metrics`).
 @contextlib.contextmanager
 def collector_paused():
     """Scoring allocates millions of small tuples and dicts and leaves no reference cycles. Python's cyclic garbage
     collector would scan them again and again (about 40% of the run time here), so it is paused meanwhile. Its
-    first pass after the pause still scans all the survivors once (0.3 s on a CLEVR-sized corpus): CaptionScorer,
-    score_captions, score_subsets and the command line therefore hold one pause around all their steps (an inner
-    pause changes nothing)."""
+    first pass after the pause still scans all the survivors once (0.3 s on a CLEVR-sized corpus): metrics.py's
+    FastCaptionScorer and command line therefore hold one pause around all their steps (an inner pause changes
+    nothing)."""
     enabled = gc.isenabled()
     gc.disable()
     try:

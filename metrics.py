@@ -15,7 +15,8 @@ computes the same numbers without Java and without torch (METEOR, the long one, 
                                   on its own, as RCC's score_generation_by_type does (CIDEr's document frequencies
                                   change with it)
     7. reading predictions and references (COCO results and ground truth), the printed table
-    8. speed variants             the same numbers, faster; each tested equal to the plain code it stands in for
+    8. speed variants             the same numbers, faster: the PTB shortcut for plain captions, and the scorer
+                                  that selects every speed variant (FastCaptionScorer, which the functions use)
     9. the command line, and the demo
 
 On the toolkit's own output for ../shared/metrics_vectors every score agrees to the last bit, METEOR included.
@@ -41,7 +42,6 @@ import argparse
 import functools
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -53,7 +53,7 @@ from pathlib import Path
 import numpy as np
 
 from meteor import (METEOR_DATA_ENV, METEOR_MODULES, CaptionInputError, FastMeteor, Meteor, MeteorConfig,
-                    collector_paused, item_stats_forked, load_meteor_resources)
+                    collector_paused, load_meteor_resources)
 
 
 @dataclass
@@ -135,14 +135,14 @@ def lcs_length(a, b):
     return previous[-1]
 
 
-def rouge_l(candidate, references, beta=1.2, lcs=lcs_length):
+def rouge_l(candidate, references, beta=1.2):
     """ROUGE-L F of one candidate: best precision and best recall over the references, taken separately."""
     # The toolkit splits on a single space, so an empty string is one empty token: "" against "" scores 1.
     cand = candidate.split(" ")
     precision, recall = 0.0, 0.0
     for reference in references:
         ref = reference.split(" ")
-        common = lcs(ref, cand)
+        common = lcs_length(ref, cand)
         precision = max(precision, common / float(len(cand)))
         recall = max(recall, common / float(len(ref)))
     if precision != 0 and recall != 0:
@@ -484,7 +484,7 @@ def _ptb_lex(text):
     return tokens
 
 
-def ptb_tokenize(text, lex=_ptb_lex):
+def ptb_tokenize(text):
     """The text every coco-caption scorer sees: PTB tokens, lower-cased, 17 punctuation tokens dropped.
 
     >>> ptb_tokenize("The cube can't move, it's RED!")
@@ -498,7 +498,7 @@ def ptb_tokenize(text, lex=_ptb_lex):
     text = "".join(ch if ord(ch) < 0x10000 else " " for ch in text)
     # differs from reference: a caption is lexed alone, followed by "\n" as in the toolkit's input file; there the
     # next caption follows too, which a few abbreviation rules read as trailing context.
-    tokens = [tok.lower() for tok in lex(text + "\n")]
+    tokens = [tok.lower() for tok in _ptb_lex(text + "\n")]
     return " ".join(tok for tok in " ".join(tokens).split(" ") if tok not in PTB_DROPPED)
 
 
@@ -536,7 +536,6 @@ class CaptionScorer:
     """
     # The plain steps. FastCaptionScorer (section 8) puts faster ones with the same results in their place.
     tokenizer = staticmethod(ptb_tokenize)
-    lcs = staticmethod(lcs_length)
     meteor_class = Meteor
 
     def __init__(self, predictions, references, metrics=METRICS, tokenize=True, meteor_modules=None, config=None):
@@ -566,8 +565,7 @@ class CaptionScorer:
                     self.items[i][f"BLEU_{k + 1}"] = value
         if "ROUGE_L" in self.metrics:
             for i in self.ids:
-                self.items[i]["ROUGE_L"] = rouge_l(self.candidates[i], self.references[i], self.config.rouge_beta,
-                                                   self.lcs)
+                self.items[i]["ROUGE_L"] = rouge_l(self.candidates[i], self.references[i], self.config.rouge_beta)
         self.meteor_modules = None
         if "METEOR" in self.metrics:
             resources = load_meteor_resources()
@@ -575,15 +573,11 @@ class CaptionScorer:
                 meteor_modules = METEOR_MODULES if resources is not None else ("exact", "stem")
             self.meteor_modules = tuple(meteor_modules)
             self.meteor = self.meteor_class(self.config.meteor, self.meteor_modules, resources)
-            per_item = self.meteor_statistics([(self.candidates[i], self.references[i]) for i in self.ids])
+            per_item = self.meteor.item_stats_many([(self.candidates[i], self.references[i]) for i in self.ids])
             self.meteor.forget()                              # the per-item statistics are all we keep
             self.meteor_stats = dict(zip(self.ids, per_item))
             for i, stats in self.meteor_stats.items():
                 self.items[i]["METEOR"] = self.meteor.score(stats)
-
-    def meteor_statistics(self, items):
-        """METEOR's statistics of each (candidate, references) item, from its best single reference."""
-        return self.meteor.item_stats_many(items)
 
     def _cider(self, ids):
         """CIDEr-D of these items, with document frequencies over their references only."""
@@ -641,22 +635,19 @@ class CaptionScorer:
         return {"corpus": corpus, "items": items, "info": info}
 
 
-def score_captions(predictions, references, metrics=METRICS, tokenize=True, meteor_modules=None, config=None,
-                   processes=1):
+def score_captions(predictions, references, metrics=METRICS, tokenize=True, meteor_modules=None, config=None):
     """Score {id: caption} against {id: [captions]} as coco-caption does; returns corpus and per-item scores.
 
     tokenize=False takes the captions as already PTB-tokenized. meteor_modules: None for all four when the METEOR
-    data is found (exact + stem otherwise), or e.g. ("exact", "stem"). processes=2: see FastCaptionScorer.
+    data is found (exact + stem otherwise), or e.g. ("exact", "stem").
     """
-    return FastCaptionScorer(predictions, references, metrics, tokenize, meteor_modules, config,
-                             processes=processes).score()
+    return FastCaptionScorer(predictions, references, metrics, tokenize, meteor_modules, config).score()
 
 
 def score_subsets(predictions, references, subsets, metrics=METRICS, tokenize=True, meteor_modules=None,
-                  config=None, processes=1):
+                  config=None):
     """{name: result} for named subsets of ids, e.g. per change type; each subset is re-scored on its own."""
-    scorer = FastCaptionScorer(predictions, references, metrics, tokenize, meteor_modules, config,
-                               processes=processes)
+    scorer = FastCaptionScorer(predictions, references, metrics, tokenize, meteor_modules, config)
     return {name: scorer.score(ids) for name, ids in subsets.items()}
 
 
@@ -744,8 +735,10 @@ def format_table(result):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 8. Speed variants: the same numbers, faster. Each says what it stands in for and what it buys, and a test checks
-#    that it gives exactly what the plain code gives. FastCaptionScorer is the one place that selects them.
+# 8. Speed variants: the same numbers, faster. Each says what it stands in for and what it buys of the whole
+#    scoring process (`python bench.py metrics`: with and without it, beside the Java toolkit), and a test checks
+#    that it gives exactly what the plain code gives. FastCaptionScorer is the one place that selects them, with
+#    meteor.py's own (its section 6).
 # ---------------------------------------------------------------------------------------------------------------
 _WORDS_ONLY = re.compile(r"[A-Za-z0-9 ]*")     # most captions: words and spaces only
 _DIGITS_SPACED = re.compile(r"\d \d")          # "555 123 4567" is one (phone number) token
@@ -754,79 +747,28 @@ _PTB_SPLIT_WORDS = {"cannot": ("can", "not"), "gonna": ("gon", "na"), "gotta": (
                     "wanna": ("wan", "na"), "lemme": ("lem", "me"), "gimme": ("gim", "me")}
 
 
-_PTB_PLAIN = re.compile(r" +|[A-Za-z]+(?=[ \n]|$)")   # spaces, or a plain word before a space: no rule does more
-
-
-def _ptb_lex_fast(text):
-    """_ptb_lex(text), taking runs of spaces and plain words without trying every rule on them. WHAT_PLAIN"""
-    tokens, pos = [], 0
-    while pos < len(text):
-        plain = _PTB_PLAIN.match(text, pos)
-        if plain is None:
-            found, pos = _ptb_step(text, pos)
-            tokens.extend(found)
-            continue
-        if text[pos] != " ":
-            tokens.extend(_PTB_SPLIT_WORDS.get(plain.group().lower(), (plain.group(),)))
-        pos = plain.end()
-    return tokens
-
-
 def ptb_tokenize_fast(text):
     """ptb_tokenize(text), with a shortcut for captions of words and spaces only (most captions): the lexer's
-    tokens are then the words, but for the few it splits. WHAT_PTB"""
+    tokens are then the words, but for the few it splits. Trying each of the lexer's 80 rules at every position
+    is slow in Python: on the CLEVR-Change-sized corpus this shortcut buys 64% of the whole process's time
+    (`python bench.py metrics`)."""
     if _WORDS_ONLY.fullmatch(text) and not _DIGITS_SPACED.search(text):
         tokens = []
         for word in text.lower().split():
             tokens.extend(_PTB_SPLIT_WORDS.get(word, (word,)))
         return " ".join(tokens)
-    return ptb_tokenize(text, _ptb_lex_fast)
-
-
-def lcs_length_fast(a, b):
-    """lcs_length(a, b), bit-parallel (Allison-Dix / Hyyro 2004). WHAT_LCS
-
-    Bit i of v is 0 when a[i] ends a common subsequence one longer than a[:i] gives; each token of b updates all
-    bits at once with an addition, so the cost is len(b) big-integer operations instead of len(a) * len(b) cells.
-    """
-    masks = {}
-    for i, token in enumerate(a):
-        masks[token] = masks.get(token, 0) | (1 << i)
-    full = (1 << len(a)) - 1
-    v = full
-    for token in b:
-        u = v & masks.get(token, 0)
-        v = ((v + u) | (v - u)) & full
-    return len(a) - v.bit_count()
+    return ptb_tokenize(text)
 
 
 class FastCaptionScorer(CaptionScorer):
     """CaptionScorer with every speed variant in place of the plain step it stands in for: the same numbers.
     The garbage collector is paused around its work (meteor.collector_paused)."""
     tokenizer = staticmethod(ptb_tokenize_fast)
-    lcs = staticmethod(lcs_length_fast)
     meteor_class = FastMeteor
 
-    def __init__(self, *args, processes=1, **kwargs):
-        self.processes, self.meteor_items_in_worker, self._cider_all = processes, 0, None
+    def __init__(self, *args, **kwargs):
         with collector_paused():
             super().__init__(*args, **kwargs)
-
-    def meteor_statistics(self, items):
-        """With processes > 1, a forked worker computes part of METEOR (meteor.item_stats_forked) while this process
-        computes the whole set's CIDEr. Forking inside a process that uses CUDA is best avoided: the library
-        functions use one process unless asked."""
-        if self.processes < 2:
-            return super().meteor_statistics(items)
-        per_item, self.meteor_items_in_worker = item_stats_forked(self.meteor, items, self._cider_whole_set)
-        return per_item
-
-    def _cider_whole_set(self):
-        if "CIDEr" in self.metrics:
-            self._cider_all = super()._cider(self.ids)
-
-    def _cider(self, ids):
-        return self._cider_all if self._cider_all is not None and ids == self.ids else super()._cider(ids)
 
     def score(self, ids=None):
         with collector_paused():
@@ -847,8 +789,6 @@ def main(argv=None):
     parser.add_argument("--meteor-modules", default=None,
                         help="e.g. exact,stem (default: all four when the METEOR data is found)")
     parser.add_argument("--pretokenized", action="store_true", help="captions are already PTB-tokenized")
-    parser.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1),
-                        help="2 lets a worker process compute part of METEOR (default: 2 on a multi-core machine)")
     args = parser.parse_args(argv)
     try:
         started = time.perf_counter()
@@ -859,7 +799,7 @@ def main(argv=None):
         modules = tuple(args.meteor_modules.split(",")) if args.meteor_modules else None
         with collector_paused():      # until the table is written: then the process ends, nothing left to scan
             result = score_captions(predictions, references, tuple(args.metrics.split(",")),
-                                    tokenize=not args.pretokenized, meteor_modules=modules, processes=args.processes)
+                                    tokenize=not args.pretokenized, meteor_modules=modules)
             result["info"]["seconds"] = round(time.perf_counter() - started, 3)
             print(json.dumps(result, ensure_ascii=False) if args.json else format_table(result))
     except CaptionInputError as e:

@@ -1855,7 +1855,7 @@ def test_rouge_takes_best_precision_and_best_recall_from_different_references():
     assert metrics.rouge_l("", ["", "the cube moved"]) == 1.0       # split(" ") makes "" one empty token
 
 
-def test_lcs_is_the_longest_common_subsequence_and_the_bit_parallel_one_agrees():
+def test_lcs_is_the_longest_common_subsequence():
     assert metrics.lcs_length("a b c d e".split(), "b x d e a".split()) == 3          # b d e
     rng = np.random.default_rng(0)
     for _ in range(300):
@@ -1865,7 +1865,7 @@ def test_lcs_is_the_longest_common_subsequence_and_the_bit_parallel_one_agrees()
         for i in range(len(a)):
             for j in range(len(b)):
                 table[i + 1, j + 1] = table[i, j] + 1 if a[i] == b[j] else max(table[i, j + 1], table[i + 1, j])
-        assert metrics.lcs_length(a, b) == metrics.lcs_length_fast(a, b) == table[-1, -1]
+        assert metrics.lcs_length(a, b) == table[-1, -1]
 
 
 def test_cider_is_ten_for_a_perfect_match_and_zero_for_a_one_item_corpus():
@@ -2061,6 +2061,14 @@ def test_captions_of_words_and_spaces_skip_the_lexer_and_get_the_lexers_tokens()
     assert [metrics.ptb_tokenize_fast(c) for c in plain] == [metrics.ptb_tokenize(c) for c in plain]
 
 
+def test_the_plain_scorer_and_the_fast_one_give_the_same_numbers():
+    items, _ = load_corpus("edge_cases")
+    predictions = {it["id"]: it["candidate"] for it in items}
+    references = {it["id"]: it["references"] for it in items}
+    plain = metrics.CaptionScorer(predictions, references, meteor_modules=("exact", "stem")).score()
+    assert metrics.FastCaptionScorer(predictions, references, meteor_modules=("exact", "stem")).score() == plain
+
+
 # ======== meteor.py ========
 
 def test_snowball_stemmer_gives_the_english_stems():
@@ -2079,17 +2087,6 @@ def test_meteor_normaliser_joins_hyphens_splits_apostrophes_and_keeps_abbreviati
     assert meteor.meteor_normalize("the u.s. cube") == ["the", "us", "cube"]
     assert meteor.meteor_normalize("mr. smith moved") == ["mr.", "smith", "moved"]
     assert meteor.meteor_normalize("the end .") == ["the", "end", "."]
-
-
-def test_lines_of_words_and_spaces_skip_the_normaliser_and_get_its_words():
-    lines = {"the 3d cube  moved ", "no 5 st mr us", ""}
-    for name in CORPORA:
-        _, coco = load_corpus(name)
-        lines.update(text for item in coco["items"] for text in [item["candidate_tok"], *item["references_tok"]])
-    plain = sorted(line for line in lines if meteor._WORDS_ONLY.fullmatch(line))
-    assert len(plain) > 5_000
-    plain = plain[::4]                        # 5,000 of them, for time
-    assert [meteor.meteor_normalize_fast(line) for line in plain] == [meteor.meteor_normalize(line) for line in plain]
 
 
 @pytest.mark.parametrize("name", CORPORA)
@@ -2208,20 +2205,6 @@ def test_the_paraphrase_index_gives_what_reading_the_table_plainly_gives(tmp_pat
         expected = meteor.read_paraphrases(resources, vocabulary)
         assert len(expected) > 10
         assert meteor.load_paraphrases(resources, vocabulary) == expected
-
-
-def test_a_forked_meteor_worker_gives_the_same_numbers():
-    needs_meteor_data()
-    _, coco = load_corpus("clevr_style_public")                               # 2,000 items: above the threshold
-    one = metrics.score_captions(*tokenized(coco), tokenize=False, processes=1)
-    two = metrics.score_captions(*tokenized(coco), tokenize=False, processes=2)
-    assert one["corpus"] == two["corpus"] and one["items"] == two["items"]
-    assert one["info"]["meteor_items_in_worker"] == 0 and two["info"]["meteor_items_in_worker"] > 0
-    # METEOR alone: this process has nothing else to do, so it takes chunks from the end at once
-    alone = metrics.score_captions(*tokenized(coco), metrics=("METEOR",), tokenize=False, processes=2)
-    assert alone["corpus"]["METEOR"] == one["corpus"]["METEOR"]
-    assert all(alone["items"][i]["METEOR"] == one["items"][i]["METEOR"] for i in one["items"])
-    assert 0 < alone["info"]["meteor_items_in_worker"] < len(coco["items"])
 
 
 def test_pausing_the_garbage_collector_changes_no_score_and_turns_it_back_on(monkeypatch):
