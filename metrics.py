@@ -727,8 +727,8 @@ def format_table(result):
     for name, value in corpus.items():
         note = f"   ({info['meteor_modules']})" if name == "METEOR" else ""
         lines.append(f"{name:<9} {value:7.4f}{note}")
-    seconds = f" in {info['seconds']:.2f} s" if "seconds" in info else ""
-    lines.append(f"{info['items']} items, {info['references']} references, scored{seconds}")
+    seconds = f", scored in {info['seconds']:.2f} s" if "seconds" in info else ""
+    lines.append(f"{info['items']} items, {info['references']} references{seconds}")
     if "meteor_note" in info:
         lines.append(f"note: {info['meteor_note']}")
     return "\n".join(lines)
