@@ -608,7 +608,8 @@ def metrics_scoring(corpus: str = "../shared/metrics_vectors/clevr_size_timing.j
     Java toolkit, run in turns (ABAB...) so that the machine's changing load falls on all of them alike."""
     if meteor.load_meteor_resources() is None:
         raise SystemExit("metrics bench: the METEOR 1.5 data is missing (pip install --no-deps pycocoevalcap==1.2)")
-    names = list(METRICS_VARIANTS) if variants == "all" else ["none (all speed variants on)", *variants.split(",")]
+    names = list(METRICS_VARIANTS) if variants == "all" else \
+        ["none (all speed variants on)", *(variants.split(",") if variants != "none" else [])]
     unknown = [n for n in names if n not in METRICS_VARIANTS]
     if unknown:
         raise SystemExit(f"metrics bench: unknown variants {unknown}; choose from {list(METRICS_VARIANTS)[1:]}")
@@ -720,7 +721,8 @@ def main(argv=None):
                           "toolkit's time (JSON)")
     p.add_argument("--corpus", default="../shared/metrics_vectors/clevr_size_timing.json", help="metrics.py input")
     p.add_argument("--runs", type=int, default=3, help="whole-process runs of each, in turns; the median is reported")
-    p.add_argument("--variants", default="all", help=f"comma-separated, from {list(METRICS_VARIANTS)[1:]}")
+    p.add_argument("--variants", default="all", help=f"comma-separated, from {list(METRICS_VARIANTS)[1:]}; "
+                                                      "none: all on, beside the toolkit")
     p.add_argument("--no-toolkit", dest="toolkit", action="store_false", help="leave the Java toolkit out")
     p.set_defaults(run=lambda a: metrics_scoring(a.corpus, a.runs, a.variants, a.toolkit))
 

@@ -750,8 +750,8 @@ _PTB_SPLIT_WORDS = {"cannot": ("can", "not"), "gonna": ("gon", "na"), "gotta": (
 def ptb_tokenize_fast(text):
     """ptb_tokenize(text), with a shortcut for captions of words and spaces only (most captions): the lexer's
     tokens are then the words, but for the few it splits. Trying each of the lexer's 80 rules at every position
-    is slow in Python: on the CLEVR-Change-sized corpus this shortcut buys 64% of the whole process's time
-    (`python bench.py metrics`)."""
+    is slow in Python: on the CLEVR-Change-sized corpus this shortcut buys 54-64% of the whole process's time
+    (`python bench.py metrics`, two runs on a loaded 2-core machine)."""
     if _WORDS_ONLY.fullmatch(text) and not _DIGITS_SPACED.search(text):
         tokens = []
         for word in text.lower().split():
