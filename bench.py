@@ -37,7 +37,7 @@ Run:  python bench.py clip [--bpe-path FILE]       (the vocabulary from --bpe-pa
       python bench.py adapt [--compile]
       python bench.py caption
       python bench.py synth [--profile 3]
-      python bench.py metrics [--runs 5] [--processes 2]
+      python bench.py metrics [--runs 3] [--variants "paraphrase index"] [--no-toolkit]
       python bench.py load --root /tmp/bench_synth --batches 40
       python bench.py draw /tmp/gen1 --pairs 2000 [--workers 2]
       python bench.py kinds runs/caption_synth [--confusion] [--data synth] [--data_root DIR]
@@ -84,6 +84,7 @@ import caption
 import clip
 import data
 import explain
+import meteor
 import metrics
 import runtime
 import synth
@@ -577,37 +578,88 @@ def drawing(folder: str, pairs: int, seed: int, workers: int = 1) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # metrics.py: scoring a CLEVR-Change-sized corpus, the whole process as a user runs it (section 5)
 
-JAVA_TOOLKIT_S = 54.2   # ../shared/metrics_vectors/README.md, "Timing": the toolkit's whole process, median of 7
+# The coco-caption toolkit's whole process, as a caption paper runs it: PTB tokens (Java), then the four scorers
+# (METEOR in a Java process). Its output goes nowhere; only its time is wanted.
+TOOLKIT_SCRIPT = """
+import json, sys
+from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+from pycocoevalcap.bleu.bleu import Bleu
+from pycocoevalcap.meteor.meteor import Meteor
+from pycocoevalcap.rouge.rouge import Rouge
+from pycocoevalcap.cider.cider import Cider
+items = json.load(open(sys.argv[1]))["items"]
+tokenizer = PTBTokenizer()
+gts = tokenizer.tokenize({it["id"]: [{"caption": r} for r in it["references"]] for it in items})
+res = tokenizer.tokenize({it["id"]: [{"caption": it["candidate"]}] for it in items})
+for scorer in (Bleu(4), Meteor(), Rouge(), Cider()):
+    scorer.compute_score(gts, res)
+"""
+
+# Each speed variant of metrics.py and meteor.py, and the line that puts the plain code back in its place, run in
+# the scoring process before metrics.main.
+METRICS_VARIANTS = {
+    "none (all speed variants on)": "",
+    "paraphrase index": "meteor.FastMeteor.read_paraphrases = staticmethod(meteor.read_paraphrases)",
+    "batched beam search": "meteor.FastMeteor.item_stats_many = meteor.Meteor.item_stats_many",
+    "garbage collector paused": "import contextlib; metrics.collector_paused = contextlib.nullcontext",
+    "PTB words-only captions": "metrics.FastCaptionScorer.tokenizer = staticmethod(metrics.ptb_tokenize)",
+}
 
 
-def metrics_scoring(corpus: str = "../shared/metrics_vectors/clevr_size_timing.json", runs: int = 5,
-                    processes: int = 2) -> dict:
-    """Wall seconds and peak RSS of each whole-process run of metrics.py on `corpus`, with its per-step seconds."""
-    if metrics.load_meteor_resources() is None:
+def _timed_run(command):
+    """Wall seconds of one child process; its stdout."""
+    with tempfile.TemporaryFile() as err:
+        started = time.perf_counter()
+        child = subprocess.run(command, stdout=subprocess.PIPE, stderr=err)
+        wall = time.perf_counter() - started
+        if child.returncode != 0:
+            err.seek(0)
+            raise SystemExit(f"metrics bench: {' '.join(command[:3])} ... failed:\n{err.read().decode()[-3000:]}")
+    return wall, child.stdout
+
+
+def metrics_scoring(corpus: str = "../shared/metrics_vectors/clevr_size_timing.json", runs: int = 3,
+                    variants: str = "all", toolkit: bool = True) -> dict:
+    """Whole-process seconds of metrics.py on `corpus` with every speed variant, and without each one, and of the
+    Java toolkit, run in turns (ABAB...) so that the machine's changing load falls on all of them alike."""
+    if meteor.load_meteor_resources() is None:
         raise SystemExit("metrics bench: the METEOR 1.5 data is missing (pip install --no-deps pycocoevalcap==1.2)")
-    script = Path(metrics.__file__).resolve()
-    command = [sys.executable, str(script), str(corpus), "--json", "--processes", str(processes)]
-    rows = []
+    names = list(METRICS_VARIANTS) if variants == "all" else \
+        ["none (all speed variants on)", *(variants.split(",") if variants != "none" else [])]
+    unknown = [n for n in names if n not in METRICS_VARIANTS]
+    if unknown:
+        raise SystemExit(f"metrics bench: unknown variants {unknown}; choose from {list(METRICS_VARIANTS)[1:]}")
+    here = Path(metrics.__file__).resolve().parent
+    walls, scores = {name: [] for name in names}, {}
+    if toolkit:
+        walls["Java toolkit"] = []
     for _ in range(runs):
-        with tempfile.TemporaryFile() as err:
-            started = time.perf_counter()
-            child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err)
-            out = child.stdout.read()
-            _, status, usage = os.wait4(child.pid, 0)     # this child's own rusage (its worker's too, once reaped)
-            wall = time.perf_counter() - started
-            child.returncode = os.waitstatus_to_exitcode(status)
-            if child.returncode != 0:
-                err.seek(0)
-                raise SystemExit(f"metrics bench: {' '.join(command)} failed:\n{err.read().decode()}")
-        result = json.loads(out)
-        rows.append({"wall_s": round(wall, 2), "peak_rss_gb": round(usage.ru_maxrss / 1e6, 2),
-                     "timing_s": result["info"]["timing_s"],
-                     "meteor_items_in_worker": result["info"]["meteor_items_in_worker"],
-                     "corpus": {k: round(v, 4) for k, v in result["corpus"].items()}})
-    walls = [row["wall_s"] for row in rows]
-    median = statistics.median(walls)
-    return {"command": " ".join(command), "runs": rows, "wall_s": walls, "median_s": median,
-            "x_java_toolkit": round(JAVA_TOOLKIT_S / median, 1), "cpus": os.cpu_count()}
+        for name in names:
+            code = (f"import sys; sys.path.insert(0, {str(here)!r}); import metrics, meteor\n"
+                    f"{METRICS_VARIANTS[name]}\nsys.exit(metrics.main(sys.argv[1:]))")
+            wall, out = _timed_run([sys.executable, "-c", code, str(corpus), "--json"])
+            walls[name].append(round(wall, 2))
+            scores[name] = json.loads(out)["corpus"]
+        if toolkit:
+            wall, _ = _timed_run([sys.executable, "-c", TOOLKIT_SCRIPT, str(Path(corpus).resolve())])
+            walls["Java toolkit"].append(round(wall, 2))
+    same = all(s == scores[names[0]] for s in scores.values())
+    median = {name: statistics.median(w) for name, w in walls.items()}
+    base = walls[names[0]]
+    # What a variant buys, run by run against the all-on run of the same turn (the load drifts between turns).
+    bought = {name: statistics.median(1 - a / b for a, b in zip(base, w)) for name, w in walls.items()}
+    table = [f"{'without':<30} {'median s':>9} {'all on, s':>9} {'bought':>7}  runs (s)"]
+    for name in names[1:]:
+        table.append(f"{name:<30} {median[name]:9.2f} {median[names[0]]:9.2f} {100 * bought[name]:6.1f}%  "
+                     f"{walls[name]}")
+    table.append(f"{'(all speed variants on)':<30} {median[names[0]]:9.2f} {'':9} {'':7}  {base}")
+    if toolkit:
+        ratio = statistics.median(t / a for a, t in zip(base, walls["Java toolkit"]))
+        table.append(f"{'Java toolkit':<30} {median['Java toolkit']:9.2f} {'':9} {'':7}  {walls['Java toolkit']}"
+                     f"  -> metrics.py is {ratio:.1f}x faster (median of the turns' ratios)")
+    table.append(f"every variant gives the same corpus scores: {same}; load average {os.getloadavg()}")
+    print("\n".join(table))
+    return {"walls": walls, "median_s": median, "same_scores": same, "cpus": os.cpu_count()}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1158,9 +1210,11 @@ def main(argv=None):
     p = figure("metrics", "scoring a CLEVR-Change-sized corpus with metrics.py, whole process, against the Java "
                           "toolkit's time (JSON)")
     p.add_argument("--corpus", default="../shared/metrics_vectors/clevr_size_timing.json", help="metrics.py input")
-    p.add_argument("--runs", type=int, default=5, help="whole-process runs; each is reported, and the median")
-    p.add_argument("--processes", type=int, default=2, help="metrics.py's --processes")
-    p.set_defaults(run=lambda a: print(json.dumps(metrics_scoring(a.corpus, a.runs, a.processes), indent=2)))
+    p.add_argument("--runs", type=int, default=3, help="whole-process runs of each, in turns; the median is reported")
+    p.add_argument("--variants", default="all", help=f"comma-separated, from {list(METRICS_VARIANTS)[1:]}; "
+                                                      "none: all on, beside the toolkit")
+    p.add_argument("--no-toolkit", dest="toolkit", action="store_false", help="leave the Java toolkit out")
+    p.set_defaults(run=lambda a: metrics_scoring(a.corpus, a.runs, a.variants, a.toolkit))
 
     p = figure("kinds", "the kind of change each test caption of a caption.py run says (by keywords), per true kind; "
                         "and the pointing game where the run's test_scores.json holds it")

@@ -3,31 +3,23 @@
 This is how both stages of CLIP4IDC are evaluated. Stage 2 (captioning) reports BLEU-4, METEOR, ROUGE-L and CIDEr
 as computed by the Java-based coco-caption toolkit (pycocoevalcap 1.2: a Stanford PTB tokenizer, then four
 scorers), like every image-difference-captioning paper; stage 1 (adaptation) reports retrieval recall. This file
-computes the same numbers without Java and without torch:
+computes the same numbers without Java and without torch (METEOR, the long one, has its own file, meteor.py):
 
     1. BLEU-1..4                  closest reference length, summed statistics, the toolkit's epsilons
     2. ROUGE-L                    word LCS, beta 1.2, best precision and best recall taken separately
     3. CIDEr-D                    tf-idf n-grams (document frequency over the evaluated set), Gaussian length penalty;
                                   the metric that picks the best epoch
     4. retrieval_metrics          stage-1 R@1/5/10, median and mean rank, text->pair and pair->text
-    5. score_captions / score_subsets   the toolkit's pipeline: PTB tokens, then the scorers; a subset is re-scored
+    5. the PTB tokenizer          Stanford PTBTokenizer 3.4.1 -preserveLines -lowerCase, then 17 tokens dropped
+    6. score_captions / score_subsets   the toolkit's pipeline: PTB tokens, then the scorers; a subset is re-scored
                                   on its own, as RCC's score_generation_by_type does (CIDEr's document frequencies
                                   change with it)
-    6. reading predictions and references (COCO results and ground truth), the printed table
-    7. the PTB tokenizer          Stanford PTBTokenizer 3.4.1 -preserveLines -lowerCase, then 17 tokens dropped
-    8. METEOR 1.5                 its own normaliser, exact / stem / synonym / paraphrase matching, beam-search
-                                  alignment, best single reference, corpus score from summed statistics
-    9. METEOR's speed variants    the same numbers, faster: a paraphrase index, a batched beam search, a forked
-                                  worker, a paused garbage collector; each tested equal to the readable code
-   10. the command line, and the demo
+    7. reading predictions and references (COCO results and ground truth), the printed table
+    8. speed variants             the same numbers, faster: the PTB shortcut for plain captions, and the scorer
+                                  that selects every speed variant (FastCaptionScorer, which the functions use)
+    9. the command line, and the demo
 
 On the toolkit's own output for ../shared/metrics_vectors every score agrees to the last bit, METEOR included.
-
-METEOR's synonym (WordNet) and paraphrase resources are data files of the METEOR 1.5 release. They are read with
-the standard library from the jar (a zip archive) and `data/paraphrase-en.gz` of an installed pycocoevalcap
-package, or from the folder named by METEOR_DATA. The 62 MB paraphrase table is parsed once into an index cached in
-METEOR_CACHE (default ~/.cache/clip4idc/meteor; 15-40 s and 1.5 GB of memory the first time, then a fraction of a
-second). Without the resources METEOR runs with exact + stem matching only, and every output says so.
 
 Differences from the toolkit (each is marked `# differs from reference:` below):
   - Line-break characters other than \\n (CR, VT, FF, U+2028, U+2029) are spaces. The toolkit's tokenizer starts a
@@ -35,46 +27,33 @@ Differences from the toolkit (each is marked `# differs from reference:` below):
   - A caption is tokenized on its own. The Java tokenizer reads the next caption after a newline as trailing
     context, which matters only for a caption ending in an abbreviation ("etc.", "a.", "No.") when the next starts
     with a capital, a listed word or a number.
-  - METEOR compares words as strings, where Java compares String.hashCode values (a collision would count as a match).
   - A corpus whose references are all empty scores CIDEr 0; the toolkit crashes.
   - Ties in retrieval ranks count against the true match (see retrieval_metrics); the reference leaves them to
     torch.argsort's unspecified order.
+  - METEOR's own differences are listed in meteor.py.
 
 Run:   python metrics.py                                   # demo: one candidate against two references
        python metrics.py PREDICTIONS.json REFERENCES.json  # a table; --json for machines
        python metrics.py ../shared/metrics_vectors/edge_cases.json   # items with candidate and references
-The command line lets a second process compute part of METEOR (--processes, default 2 on a multi-core machine):
-a forked worker aligns METEOR's items chunk by chunk while this process computes BLEU, ROUGE-L and CIDEr, then
-this process takes back the chunks the worker has not begun, from the last one, so both end together whatever
-the machine's load. The library functions use one process unless asked (forking inside a process that uses CUDA
-is best avoided).
 
 Shape letters: T texts (captions), P image pairs.
 """
 import argparse
-import concurrent.futures
-import contextlib
 import functools
-import gc
-import gzip
-import importlib.util
-import itertools
 import json
 import math
-import multiprocessing
-import operator
-import os
 import re
 import sys
 import time
 import unicodedata
-import zipfile
-import zlib
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from meteor import (METEOR_DATA_ENV, METEOR_MODULES, CaptionInputError, FastMeteor, Meteor, MeteorConfig,
+                    collector_paused, load_meteor_resources)
 
 
 @dataclass
@@ -83,20 +62,10 @@ class MetricsConfig:
     cider_n: int = 4                                # CIDEr uses 1- to 4-grams
     cider_sigma: float = 6.0                        # width of CIDEr-D's Gaussian length penalty
     rouge_beta: float = 1.2                         # ROUGE-L F-measure: recall weighs beta^2 times precision
-    meteor_alpha: float = 0.85                      # Fmean = P R / (alpha P + (1 - alpha) R)
-    meteor_beta: float = 0.2                        # fragmentation penalty exponent
-    meteor_gamma: float = 0.6                       # fragmentation penalty weight
-    meteor_delta: float = 0.75                      # weight of content words against function words
-    meteor_weights: tuple = (1.0, 0.6, 0.8, 0.6)    # per module: exact, stem, synonym, paraphrase (task "rank", en)
-    meteor_beam: int = 40                           # alignment beam size (Constants.DEFAULT_BEAM_SIZE)
+    meteor: MeteorConfig = field(default_factory=MeteorConfig)   # alpha, beta, gamma, delta, weights, beam
 
 
 METRICS = ("BLEU", "METEOR", "ROUGE_L", "CIDEr")
-METEOR_MODULES = ("exact", "stem", "synonym", "paraphrase")
-
-
-class CaptionInputError(ValueError):
-    """Bad input to the scorers: says what, where, and how to fix it."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -155,20 +124,15 @@ def bleu_from_stats(testlen, reflen, guess, correct):
 # 2. ROUGE-L (pycocoevalcap rouge/rouge.py)
 # ---------------------------------------------------------------------------------------------------------------
 def lcs_length(a, b):
-    """Length of the longest common subsequence of two token lists, bit-parallel (Allison-Dix / Hyyro 2004).
-
-    Bit i of v is 0 when a[i] ends a common subsequence one longer than a[:i] gives; each token of b updates all
-    bits at once with an addition, so the cost is len(b) big-integer operations instead of len(a) * len(b) cells.
-    """
-    masks = {}
-    for i, token in enumerate(a):
-        masks[token] = masks.get(token, 0) | (1 << i)
-    full = (1 << len(a)) - 1
-    v = full
-    for token in b:
-        u = v & masks.get(token, 0)
-        v = ((v + u) | (v - u)) & full
-    return len(a) - v.bit_count()
+    """Length of the longest common subsequence of two token lists, by dynamic programming over a table of
+    len(a) + 1 rows and len(b) + 1 columns, one row kept at a time."""
+    previous = [0] * (len(b) + 1)               # row i: LCS lengths of a[:i] with b[:j], j = 0..len(b)
+    for x in a:
+        current = [0]
+        for j, y in enumerate(b):
+            current.append(previous[j] + 1 if x == y else max(previous[j + 1], current[j]))
+        previous = current
+    return previous[-1]
 
 
 def rouge_l(candidate, references, beta=1.2):
@@ -178,9 +142,9 @@ def rouge_l(candidate, references, beta=1.2):
     precision, recall = 0.0, 0.0
     for reference in references:
         ref = reference.split(" ")
-        lcs = lcs_length(ref, cand)
-        precision = max(precision, lcs / float(len(cand)))
-        recall = max(recall, lcs / float(len(ref)))
+        common = lcs_length(ref, cand)
+        precision = max(precision, common / float(len(cand)))
+        recall = max(recall, common / float(len(ref)))
     if precision != 0 and recall != 0:
         return ((1 + beta ** 2) * precision * recall) / float(recall + beta ** 2 * precision)
     return 0.0
@@ -305,285 +269,7 @@ def retrieval_metrics(sim, text_to_pair, ties="pessimistic"):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 5. Scoring a corpus, and subsets of it, the way the toolkit does
-# ---------------------------------------------------------------------------------------------------------------
-def _check_inputs(predictions, references):
-    if not isinstance(predictions, dict) or not isinstance(references, dict):
-        raise CaptionInputError("predictions must be a dict {id: caption} and references a dict {id: [captions]}")
-    missing = [i for i in predictions if i not in references]
-    if missing:
-        hint = ""
-        ref_by_text = {str(k): k for k in references}
-        if str(missing[0]) in ref_by_text:
-            hint = (f" (the references have {ref_by_text[str(missing[0])]!r} of type "
-                    f"{type(ref_by_text[str(missing[0])]).__name__}: ids must have the same type)")
-        raise CaptionInputError(f"{len(missing)} prediction id(s) have no references, e.g. {missing[:5]}{hint}; "
-                                f"score only ids that have reference captions")
-    for i in predictions:
-        refs = references[i]
-        if isinstance(refs, str) or not isinstance(refs, (list, tuple)):
-            raise CaptionInputError(f"references of id {i!r} must be a list of captions, got {type(refs).__name__}")
-        if len(refs) == 0:
-            raise CaptionInputError(f"id {i!r} has an empty list of references; every scored id needs at least one")
-        for caption in [predictions[i], *refs]:
-            if not isinstance(caption, str):
-                raise CaptionInputError(f"id {i!r}: captions must be strings, got {caption!r}")
-
-
-class CaptionScorer:
-    """Tokenizes once and keeps per-item statistics, so that any subset of ids is scored without recomputing them.
-
-    BLEU and METEOR per item do not depend on the other items, but their corpus values come from summed statistics;
-    ROUGE-L per item is independent; CIDEr depends on the whole evaluated set through its document frequencies.
-    """
-
-    def __init__(self, predictions, references, metrics=METRICS, tokenize=True, meteor_modules=None, config=None,
-                 processes=1):
-        with _collector_paused():
-            self._prepare(predictions, references, metrics, tokenize, meteor_modules, config, processes)
-
-    def _prepare(self, predictions, references, metrics, tokenize, meteor_modules, config, processes):
-        _check_inputs(predictions, references)
-        unknown = [m for m in metrics if m not in METRICS]
-        if unknown:
-            raise CaptionInputError(f"unknown metrics {unknown}; choose from {METRICS}")
-        self.config, self.metrics = config or MetricsConfig(), tuple(metrics)
-        self.timing = {}
-        started = time.perf_counter()
-        cache = {}
-
-        def tok(text):
-            if text not in cache:
-                cache[text] = ptb_tokenize(text) if tokenize else text
-            return cache[text]
-
-        self.ids = list(predictions)
-        self.candidates = {i: tok(predictions[i]) for i in self.ids}
-        self.references = {i: [tok(r) for r in references[i]] for i in self.ids}
-        self.timing["tokenize"] = time.perf_counter() - started
-        self.meteor_modules = None
-        if "METEOR" in self.metrics:
-            resources = load_meteor_resources()
-            if meteor_modules is None:
-                meteor_modules = METEOR_MODULES if resources is not None else ("exact", "stem")
-            self.meteor_modules = tuple(meteor_modules)
-            self.meteor = BatchedMeteor(self.config, self.meteor_modules, resources)     # section 9.2
-        self.items = {i: {} for i in self.ids}
-        self._counts = {}
-        ngrams = self._ngrams
-        # METEOR is the slow metric. With processes > 1 a forked worker starts on it (section 9.3) while this
-        # process computes the other metrics; then this process takes the part the worker has not begun.
-        worker, self.meteor_worker_items = None, 0
-        if "METEOR" in self.metrics:
-            started = time.perf_counter()
-            meteor_items = [(self.candidates[i], self.references[i]) for i in self.ids]
-            if processes > 1 and len(meteor_items) >= PARALLEL_MIN_ITEMS and \
-                    "fork" in multiprocessing.get_all_start_methods():
-                worker = _MeteorWorker(self.meteor, meteor_items)
-            meteor_started = time.perf_counter() - started
-        if "BLEU" in self.metrics:
-            started = time.perf_counter()
-            n = self.config.bleu_n
-            self.bleu_stats = {}
-            for i in self.ids:
-                cand, cand_len = ngrams(self.candidates[i])
-                refs = [ngrams(r) for r in self.references[i]]
-                stats = bleu_item_stats(cand, cand_len, [c for c, _ in refs], [length for _, length in refs], n)
-                self.bleu_stats[i] = stats
-                for k, value in enumerate(bleu_from_stats(**stats)):
-                    self.items[i][f"BLEU_{k + 1}"] = value
-            self.timing["BLEU"] = time.perf_counter() - started
-        if "ROUGE_L" in self.metrics:
-            started = time.perf_counter()
-            for i in self.ids:
-                self.items[i]["ROUGE_L"] = rouge_l(self.candidates[i], self.references[i], self.config.rouge_beta)
-            self.timing["ROUGE_L"] = time.perf_counter() - started
-        self._cider_all = None
-        if "CIDEr" in self.metrics and worker is not None:     # the whole set's CIDEr, while the worker runs
-            started = time.perf_counter()
-            self._cider_all = self._cider(self.ids)
-            self.timing["CIDEr"] = time.perf_counter() - started
-        if "METEOR" in self.metrics:
-            started = time.perf_counter()
-            if worker is None:
-                per_item = self.meteor.item_stats_many(meteor_items)
-            else:
-                per_item, self.meteor_worker_items = worker.finish()
-            self.meteor.forget()                              # the per-item statistics are all we keep
-            self.meteor_stats = dict(zip(self.ids, per_item))
-            for i, stats in self.meteor_stats.items():
-                self.items[i]["METEOR"] = self.meteor.score(stats)
-            self.timing["METEOR"] = meteor_started + time.perf_counter() - started
-
-    def _cider(self, ids):
-        """CIDEr-D of these items, with document frequencies over their references only."""
-        cands = [self._ngrams(self.candidates[i])[0] for i in ids]
-        refs = [[self._ngrams(r)[0] for r in self.references[i]] for i in ids]
-        return cider_scores(cands, refs, self.config.cider_n, self.config.cider_sigma)
-
-    def _ngrams(self, text):
-        """(n-gram counts, word count) of a tokenized caption, computed once."""
-        if text not in self._counts:
-            self._counts[text] = (_ngram_counts(text, max(self.config.bleu_n, self.config.cider_n)),
-                                  len(text.split()))
-        return self._counts[text]
-
-    def score(self, ids=None):
-        """{"corpus": {...}, "items": {id: {...}}, "info": {...}} for these ids (all by default), scored alone."""
-        with _collector_paused():
-            return self._score(self.ids if ids is None else list(ids))
-
-    def _score(self, ids):
-        missing = [i for i in ids if i not in self.items]
-        if missing:
-            raise CaptionInputError(f"subset ids {missing[:5]} are not among the predictions")
-        if not ids:
-            raise CaptionInputError("cannot score an empty subset")
-        items = {i: dict(self.items[i]) for i in ids}
-        corpus = {}
-        if "BLEU" in self.metrics:
-            total = {"testlen": 0, "reflen": 0, "guess": [0] * self.config.bleu_n, "correct": [0] * self.config.bleu_n}
-            for i in ids:
-                stats = self.bleu_stats[i]
-                total["testlen"] += stats["testlen"]
-                total["reflen"] += stats["reflen"]
-                total["guess"] = [a + b for a, b in zip(total["guess"], stats["guess"])]
-                total["correct"] = [a + b for a, b in zip(total["correct"], stats["correct"])]
-            for k, value in enumerate(bleu_from_stats(**total)):
-                corpus[f"BLEU_{k + 1}"] = value
-        if "METEOR" in self.metrics:
-            total = self.meteor.zero_stats()
-            for i in ids:
-                total = Meteor.add(total, self.meteor_stats[i])
-            corpus["METEOR"] = self.meteor.score(total)
-        if "ROUGE_L" in self.metrics:
-            corpus["ROUGE_L"] = float(np.mean([items[i]["ROUGE_L"] for i in ids]))
-        if "CIDEr" in self.metrics:
-            started = time.perf_counter()
-            scores = self._cider_all if self._cider_all is not None and ids == self.ids else self._cider(ids)
-            for i, value in zip(ids, scores):
-                items[i]["CIDEr"] = value
-            corpus["CIDEr"] = float(np.mean([items[i]["CIDEr"] for i in ids]))
-            self.timing["CIDEr"] = self.timing.get("CIDEr", 0.0) + time.perf_counter() - started
-        info = {"items": len(ids), "references": sum(len(self.references[i]) for i in ids),
-                "timing_s": {k: round(v, 3) for k, v in self.timing.items()}}
-        if self.meteor_modules is not None:
-            info["meteor_modules"] = "+".join(self.meteor_modules)
-            info["meteor_items_in_worker"] = self.meteor_worker_items     # of all the items (0: no worker)
-            if self.meteor_modules != METEOR_MODULES:
-                why = ("the METEOR 1.5 data was not found (pip install --no-deps pycocoevalcap==1.2, or set "
-                       f"{METEOR_DATA_ENV})" if self.meteor.resources is None else "as asked")
-                info["meteor_note"] = (f"METEOR with {info['meteor_modules']} matching only, {why}: expect it about "
-                                       "0.015-0.03 below the toolkit's METEOR, which also matches synonyms and "
-                                       "paraphrases")
-        return {"corpus": corpus, "items": items, "info": info}
-
-
-def score_captions(predictions, references, metrics=METRICS, tokenize=True, meteor_modules=None, config=None,
-                   processes=1):
-    """Score {id: caption} against {id: [captions]} as coco-caption does; returns corpus and per-item scores.
-
-    tokenize=False takes the captions as already PTB-tokenized. meteor_modules: None for all four when the METEOR
-    data is found (exact + stem otherwise), or e.g. ("exact", "stem"). processes=2 lets a forked worker compute
-    part of METEOR (same numbers, about 1.6x faster on 2 cores; not advisable inside a process using CUDA).
-    """
-    with _collector_paused():
-        return CaptionScorer(predictions, references, metrics, tokenize, meteor_modules, config, processes).score()
-
-
-def score_subsets(predictions, references, subsets, metrics=METRICS, tokenize=True, meteor_modules=None,
-                  config=None, processes=1):
-    """{name: result} for named subsets of ids, e.g. per change type; each subset is re-scored on its own."""
-    with _collector_paused():
-        scorer = CaptionScorer(predictions, references, metrics, tokenize, meteor_modules, config, processes)
-        return {name: scorer.score(ids) for name, ids in subsets.items()}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 6. Reading predictions and references, and printing the table
-# ---------------------------------------------------------------------------------------------------------------
-def load_json(path):
-    """Parsed JSON; a malformed file is reported with its name, line and column."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise CaptionInputError(f"{path}: cannot read it ({e.strerror})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CaptionInputError(f"{path}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno} "
-                                f"(character {e.pos})") from None
-
-
-def _items_field(data, path, key):
-    """{id: item[key]} of a metrics_vectors file {"items": [{"id", "candidate", "references"}, ...]}."""
-    out = {}
-    for n, item in enumerate(data["items"]):
-        if not isinstance(item, dict) or "id" not in item or key not in item:
-            raise CaptionInputError(f"{path}: items[{n}] needs 'id' and '{key}'")
-        if item["id"] in out:
-            raise CaptionInputError(f"{path}: duplicate id {item['id']!r} (items[{n}]); ids must be unique")
-        out[item["id"]] = item[key]
-    return out
-
-
-def read_predictions(data, path="predictions"):
-    """{id: caption} from a COCO results list [{image_id, caption}], an items file, or a plain {id: caption}."""
-    if isinstance(data, list):
-        out, first = {}, {}
-        for n, result in enumerate(data):
-            if not isinstance(result, dict) or "image_id" not in result or "caption" not in result:
-                raise CaptionInputError(f"{path}: entry [{n}] needs 'image_id' and 'caption' (COCO results format)")
-            image_id = result["image_id"]
-            if image_id in out:
-                raise CaptionInputError(f"{path}: duplicate prediction for image_id {image_id!r} (entries "
-                                        f"[{first[image_id]}] and [{n}]); keep one caption per id")
-            out[image_id], first[image_id] = result["caption"], n
-        return out
-    if isinstance(data, dict) and "items" in data:
-        return _items_field(data, path, "candidate")
-    if isinstance(data, dict) and "annotations" in data:
-        raise CaptionInputError(f"{path}: this is a ground-truth file (it has 'annotations'); give predictions first")
-    if isinstance(data, dict) and all(isinstance(v, str) for v in data.values()):
-        return data
-    raise CaptionInputError(f"{path}: expected a COCO results list [{{image_id, caption}}], {{id: caption}}, or "
-                            f"{{\"items\": [...]}}")
-
-
-def read_references(data, path="references"):
-    """{id: [captions]} from a COCO ground truth {images, annotations}, an items file, or {id: [captions]}."""
-    if isinstance(data, dict) and "annotations" in data:
-        out = {}
-        for image in data.get("images", []):
-            out.setdefault(image["id"], [])
-        for n, ann in enumerate(data["annotations"]):
-            if not isinstance(ann, dict) or "image_id" not in ann or "caption" not in ann:
-                raise CaptionInputError(f"{path}: annotations[{n}] needs 'image_id' and 'caption'")
-            out.setdefault(ann["image_id"], []).append(ann["caption"])
-        return out
-    if isinstance(data, dict) and "items" in data:
-        return _items_field(data, path, "references")
-    if isinstance(data, dict) and all(isinstance(v, list) for v in data.values()):
-        return data
-    raise CaptionInputError(f"{path}: expected a COCO ground truth {{images, annotations}}, {{id: [captions]}}, or "
-                            f"{{\"items\": [...]}}")
-
-
-def format_table(result):
-    corpus, info = result["corpus"], result["info"]
-    lines = [f"{'metric':<9} {'score':>7}"]
-    for name, value in corpus.items():
-        note = f"   ({info['meteor_modules']})" if name == "METEOR" else ""
-        lines.append(f"{name:<9} {value:7.4f}{note}")
-    timing = ", ".join(f"{k} {v:.2f}" for k, v in info["timing_s"].items())
-    lines.append(f"{info['items']} items, {info['references']} references; seconds: {timing}")
-    if "meteor_note" in info:
-        lines.append(f"note: {info['meteor_note']}")
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 7. The PTB tokenizer (pycocoevalcap tokenizer/ptbtokenizer.py around Stanford CoreNLP 3.4.1's PTBTokenizer)
+# 5. The PTB tokenizer (pycocoevalcap tokenizer/ptbtokenizer.py around Stanford CoreNLP 3.4.1's PTBTokenizer)
 # ---------------------------------------------------------------------------------------------------------------
 # The wrapper replaces "\n" by a space, runs `PTBTokenizer -preserveLines -lowerCase` (a JFlex lexer: at each
 # position the longest match of any rule wins, the earlier rule on a tie), splits each output line on " " and drops
@@ -591,11 +277,6 @@ def format_table(result):
 PTB_DROPPED = frozenset(["''", "'", "``", "`", "-LRB-", "-RRB-", "-LCB-", "-RCB-",
                          ".", "?", "!", ",", ":", "-", "--", "...", ";"])
 LINE_BREAKS = "\r\n\x0b\x0c\u2028\u2029"      # PTBTokenizer's line ends (NEL U+0085 is an ellipsis to it)
-_PTB_FAST = re.compile(r"[A-Za-z0-9 ]*")     # most captions: words and spaces only
-_PTB_DIGITS_SPACED = re.compile(r"\d \d")    # "555 123 4567" is one (phone number) token
-# Words the lexer splits although they hold only letters: its "cannot" rule and the assimilations.
-_PTB_SPLIT_WORDS = {"cannot": ("can", "not"), "gonna": ("gon", "na"), "gotta": ("got", "ta"),
-                    "wanna": ("wan", "na"), "lemme": ("lem", "me"), "gimme": ("gim", "me")}
 _CURRENCY = {"\u00a2": "cents", "\u00a3": "#", "\u0080": "$", "\u00a4": "$", "\u20a0": "$", "\u20ac": "$"}
 _FRACTIONS = {"\u00bc": "1/4", "\u00bd": "1/2", "\u00be": "3/4", "\u2153": "1/3"}   # U+2154 is missed, as in 3.4.1
 _LATEX_QUOTES = str.maketrans({"\u0091": "`", "\u2018": "`", "\u201b": "`", "\u2039": "`", "\u0092": "'",
@@ -768,51 +449,47 @@ def _ptb_rules():
     return [(re.compile(pattern), action) for pattern, action in rules]
 
 
-_PTB_PLAIN = re.compile(r" +|[A-Za-z]+(?=[ \n]|$)")   # spaces, or a plain word before a space: no rule does more
+def _ptb_step(text, pos):
+    """(the tokens of the longest rule match at pos, where the next match starts); no rule: the character is
+    deleted, as -untokenizable firstDelete does."""
+    best, best_len = None, 0
+    for rx, action in _ptb_rules():
+        m = rx.match(text, pos)
+        if m is not None and m.end() - pos > best_len:
+            best, best_len = (m, action), m.end() - pos
+    if best is None:
+        return [], pos + 1
+    m, action = best
+    tok = m.group("tok") if "tok" in m.re.groupindex and m.group("tok") is not None else None
+    for extra in ("tok2", "tok3"):
+        if tok is None and extra in m.re.groupindex and m.group(extra) is not None:
+            tok = m.group(extra)
+    tok = m.group(0) if tok is None else tok
+    if action == "drop":
+        return [], pos + len(tok)
+    if action == "keep":
+        return [tok], pos + len(tok)
+    if isinstance(action, str):
+        return [action], pos + len(tok)
+    out, consumed = action(tok)
+    return [out], pos + consumed
 
 
 def _ptb_lex(text):
-    """Tokens of one line, by the lexer's longest-match rule; characters no rule covers are deleted."""
-    rules = _ptb_rules()
-    tokens, pos, end = [], 0, len(text)
-    while pos < end:
-        plain = _PTB_PLAIN.match(text, pos)
-        if plain is not None:
-            if text[pos] != " ":
-                tokens.extend(_PTB_SPLIT_WORDS.get(plain.group().lower(), (plain.group(),)))
-            pos = plain.end()
-            continue
-        best, best_len = None, 0
-        for rx, action in rules:
-            m = rx.match(text, pos)
-            if m is not None and m.end() - pos > best_len:
-                best, best_len = (m, action), m.end() - pos
-        if best is None:                          # "Untokenizable": deleted, as -untokenizable firstDelete does
-            pos += 1
-            continue
-        m, action = best
-        tok = m.group("tok") if "tok" in m.re.groupindex and m.group("tok") is not None else None
-        for extra in ("tok2", "tok3"):
-            if tok is None and extra in m.re.groupindex and m.group(extra) is not None:
-                tok = m.group(extra)
-        tok = m.group(0) if tok is None else tok
-        if action == "drop":
-            pos += len(tok)
-        elif action == "keep":
-            tokens.append(tok)
-            pos += len(tok)
-        elif isinstance(action, str):
-            tokens.append(action)
-            pos += len(tok)
-        else:
-            out, consumed = action(tok)
-            tokens.append(out)
-            pos += consumed
+    """Tokens of one line, by the lexer's longest-match rule, one match after the other."""
+    tokens, pos = [], 0
+    while pos < len(text):
+        found, pos = _ptb_step(text, pos)
+        tokens.extend(found)
     return tokens
 
 
-def _ptb_tokenize_by_lexer(text):
-    """ptb_tokenize(text) for any text, by the lexer."""
+def ptb_tokenize(text):
+    """The text every coco-caption scorer sees: PTB tokens, lower-cased, 17 punctuation tokens dropped.
+
+    >>> ptb_tokenize("The cube can't move, it's RED!")
+    "the cube ca n't move it 's red"
+    """
     # differs from reference: line breaks other than "\n" are spaces here; the toolkit starts a new output line at
     # them and shifts every later caption onto the wrong item.
     for ch in LINE_BREAKS:
@@ -825,1062 +502,281 @@ def _ptb_tokenize_by_lexer(text):
     return " ".join(tok for tok in " ".join(tokens).split(" ") if tok not in PTB_DROPPED)
 
 
-def ptb_tokenize(text):
-    """The text every coco-caption scorer sees: PTB tokens, lower-cased, 17 punctuation tokens dropped.
+# ---------------------------------------------------------------------------------------------------------------
+# 6. Scoring a corpus, and subsets of it, the way the toolkit does
+# ---------------------------------------------------------------------------------------------------------------
+def _check_inputs(predictions, references):
+    if not isinstance(predictions, dict) or not isinstance(references, dict):
+        raise CaptionInputError("predictions must be a dict {id: caption} and references a dict {id: [captions]}")
+    missing = [i for i in predictions if i not in references]
+    if missing:
+        hint = ""
+        ref_by_text = {str(k): k for k in references}
+        if str(missing[0]) in ref_by_text:
+            hint = (f" (the references have {ref_by_text[str(missing[0])]!r} of type "
+                    f"{type(ref_by_text[str(missing[0])]).__name__}: ids must have the same type)")
+        raise CaptionInputError(f"{len(missing)} prediction id(s) have no references, e.g. {missing[:5]}{hint}; "
+                                f"score only ids that have reference captions")
+    for i in predictions:
+        refs = references[i]
+        if isinstance(refs, str) or not isinstance(refs, (list, tuple)):
+            raise CaptionInputError(f"references of id {i!r} must be a list of captions, got {type(refs).__name__}")
+        if len(refs) == 0:
+            raise CaptionInputError(f"id {i!r} has an empty list of references; every scored id needs at least one")
+        for caption in [predictions[i], *refs]:
+            if not isinstance(caption, str):
+                raise CaptionInputError(f"id {i!r}: captions must be strings, got {caption!r}")
 
-    >>> ptb_tokenize("The cube can't move, it's RED!")
-    "the cube ca n't move it 's red"
+
+class CaptionScorer:
+    """Tokenizes once and keeps per-item statistics, so that any subset of ids is scored without recomputing them.
+
+    BLEU and METEOR per item do not depend on the other items, but their corpus values come from summed statistics;
+    ROUGE-L per item is independent; CIDEr depends on the whole evaluated set through its document frequencies.
     """
-    if _PTB_FAST.fullmatch(text) and not _PTB_DIGITS_SPACED.search(text):
-        # speed: words and spaces only (most captions): the lexer's tokens are these, a test checks it.
+    # The plain steps. FastCaptionScorer (section 8) puts faster ones with the same results in their place.
+    tokenizer = staticmethod(ptb_tokenize)
+    meteor_class = Meteor
+
+    def __init__(self, predictions, references, metrics=METRICS, tokenize=True, meteor_modules=None, config=None):
+        _check_inputs(predictions, references)
+        unknown = [m for m in metrics if m not in METRICS]
+        if unknown:
+            raise CaptionInputError(f"unknown metrics {unknown}; choose from {METRICS}")
+        self.config, self.metrics = config or MetricsConfig(), tuple(metrics)
+        tokens = {}
+        for text in [*predictions.values(), *(r for i in predictions for r in references[i])]:
+            if text not in tokens:
+                tokens[text] = self.tokenizer(text) if tokenize else text
+        self.ids = list(predictions)
+        self.candidates = {i: tokens[predictions[i]] for i in self.ids}
+        self.references = {i: [tokens[r] for r in references[i]] for i in self.ids}
+        self.items = {i: {} for i in self.ids}
+        self._counts = {}
+        if "BLEU" in self.metrics:
+            self.bleu_stats = {}
+            for i in self.ids:
+                cand, cand_len = self._ngrams(self.candidates[i])
+                refs = [self._ngrams(r) for r in self.references[i]]
+                stats = bleu_item_stats(cand, cand_len, [c for c, _ in refs], [length for _, length in refs],
+                                        self.config.bleu_n)
+                self.bleu_stats[i] = stats
+                for k, value in enumerate(bleu_from_stats(**stats)):
+                    self.items[i][f"BLEU_{k + 1}"] = value
+        if "ROUGE_L" in self.metrics:
+            for i in self.ids:
+                self.items[i]["ROUGE_L"] = rouge_l(self.candidates[i], self.references[i], self.config.rouge_beta)
+        self.meteor_modules = None
+        if "METEOR" in self.metrics:
+            resources = load_meteor_resources()
+            if meteor_modules is None:
+                meteor_modules = METEOR_MODULES if resources is not None else ("exact", "stem")
+            self.meteor_modules = tuple(meteor_modules)
+            self.meteor = self.meteor_class(self.config.meteor, self.meteor_modules, resources)
+            per_item = self.meteor.item_stats_many([(self.candidates[i], self.references[i]) for i in self.ids])
+            self.meteor.forget()                              # the per-item statistics are all we keep
+            self.meteor_stats = dict(zip(self.ids, per_item))
+            for i, stats in self.meteor_stats.items():
+                self.items[i]["METEOR"] = self.meteor.score(stats)
+
+    def _cider(self, ids):
+        """CIDEr-D of these items, with document frequencies over their references only."""
+        cands = [self._ngrams(self.candidates[i])[0] for i in ids]
+        refs = [[self._ngrams(r)[0] for r in self.references[i]] for i in ids]
+        return cider_scores(cands, refs, self.config.cider_n, self.config.cider_sigma)
+
+    def _ngrams(self, text):
+        """(n-gram counts, word count) of a tokenized caption, computed once."""
+        if text not in self._counts:
+            self._counts[text] = (_ngram_counts(text, max(self.config.bleu_n, self.config.cider_n)),
+                                  len(text.split()))
+        return self._counts[text]
+
+    def score(self, ids=None):
+        """{"corpus": {...}, "items": {id: {...}}, "info": {...}} for these ids (all by default), scored alone."""
+        ids = self.ids if ids is None else list(ids)
+        missing = [i for i in ids if i not in self.items]
+        if missing:
+            raise CaptionInputError(f"subset ids {missing[:5]} are not among the predictions")
+        if not ids:
+            raise CaptionInputError("cannot score an empty subset")
+        items = {i: dict(self.items[i]) for i in ids}
+        corpus = {}
+        if "BLEU" in self.metrics:
+            total = {"testlen": 0, "reflen": 0, "guess": [0] * self.config.bleu_n, "correct": [0] * self.config.bleu_n}
+            for i in ids:
+                stats = self.bleu_stats[i]
+                total["testlen"] += stats["testlen"]
+                total["reflen"] += stats["reflen"]
+                total["guess"] = [a + b for a, b in zip(total["guess"], stats["guess"])]
+                total["correct"] = [a + b for a, b in zip(total["correct"], stats["correct"])]
+            for k, value in enumerate(bleu_from_stats(**total)):
+                corpus[f"BLEU_{k + 1}"] = value
+        if "METEOR" in self.metrics:
+            total = self.meteor.zero_stats()
+            for i in ids:
+                total = Meteor.add(total, self.meteor_stats[i])
+            corpus["METEOR"] = self.meteor.score(total)
+        if "ROUGE_L" in self.metrics:
+            corpus["ROUGE_L"] = float(np.mean([items[i]["ROUGE_L"] for i in ids]))
+        if "CIDEr" in self.metrics:
+            for i, value in zip(ids, self._cider(ids)):
+                items[i]["CIDEr"] = value
+            corpus["CIDEr"] = float(np.mean([items[i]["CIDEr"] for i in ids]))
+        info = {"items": len(ids), "references": sum(len(self.references[i]) for i in ids)}
+        if self.meteor_modules is not None:
+            info["meteor_modules"] = "+".join(self.meteor_modules)
+            if self.meteor_modules != METEOR_MODULES:
+                why = ("the METEOR 1.5 data was not found (pip install --no-deps pycocoevalcap==1.2, or set "
+                       f"{METEOR_DATA_ENV})" if self.meteor.resources is None else "as asked")
+                info["meteor_note"] = (f"METEOR with {info['meteor_modules']} matching only, {why}: expect it about "
+                                       "0.015-0.03 below the toolkit's METEOR, which also matches synonyms and "
+                                       "paraphrases")
+        return {"corpus": corpus, "items": items, "info": info}
+
+
+def score_captions(predictions, references, metrics=METRICS, tokenize=True, meteor_modules=None, config=None):
+    """Score {id: caption} against {id: [captions]} as coco-caption does; returns corpus and per-item scores.
+
+    tokenize=False takes the captions as already PTB-tokenized. meteor_modules: None for all four when the METEOR
+    data is found (exact + stem otherwise), or e.g. ("exact", "stem").
+    """
+    return FastCaptionScorer(predictions, references, metrics, tokenize, meteor_modules, config).score()
+
+
+def score_subsets(predictions, references, subsets, metrics=METRICS, tokenize=True, meteor_modules=None,
+                  config=None):
+    """{name: result} for named subsets of ids, e.g. per change type; each subset is re-scored on its own."""
+    scorer = FastCaptionScorer(predictions, references, metrics, tokenize, meteor_modules, config)
+    return {name: scorer.score(ids) for name, ids in subsets.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 7. Reading predictions and references, and printing the table
+# ---------------------------------------------------------------------------------------------------------------
+def load_json(path):
+    """Parsed JSON; a malformed file is reported with its name, line and column."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise CaptionInputError(f"{path}: cannot read it ({e.strerror})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CaptionInputError(f"{path}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno} "
+                                f"(character {e.pos})") from None
+
+
+def _items_field(data, path, key):
+    """{id: item[key]} of a metrics_vectors file {"items": [{"id", "candidate", "references"}, ...]}."""
+    out = {}
+    for n, item in enumerate(data["items"]):
+        if not isinstance(item, dict) or "id" not in item or key not in item:
+            raise CaptionInputError(f"{path}: items[{n}] needs 'id' and '{key}'")
+        if item["id"] in out:
+            raise CaptionInputError(f"{path}: duplicate id {item['id']!r} (items[{n}]); ids must be unique")
+        out[item["id"]] = item[key]
+    return out
+
+
+def read_predictions(data, path="predictions"):
+    """{id: caption} from a COCO results list [{image_id, caption}], an items file, or a plain {id: caption}."""
+    if isinstance(data, list):
+        out, first = {}, {}
+        for n, result in enumerate(data):
+            if not isinstance(result, dict) or "image_id" not in result or "caption" not in result:
+                raise CaptionInputError(f"{path}: entry [{n}] needs 'image_id' and 'caption' (COCO results format)")
+            image_id = result["image_id"]
+            if image_id in out:
+                raise CaptionInputError(f"{path}: duplicate prediction for image_id {image_id!r} (entries "
+                                        f"[{first[image_id]}] and [{n}]); keep one caption per id")
+            out[image_id], first[image_id] = result["caption"], n
+        return out
+    if isinstance(data, dict) and "items" in data:
+        return _items_field(data, path, "candidate")
+    if isinstance(data, dict) and "annotations" in data:
+        raise CaptionInputError(f"{path}: this is a ground-truth file (it has 'annotations'); give predictions first")
+    if isinstance(data, dict) and all(isinstance(v, str) for v in data.values()):
+        return data
+    raise CaptionInputError(f"{path}: expected a COCO results list [{{image_id, caption}}], {{id: caption}}, or "
+                            f"{{\"items\": [...]}}")
+
+
+def read_references(data, path="references"):
+    """{id: [captions]} from a COCO ground truth {images, annotations}, an items file, or {id: [captions]}."""
+    if isinstance(data, dict) and "annotations" in data:
+        out = {}
+        for image in data.get("images", []):
+            out.setdefault(image["id"], [])
+        for n, ann in enumerate(data["annotations"]):
+            if not isinstance(ann, dict) or "image_id" not in ann or "caption" not in ann:
+                raise CaptionInputError(f"{path}: annotations[{n}] needs 'image_id' and 'caption'")
+            out.setdefault(ann["image_id"], []).append(ann["caption"])
+        return out
+    if isinstance(data, dict) and "items" in data:
+        return _items_field(data, path, "references")
+    if isinstance(data, dict) and all(isinstance(v, list) for v in data.values()):
+        return data
+    raise CaptionInputError(f"{path}: expected a COCO ground truth {{images, annotations}}, {{id: [captions]}}, or "
+                            f"{{\"items\": [...]}}")
+
+
+def format_table(result):
+    corpus, info = result["corpus"], result["info"]
+    lines = [f"{'metric':<9} {'score':>7}"]
+    for name, value in corpus.items():
+        note = f"   ({info['meteor_modules']})" if name == "METEOR" else ""
+        lines.append(f"{name:<9} {value:7.4f}{note}")
+    seconds = f", scored in {info['seconds']:.2f} s" if "seconds" in info else ""
+    lines.append(f"{info['items']} items, {info['references']} references{seconds}")
+    if "meteor_note" in info:
+        lines.append(f"note: {info['meteor_note']}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 8. Speed variants: the same numbers, faster. Each says what it stands in for and what it buys of the whole
+#    scoring process (`python bench.py metrics`: with and without it, beside the Java toolkit), and a test checks
+#    that it gives exactly what the plain code gives. FastCaptionScorer is the one place that selects them, with
+#    meteor.py's own (its section 6).
+# ---------------------------------------------------------------------------------------------------------------
+_WORDS_ONLY = re.compile(r"[A-Za-z0-9 ]*")     # most captions: words and spaces only
+_DIGITS_SPACED = re.compile(r"\d \d")          # "555 123 4567" is one (phone number) token
+# Words the lexer splits although they hold only letters: its "cannot" rule and the assimilations.
+_PTB_SPLIT_WORDS = {"cannot": ("can", "not"), "gonna": ("gon", "na"), "gotta": ("got", "ta"),
+                    "wanna": ("wan", "na"), "lemme": ("lem", "me"), "gimme": ("gim", "me")}
+
+
+def ptb_tokenize_fast(text):
+    """ptb_tokenize(text), with a shortcut for captions of words and spaces only (most captions): the lexer's
+    tokens are then the words, but for the few it splits. Trying each of the lexer's 80 rules at every position
+    is slow in Python: on the CLEVR-Change-sized corpus this shortcut buys 54-64% of the whole process's time
+    (`python bench.py metrics`, two runs on a loaded 2-core machine)."""
+    if _WORDS_ONLY.fullmatch(text) and not _DIGITS_SPACED.search(text):
         tokens = []
         for word in text.lower().split():
             tokens.extend(_PTB_SPLIT_WORDS.get(word, (word,)))
         return " ".join(tokens)
-    return _ptb_tokenize_by_lexer(text)
+    return ptb_tokenize(text)
+
+
+class FastCaptionScorer(CaptionScorer):
+    """CaptionScorer with every speed variant in place of the plain step it stands in for: the same numbers.
+    The garbage collector is paused around its work (meteor.collector_paused)."""
+    tokenizer = staticmethod(ptb_tokenize_fast)
+    meteor_class = FastMeteor
+
+    def __init__(self, *args, **kwargs):
+        with collector_paused():
+            super().__init__(*args, **kwargs)
+
+    def score(self, ids=None):
+        with collector_paused():
+            return super().score(ids)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 8. METEOR 1.5, as pycocoevalcap runs it: `java -jar meteor-1.5.jar - - -stdio -l en -norm`
-# ---------------------------------------------------------------------------------------------------------------
-# 8.1 Resources. Two short lists are copied here so that exact + stem scoring needs no download; the test suite
-# checks them against the jar's function/english.words and nonbreaking/english.prefixes whenever the jar is present.
-METEOR_FUNCTION_WORDS = frozenset((
-    "the , . to of and a in that for \" is on 's it with was as said at he by be from have has are his but an this "
-    "not i will \u2019 they ) -rrb- ( -lrb- who their had we which were been more or s its would about new one "
-    "after you : also up when there than $ all out her people she year two - can if last first \u201c over other "
-    "\u201d into some what so -- no time years could ? 't \u2014 '").split(" "))
-# Nonbreaking prefixes: a token "prefix." keeps its period (1), or keeps it only before a number (2).
-METEOR_NONBREAKING = dict({letter: 1 for letter in "ABCDEFGHIJKLMNOPQRSTUVWXYZ"}, **{
-    prefix: 1 for prefix in ("Adj Adm Adv Asst Bart Bldg Brig Bros Capt Cmdr Col Comdr Con Corp Cpl DR Dr Drs Ens "
-                             "Gen Gov Hon Hr Hosp Insp Lt MM MR MRS MS Maj Messrs Mlle Mme Mr Mrs Ms Msgr Op Ord Pfc "
-                             "Ph Prof Pvt Rep Reps Res Rev Rt Sen Sens Sfc Sgt Sr St Supt Surg v vs i.e rev e.g Nos "
-                             "Nr").split()}, No=2, Art=2, pp=2)
-METEOR_SEARCH_WEIGHTS = {"exact": 1.0, "stem": 0.5, "synonym": 0.5, "paraphrase": 0.5}   # MeteorScorer: "best
-# weights for evaluation", used only to rank partial alignments; the score uses MetricsConfig.meteor_weights.
-METEOR_DATA_ENV = "METEOR_DATA"     # a folder holding meteor-1.5.jar and paraphrase-en.gz (or data/paraphrase-en.gz)
-METEOR_CACHE_ENV = "METEOR_CACHE"   # folder for the paraphrase index (default ~/.cache/clip4idc/meteor)
-PARAPHRASE_INDEX_VERSION = 1
-
-
-@dataclass
-class MeteorResources:
-    synsets: dict       # word -> its WordNet synset ids, one space-separated string (english.synsets)
-    exceptions: dict    # irregular form -> list of base forms (english.exceptions)
-    paraphrase_gz: Path  # paraphrase-en.gz: triples of lines (probability, phrase, paraphrase)
-    where: str          # where they were found, for the output
-
-
-def _find_meteor_files():
-    """(jar, paraphrase-en.gz) from $METEOR_DATA, else from an installed pycocoevalcap; None when absent."""
-    folders = []
-    if os.environ.get(METEOR_DATA_ENV):
-        folders.append(Path(os.environ[METEOR_DATA_ENV]))
-    else:
-        # pycocoevalcap is a namespace package: find_spec locates it without running any of its code.
-        spec = importlib.util.find_spec("pycocoevalcap")
-        if spec is not None and spec.submodule_search_locations:
-            folders += [Path(p) / "meteor" for p in spec.submodule_search_locations]
-    for folder in folders:
-        jar = folder / "meteor-1.5.jar"
-        for gz in (folder / "data" / "paraphrase-en.gz", folder / "paraphrase-en.gz"):
-            if jar.is_file() and gz.is_file():
-                return jar, gz
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def load_meteor_resources():
-    """The synonym tables (read from the jar, a zip archive) and the paraphrase table's path, or None."""
-    found = _find_meteor_files()
-    if found is None:
-        return None
-    jar, gz = found
-    with zipfile.ZipFile(jar) as archive:
-        synset_lines = archive.read("synonym/english.synsets").decode("utf-8").split("\n")
-        exception_lines = archive.read("synonym/english.exceptions").decode("utf-8").split("\n")
-    # Both files alternate a word line and a data line (SynonymDictionary's constructor).
-    synsets = dict(zip(synset_lines[0:-1:2], synset_lines[1::2]))
-    exceptions = {}
-    for base, forms in zip(exception_lines[0:-1:2], exception_lines[1::2]):
-        for form in forms.split():
-            exceptions.setdefault(form, []).append(base)
-    return MeteorResources(synsets, exceptions, gz, str(jar.parent))
-
-
-# 8.2 The paraphrase table: 5.3 million (phrase, paraphrase) pairs over 17,811 words, 272 MB unzipped, in triples of
-# lines: probability, phrase, paraphrase (words separated by single spaces). A pair can only ever match when every
-# word of both phrases occurs in the corpus being scored, so Meteor keeps only those pairs. Reading them this way
-# takes about 8 s; a run reads the same pairs from an index in a fraction of a second (load_paraphrases, 9.1).
-def read_paraphrases(resources, vocabulary):
-    """{phrase (tuple of words): [paraphrases in file order]} for the pairs whose words are all in the set
-    `vocabulary`."""
-    table = {}
-    with gzip.open(resources.paraphrase_gz, "rt", encoding="utf-8", newline="\n") as f:
-        for _, phrase, paraphrase in zip(f, f, f):                  # the probability is not used
-            phrase, paraphrase = tuple(phrase.rstrip("\n").split(" ")), tuple(paraphrase.rstrip("\n").split(" "))
-            if vocabulary.issuperset(phrase) and vocabulary.issuperset(paraphrase):
-                table.setdefault(phrase, []).append(paraphrase)
-    return table
-
-
-# 8.3 Meteor's own normaliser (edu.cmu.meteor.util.Normalizer, English, keeping punctuation), applied to the
-# already PTB-tokenized text. Java regex classes: \p{Digit} is [0-9], \p{Lower} is [a-z], \s is [ \t\n\x0b\f\r].
-_ALPHA = "A-Za-z\u0160\u017d\u0161\u017e\u0178\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u017e\u0400-\u0527" \
-         "\ua640-\ua66e\ua67e-\ua697\u1d00-\u1d7f"
-_NORM_RULES = (   # (pattern, replacement), applied in this order with Java's replaceAll semantics
-    (rf"([^0-9{_ALPHA}\t\n\x0b\x0c\r .'`,\-\u2018\u2019])", r" \1 "),    # separate other symbols
-    (r"\.([.]+)", r" DOTMULTI\1"),                                      # protect runs of periods
-)
-_NORM_COMMAS = (r"([^0-9])[,]([^0-9])", r"([0-9])[,]([^0-9])", r"([^0-9])[,]([0-9])")
-_NORM_CONTRACTIONS = (  # English: split apostrophes (the last two keep it on the following part)
-    (rf"([^{_ALPHA}])[']([^{_ALPHA}])", r"\1 ' \2"),
-    (rf"([^{_ALPHA}0-9])[']([{_ALPHA}])", r"\1 ' \2"),
-    (rf"([{_ALPHA}])[']([^{_ALPHA}])", r"\1 ' \2"),
-    (rf"([{_ALPHA}])[']([{_ALPHA}])", r"\1 '\2"),
-    (r"([0-9])[']([s])", r"\1 '\2"),
-)
-_JAVA_WHITESPACE = "".join(chr(c) for c in range(33))          # what Java's String.trim() strips
-_JAVA_TOKENS = re.compile(r"[^ \t\n\r\f]+")                    # java.util.StringTokenizer's default delimiters
-
-
-@functools.lru_cache(maxsize=None)
-def _norm_patterns():
-    return ([(re.compile(p), r) for p, r in _NORM_RULES], re.compile(r"DOTMULTI\.([^.])"),
-            [re.compile(p) for p in _NORM_COMMAS], [(re.compile(p), r) for p, r in _NORM_CONTRACTIONS],
-            re.compile(rf"([0-9{_ALPHA}.])[\-]([0-9{_ALPHA}])"), re.compile(rf"[{_ALPHA}]"),
-            re.compile(r"[ \u2000-\u200a\u202f\u205f\u3000\u00a0]+"))
-
-
-def _meteor_normalize_by_rules(line):
-    """meteor_normalize(line) for any line, by the normaliser's rules."""
-    sep, multi_dot, commas, contractions, dash, has_alpha, white = _norm_patterns()
-    s = " " + line + " "
-    for rx, rep in sep:
-        s = rx.sub(rep, s)
-    while "DOTMULTI." in s:
-        s = multi_dot.sub(r"DOTDOTMULTI \1", s)
-        s = s.replace("DOTMULTI.", "DOTDOTMULTI")
-    for rx in commas:
-        s = rx.sub(r"\1 , \2", s)
-    s = re.sub("[`\u2018\u2019]", "'", s)
-    s = re.sub("([\u201c\u201d]|'')", ' " ', s)
-    s = s.replace("\u2013", "-").replace("--", "-")
-    s = dash.sub(r"\1 \2", s)                   # a hyphen between letters or digits becomes a space
-    for rx, rep in contractions:
-        s = rx.sub(rep, s)
-    words = _JAVA_TOKENS.findall(s)
-    out = []
-    for i, word in enumerate(words):           # a final period stays only on abbreviations
-        if len(word) > 1 and word.endswith("."):
-            prefix = word[:-1]
-            kind = METEOR_NONBREAKING.get(prefix)
-            if "." in prefix and has_alpha.search(prefix):
-                out.append(word.replace(".", ""))
-            elif kind == 1 or (i < len(words) - 1 and words[i + 1][:1] in "abcdefghijklmnopqrstuvwxyz"
-                               and words[i + 1][:1] != ""):
-                out.append(word)
-            elif kind == 2 and i < len(words) - 1 and words[i + 1][:1] in "0123456789" and words[i + 1][:1]:
-                out.append(word)
-            else:
-                out.append(prefix + " .")
-        else:
-            out.append(word)
-    s = " ".join(out) + " "
-    while "DOTDOTMULTI" in s:
-        s = s.replace("DOTDOTMULTI", "DOTMULTI.")
-    s = s.replace("DOTMULTI", ".")
-    s = white.sub(" ", s).strip(_JAVA_WHITESPACE)
-    return _JAVA_TOKENS.findall(s.lower())
-
-
-def meteor_normalize(line):
-    """Normalizer.normalizeLine(line, English, keepPunctuation=true), then lower-cased; returns the words."""
-    if _PTB_FAST.fullmatch(line):
-        # speed: letters, digits and spaces: no rule changes them (on lower-case text, as the PTB tokenizer gives;
-        # the rules would turn an upper-case "DOTMULTI" into "."), a test checks it.
-        return line.lower().split()
-    return _meteor_normalize_by_rules(line)
-
-
-# 8.4 The Snowball English ("Porter2") stemmer, org.tartarus.snowball.ext.englishStemmer, written from the
-# published algorithm (snowballstem.org/algorithms/english/stemmer.html). R1 is the region after the first
-# non-vowel following a vowel, R2 the same within R1; "Y" marks a y that acts as a consonant.
-_VOWELS = frozenset("aeiouy")
-_DOUBLES = ("bb", "dd", "ff", "gg", "mm", "nn", "pp", "rr", "tt")
-_LI_ENDINGS = frozenset("cdeghkmnrt")
-_STEM_EXCEPTIONS = {"skis": "ski", "skies": "sky", "dying": "die", "lying": "lie", "tying": "tie", "idly": "idl",
-                    "gently": "gentl", "ugly": "ugli", "early": "earli", "only": "onli", "singly": "singl",
-                    "sky": "sky", "news": "news", "howe": "howe", "atlas": "atlas", "cosmos": "cosmos",
-                    "bias": "bias", "andes": "andes"}
-_STEM_INVARIANT_AFTER_1A = frozenset(["inning", "outing", "canning", "herring", "earring",
-                                      "proceed", "exceed", "succeed"])
-_STEP2 = (("ization", "ize"), ("ational", "ate"), ("fulness", "ful"), ("ousness", "ous"), ("iveness", "ive"),
-          ("tional", "tion"), ("biliti", "ble"), ("lessli", "less"), ("entli", "ent"), ("ation", "ate"),
-          ("alism", "al"), ("aliti", "al"), ("ousli", "ous"), ("iviti", "ive"), ("fulli", "ful"), ("enci", "ence"),
-          ("anci", "ance"), ("abli", "able"), ("izer", "ize"), ("ator", "ate"), ("alli", "al"), ("bli", "ble"),
-          ("ogi", "og"), ("li", ""))
-_STEP3 = (("ational", "ate"), ("tional", "tion"), ("alize", "al"), ("icate", "ic"), ("iciti", "ic"),
-          ("ative", ""), ("ical", "ic"), ("ness", ""), ("ful", ""))
-_STEP4 = ("ement", "ance", "ence", "able", "ible", "ment", "ant", "ent", "ism", "ate", "iti", "ous", "ive", "ize",
-          "ion", "al", "er", "ic")
-
-
-def _ends_short_syllable(w):
-    """A vowel between non-vowels (the last not w, x or Y), or a word of a vowel then a non-vowel."""
-    if len(w) >= 3:
-        return w[-3] not in _VOWELS and w[-2] in _VOWELS and w[-1] not in _VOWELS and w[-1] not in "wxY"
-    return len(w) == 2 and w[0] in _VOWELS and w[1] not in _VOWELS
-
-
-def snowball_stem(word):
-    """The English Snowball stem of a lower-case word: snowball_stem("generously") == "generous"."""
-    if word in _STEM_EXCEPTIONS:
-        return _STEM_EXCEPTIONS[word]
-    if len(word) < 3:
-        return word
-    w = word[1:] if word.startswith("'") else word
-    w = list(w)
-    for i, ch in enumerate(w):                  # y at the start or after a vowel is a consonant: Y
-        if ch == "y" and (i == 0 or w[i - 1] in _VOWELS):
-            w[i] = "Y"
-    w = "".join(w)
-    p1 = p2 = len(w)
-    prefix = next((p for p in ("gener", "commun", "arsen") if w.startswith(p)), None)
-    i = len(prefix) if prefix else None
-    if i is None:
-        i = next((k + 1 for k in range(1, len(w)) if w[k] not in _VOWELS and w[k - 1] in _VOWELS), None)
-    if i is not None:
-        p1 = i
-        p2 = next((k + 1 for k in range(p1 + 1, len(w)) if w[k] not in _VOWELS and w[k - 1] in _VOWELS), len(w))
-
-    # Step 0 and 1a: apostrophes, then plurals.
-    for suffix in ("'s'", "'s", "'"):
-        if w.endswith(suffix):
-            w = w[:-len(suffix)]
-            break
-    if w.endswith("sses"):
-        w = w[:-2]
-    elif w.endswith("ied") or w.endswith("ies"):
-        w = w[:-2] if len(w) > 4 else w[:-1]
-    elif w.endswith("us") or w.endswith("ss"):
-        pass
-    elif w.endswith("s"):
-        if any(ch in _VOWELS for ch in w[:-2]):
-            w = w[:-1]
-    if w in _STEM_INVARIANT_AFTER_1A:
-        return w.replace("Y", "y")
-
-    # Step 1b: -eed, -ed, -ing.
-    for suffix in ("eedly", "ingly", "edly", "eed", "ing", "ed"):
-        if w.endswith(suffix):
-            stem = w[:-len(suffix)]
-            if suffix in ("eed", "eedly"):
-                if len(stem) >= p1:
-                    w = stem + "ee"
-            elif any(ch in _VOWELS for ch in stem):
-                w = stem
-                if w.endswith(("at", "bl", "iz")):
-                    w += "e"
-                elif w.endswith(_DOUBLES):
-                    w = w[:-1]
-                elif p1 == len(w) and _ends_short_syllable(w):
-                    w += "e"
-            break
-
-    # Step 1c: final y after a non-vowel (not the first letter) becomes i.
-    if len(w) > 2 and w[-1] in "yY" and w[-2] not in _VOWELS:
-        w = w[:-1] + "i"
-
-    # Steps 2 and 3: the longest matching suffix, replaced when it lies in R1.
-    for table in (_STEP2, _STEP3):
-        for suffix, replacement in table:
-            if w.endswith(suffix):
-                start = len(w) - len(suffix)
-                if start >= p1:
-                    if suffix == "ogi" and not w[:start].endswith("l"):
-                        pass
-                    elif suffix == "li" and not (start > 0 and w[start - 1] in _LI_ENDINGS):
-                        pass
-                    elif suffix == "ative" and start < p2:
-                        pass
-                    else:
-                        w = w[:start] + replacement
-                break
-
-    # Step 4: the longest matching suffix, deleted when it lies in R2 (-ion only after s or t).
-    for suffix in _STEP4:
-        if w.endswith(suffix):
-            start = len(w) - len(suffix)
-            if start >= p2 and (suffix != "ion" or (start > 0 and w[start - 1] in "st")):
-                w = w[:start]
-            break
-
-    # Step 5: final e (in R2, or in R1 after no short syllable) and the second l of -ll in R2.
-    if w.endswith("e"):
-        start = len(w) - 1
-        if start >= p2 or (start >= p1 and not _ends_short_syllable(w[:start])):
-            w = w[:start]
-    elif w.endswith("l"):
-        start = len(w) - 1
-        if start >= p2 and w[:start].endswith("l"):
-            w = w[:start]
-    return w.replace("Y", "y")
-
-
-# 8.5 Matching and alignment (edu.cmu.meteor.aligner.Aligner). words1 is the hypothesis, words2 the reference. Each
-# stage (module) proposes matches: (ref start, ref length, hyp start, hyp length, stage). A match whose words no
-# other match touches is fixed; the rest are resolved by a beam search over reference positions, left to right,
-# ranking partial alignments by weighted matches (more), then chunks (fewer), then distance (smaller).
-class _MeteorSentence:
-    """One normalised sentence and what every matcher needs from it, computed once per distinct sentence."""
-    __slots__ = ("words", "positions", "functional", "stems", "stem_positions", "synonyms", "paths")
-
-    def __init__(self, words, meteor):
-        self.words = tuple(words)
-        self.positions = {}                                  # word -> its positions, ascending
-        for i, word in enumerate(words):
-            self.positions.setdefault(word, []).append(i)
-        self.functional = tuple(word in METEOR_FUNCTION_WORDS for word in words)
-        self.stems = self.stem_positions = self.synonyms = self.paths = None
-        if "stem" in meteor.modules:
-            self.stems = tuple(meteor.stem(word) for word in words)
-            self.stem_positions = {}
-            for i, stem in enumerate(self.stems):
-                self.stem_positions.setdefault(stem, []).append(i)
-        if "synonym" in meteor.modules:
-            self.synonyms = tuple(meteor.synonyms(word) for word in words)
-        if "paraphrase" in meteor.modules:
-            # Phrases starting at each position, shortest first, as ParaphraseTransducer.getReferencePaths walks
-            # its trie: each with its paraphrases grouped by first word, in the table's order within a group.
-            index, extendable, single = meteor.paraphrase_index, meteor.extendable, meteor.single_word_paths
-            self.paths = []
-            for i, word in enumerate(words):
-                paths, longer = single(word)
-                if longer:                               # a longer phrase may start here
-                    paths = list(paths)
-                    for n in range(2, len(words) - i + 1):
-                        phrase = self.words[i:i + n]
-                        if phrase in index:
-                            paths.append((n, index[phrase]))
-                        if phrase not in extendable:
-                            break
-                self.paths.append(paths)
-
-    def paraphrase_matches(self, other):
-        """(i, n, rank, j, m): the phrase words[i:i+n] has as its rank-th paraphrase other.words[j:j+m].
-
-        Sorted, this is the order in which ParaphraseMatcher proposes them (position, length, table order, j).
-        """
-        found, other_words = [], other.words
-        for i, paths in enumerate(self.paths):
-            for n, by_first in paths:
-                for first in by_first.keys() & other.positions.keys():
-                    for rank, target in by_first[first]:
-                        m = len(target)
-                        for j in other.positions[first]:
-                            if other_words[j:j + m] == target:
-                                found.append((i, n, rank, j, m))
-        found.sort()
-        return found
-
-
-def _java_div(a, b):
-    """a / b with Java's double semantics: x/0 is +-Infinity, 0/0 is NaN."""
-    if b == 0.0:
-        return math.nan if a == 0.0 or a != a else math.copysign(math.inf, a) * math.copysign(1.0, b)
-    return a / b
-
-
-def _fixed_matches(cands, cover1, cover2):
-    """Aligner.align: a position's only match is definite when no other match touches its words."""
-    fixed, used1, used2, open_choice = {}, 0, 0, False
-    for i, options in enumerate(cands):
-        if len(options) == 1 and all(cover2[k] == 1 for k in range(i, i + options[0][1])) and \
-                (cover1[options[0][2]] == 1 if options[0][3] == 1 else
-                 all(cover1[k] == 1 for k in range(options[0][2], options[0][2] + options[0][3]))):
-            start, length, m_start, m_length, _ = fixed[i] = options[0]
-            used1 |= ((1 << m_length) - 1) << m_start
-            used2 |= ((1 << length) - 1) << start
-        elif options:
-            open_choice = True
-    return fixed, used1, used2, open_choice
-
-
-_PATH_RANK = operator.itemgetter(0, 1, 2)    # (-weighted matches, chunks, distance): PARTIAL_COMPARE_TOTAL
-
-
-class Meteor:
-    """METEOR 1.5 statistics and scores, with the toolkit's settings (-l en -norm, task rank)."""
-
-    def __init__(self, config=None, modules=None, resources=None):
-        self.config = config or MetricsConfig()
-        self.modules = tuple(modules or METEOR_MODULES)
-        if list(self.modules) != [m for m in METEOR_MODULES if m in self.modules] or "exact" not in self.modules:
-            raise CaptionInputError(f"METEOR modules {self.modules}: choose, in this order, 'exact' and any of "
-                                    f"{METEOR_MODULES[1:]}")
-        needs_data = [m for m in self.modules if m in ("synonym", "paraphrase")]
-        if needs_data and resources is None:
-            raise CaptionInputError(f"METEOR modules {needs_data} need the METEOR 1.5 data: `pip install --no-deps "
-                                    f"pycocoevalcap==1.2`, or set {METEOR_DATA_ENV} to a folder holding "
-                                    f"meteor-1.5.jar and paraphrase-en.gz; or ask for modules ('exact', 'stem')")
-        self.resources = resources
-        self.weights = tuple(self.config.meteor_weights[METEOR_MODULES.index(m)] for m in self.modules)
-        self.search_weights = tuple(METEOR_SEARCH_WEIGHTS[m] for m in self.modules)
-        self.vocabulary, self.paraphrases, self.paraphrase_index, self.extendable = set(), {}, {}, set()
-        self._words, self._sentences, self._pairs, self._structures = {}, {}, {}, {}
-        self._stems, self._synsets, self._synonyms, self._synset_words, self._single = {}, {}, {}, {}, {}
-
-    # Per-word resources -------------------------------------------------------------------------------------
-    def words(self, text):
-        """The normalised, lower-cased words Meteor aligns."""
-        if text not in self._words:
-            self._words[text] = meteor_normalize(text)
-        return self._words[text]
-
-    def stem(self, word):
-        if word not in self._stems:
-            self._stems[word] = snowball_stem(word)
-        return self._stems[word]
-
-    _MORPH = (("s", ""), ("ses", "s"), ("xes", "x"), ("zes", "z"), ("ches", "ch"), ("shes", "sh"), ("men", "man"),
-              ("ies", "y"), ("s", ""), ("ies", "y"), ("es", "e"), ("es", ""), ("ed", "e"), ("ed", ""),
-              ("ing", "e"), ("ing", ""), ("er", ""), ("est", ""), ("er", "e"), ("est", "e"))
-
-    def _morph(self, word):
-        """SynonymDictionary.morph: WordNet's detachment rules; the first that gives a known word wins."""
-        if word.endswith("ss") or len(word) <= 2:
-            return word
-        for suffix, replacement in self._MORPH:
-            if word.endswith(suffix):
-                candidate = word[:len(word) - len(suffix)] + replacement
-                if candidate in self.resources.synsets:
-                    return candidate
-        return ""
-
-    def synsets(self, word):
-        """Synsets of the word and of its base form (an irregular form's bases, or the morph() guess)."""
-        if word not in self._synsets:
-            synsets = self.resources.synsets
-            ids = set(synsets.get(word, "").split())
-            bases = self.resources.exceptions.get(word)
-            for base in (bases if bases is not None else [self._morph(word)]):
-                ids.update(synsets.get(base, "").split())
-            self._synsets[word] = frozenset(ids)
-        return self._synsets[word]
-
-    def single_word_paths(self, word):
-        """([(1, paraphrases of the word)] or [], whether a longer phrase of the table starts with the word)."""
-        if word not in self._single:
-            phrase = (word,)
-            self._single[word] = ([(1, self.paraphrase_index[phrase])] if phrase in self.paraphrase_index else [],
-                                  phrase in self.extendable)
-        return self._single[word]
-
-    def synonyms(self, word):
-        """The other known words sharing a synset with `word` (kept up to date as words are added)."""
-        return self._synonyms[word]
-
-    def prepare(self, texts):
-        """Register the words of these texts: synonym neighbours and the paraphrase pairs that can match them."""
-        new = set()
-        for text in texts:
-            new.update(self.words(text))
-        new -= self.vocabulary
-        if not new:
-            return
-        self.vocabulary |= new
-        if "synonym" in self.modules:
-            for word in sorted(new):
-                self._synonyms[word] = neighbours = set()
-                for synset in self.synsets(word):
-                    others = self._synset_words.setdefault(synset, set())
-                    for other in others:
-                        neighbours.add(other)
-                        self._synonyms[other].add(word)
-                    others.add(word)
-        if "paraphrase" in self.modules:
-            self.paraphrases = load_paraphrases(self.resources, self.vocabulary)   # = read_paraphrases(), faster
-            self.paraphrase_index = {}
-            for phrase, targets in self.paraphrases.items():
-                by_first = self.paraphrase_index[phrase] = {}
-                for rank, target in enumerate(targets):
-                    by_first.setdefault(target[0], []).append((rank, target))
-            self.extendable = {phrase[:k] for phrase in self.paraphrases for k in range(1, len(phrase))}
-            self._sentences.clear()                # their paraphrase paths may grow
-            self._single.clear()
-            self._pairs.clear()
-            self._structures.clear()
-
-    def forget(self):
-        """Drop the per-sentence and per-pair caches (hundreds of MB on a large corpus)."""
-        self._words, self._sentences, self._pairs, self._structures, self._single = {}, {}, {}, {}, {}
-        self.vocabulary, self.paraphrases, self.paraphrase_index, self.extendable = set(), {}, {}, set()
-
-    def sentence(self, text):
-        if text not in self._sentences:
-            if not self.vocabulary.issuperset(self.words(text)):
-                self.prepare([text])
-            self._sentences[text] = _MeteorSentence(self.words(text), self)
-        return self._sentences[text]
-
-    # Alignment ----------------------------------------------------------------------------------------------
-    def _candidates(self, hyp, ref):
-        """Stage.matches: per reference position the candidate matches of every stage, and word coverage."""
-        h, r = hyp.words, ref.words
-        cands = [[] for _ in r]
-        cover1, cover2 = [0] * len(h), [0] * len(r)
-        # Identical sentences need exact matches only ("this prevents beam search errors").
-        stages = self.modules[:1] if h == r else self.modules
-        stem = stages.index("stem") if "stem" in stages else None
-        synonym = stages.index("synonym") if "synonym" in stages else None
-        # One-word matches. Each stage appends to every position after the previous stages did, so trying the
-        # stages in order at each reference position gives the same lists as the stage-by-stage matchers.
-        # differs from reference: words are compared as strings; Java compares their String.hashCode values.
-        for i, word in enumerate(r):
-            options = cands[i]
-            for j in hyp.positions.get(word, ()):                         # exact
-                options.append((i, 1, j, 1, 0))
-                cover1[j] += 1
-            if stem is not None:
-                for j in hyp.stem_positions.get(ref.stems[i], ()):        # same Snowball stem
-                    if h[j] != word:
-                        options.append((i, 1, j, 1, stem))
-                        cover1[j] += 1
-            if synonym is not None and ref.synonyms[i]:
-                common = ref.synonyms[i].intersection(hyp.positions)    # sharing a WordNet synset
-                if common:
-                    for j in sorted(j for other in common for j in hyp.positions[other]):
-                        options.append((i, 1, j, 1, synonym))
-                        cover1[j] += 1
-            cover2[i] = len(options)
-        if "paraphrase" in stages:                                       # phrases, possibly of several words
-            stage = stages.index("paraphrase")
-            matches = [(i, n, j, m) for i, n, _, j, m in ref.paraphrase_matches(hyp)]   # reference phrase first
-            matches += [(j, m, i, n) for i, n, _, j, m in hyp.paraphrase_matches(ref)]  # then hypothesis phrase
-            for start, length, m_start, m_length in matches:
-                cands[start].append((start, length, m_start, m_length, stage))
-                for k in range(m_start, m_start + m_length):
-                    cover1[k] += 1
-                for k in range(start, start + length):
-                    cover2[k] += 1
-        return cands, cover1, cover2
-
-    def _resolve(self, cands, cover1, cover2, n_ref):
-        """The chosen matches, by reference start, reproducing Aligner.resolve and its quirks exactly."""
-        fixed, used1, used2, open_choice = _fixed_matches(cands, cover1, cover2)
-        if not open_choice:
-            return fixed                                  # nothing to choose: the beam would keep one path
-        structure = (n_ref, tuple(map(tuple, cands)))     # the search depends on nothing else
-        if structure in self._structures:
-            return self._structures[structure]
-        weights, beam = self.search_weights, self.config.meteor_beam
-        options_at = [[(m, ((1 << m[3]) - 1) << m[2], ((1 << m[1]) - 1) << m[0], abs(m[0] - m[2]),
-                        m[3] * weights[m[4]], m[1] * weights[m[4]]) for m in options] for options in cands]
-        # A partial alignment: (-(matches1 + matches2), chunks, distance, matches1, matches2, end of its last match
-        # in the reference, end of its last match in the hypothesis or -1 once a skip closed the chunk, used
-        # hypothesis words, used reference words, chosen matches). matches1/2 are Java ints and `matches1 +=
-        # length * weight` truncates: a one-word stem, synonym or paraphrase match (search weight 0.5) adds nothing.
-        # Java's idx is max(end in the reference, current): a skip only advances it, so it is not stored.
-        paths = [(0, 0, 0, 0, 0, 0, -1, used1, used2, None)]
-        for current in range(n_ref):
-            if len(paths) > 1:
-                paths.sort(key=_PATH_RANK)                # stable, as Collections.sort
-                del paths[beam:]
-            following, bit, options = [], 1 << current, options_at[current]
-            for path in paths:
-                _, chunks, distance, m1, m2, ref_end, last, u1, u2, chosen = path
-                if u2 & bit:                              # this reference word is already used
-                    if current < ref_end:                 # inside the previous match
-                        following.append(path)
-                    elif current in fixed:                # a fixed match starts here
-                        start, length, m_start, m_length, stage = fixed[current]
-                        m1, m2 = int(m1 + m_length * weights[stage]), int(m2 + length * weights[stage])
-                        following.append((-(m1 + m2), chunks + (last != -1 and m_start != last), distance
-                                          + abs(start - m_start), m1, m2, start + length, m_start + m_length,
-                                          u1, u2, chosen))
-                    continue
-                for match, mask1, mask2, dist, w1, w2 in options:
-                    if u1 & mask1 or u2 & mask2:
-                        continue
-                    n1, n2 = int(m1 + w1), int(m2 + w2)
-                    following.append((-(n1 + n2), chunks + (last != -1 and match[2] != last), distance, n1, n2,
-                                      match[0] + match[1], match[2] + match[3], u1 | mask1, u2 | mask2,
-                                      (match, chosen)))
-                    # Java adds the distance to the path being extended, not to the new one: the skip path and
-                    # the later alternatives inherit it. Reproduced, since it decides ties.
-                    distance += dist
-                if last == -1 and distance == path[2]:    # skip this reference word: an open chunk ends
-                    following.append(path)
-                else:
-                    following.append((path[0], chunks + (last != -1), distance, m1, m2, ref_end, -1, u1, u2,
-                                      chosen))
-            paths = following or [paths[0]]               # "unexpected conditions": keep the best path
-        if len(paths) > 1:
-            paths.sort(key=_PATH_RANK)
-            del paths[beam:]
-        best = min(((p[0], p[1] + (p[6] != -1), p[2]), n) for n, p in enumerate(paths))   # close the last chunk
-        chosen, link = dict(fixed), paths[best[1]][9]
-        while link is not None:
-            chosen[link[0][0]] = link[0]
-            link = link[1]
-        self._structures[structure] = chosen
-        return chosen
-
-    def _stats(self, hyp, ref, chosen):
-        """MeteorStats of one alignment: word counts, per-stage content/function matches, chunks, matched words."""
-        n_stages = len(self.modules)
-        content1, content2, function1, function2 = [0] * n_stages, [0] * n_stages, [0] * n_stages, [0] * n_stages
-        chunks, matched1, matched2, last_end, idx = 0, 0, 0, -1, 0
-        while idx < len(ref.words):                      # Aligner.getCountAndChunks over the final matches
-            match = chosen.get(idx)
-            if match is None:
-                if last_end != -1:
-                    chunks += 1
-                    last_end = -1
-                idx += 1
-                continue
-            start, length, m_start, m_length, stage = match
-            for k in range(m_start, m_start + m_length):
-                if hyp.functional[k]:
-                    function1[stage] += 1
-                else:
-                    content1[stage] += 1
-            for k in range(start, start + length):
-                if ref.functional[k]:
-                    function2[stage] += 1
-                else:
-                    content2[stage] += 1
-            matched1 += m_length
-            matched2 += length
-            if last_end != -1 and m_start != last_end:
-                chunks += 1
-            idx, last_end = start + length, m_start + m_length
-        if last_end != -1:
-            chunks += 1
-        return (len(hyp.words), len(ref.words), sum(hyp.functional), sum(ref.functional),
-                tuple(content1), tuple(content2), tuple(function1), tuple(function2), chunks, matched1, matched2)
-
-    def prepare_items(self, items):
-        """prepare() the texts of (hypothesis, references) items as Meteor reads them; returns those texts."""
-        fields = [_meteor_fields(hypothesis, references) for hypothesis, references in items]
-        self.prepare([text for hypothesis, references in fields for text in [hypothesis, *references]])
-        return fields
-
-    def score(self, stats):
-        """MeteorScorer.computeMetrics: the score of one set of (possibly summed) statistics."""
-        (t_len, r_len, t_fun, r_fun, t_content, r_content, t_function, r_function, chunks,
-         t_words, r_words) = stats
-        alpha, beta, gamma, delta = (self.config.meteor_alpha, self.config.meteor_beta, self.config.meteor_gamma,
-                                     self.config.meteor_delta)
-        t_weighted_len = delta * (t_len - t_fun) + (1.0 - delta) * t_fun
-        r_weighted_len = delta * (r_len - r_fun) + (1.0 - delta) * r_fun
-        t_matches = r_matches = 0.0
-        for i, w in enumerate(self.weights):
-            t_matches += t_content[i] * w * delta
-        for i, w in enumerate(self.weights):
-            r_matches += r_content[i] * w * delta
-        for i, w in enumerate(self.weights):
-            t_matches += t_function[i] * w * (1.0 - delta)
-        for i, w in enumerate(self.weights):
-            r_matches += r_function[i] * w * (1.0 - delta)
-        precision = _java_div(t_matches, t_weighted_len)
-        recall = _java_div(r_matches, r_weighted_len)
-        f_mean = _java_div(1.0, _java_div(1.0 - alpha, precision) + _java_div(alpha, recall))
-        if sum(t_content) + sum(t_function) == t_len and sum(r_content) + sum(r_function) == r_len and chunks == 1:
-            fragmentation = 0.0                           # identical: no penalty
-        else:
-            fragmentation = _java_div(float(chunks), (t_words + r_words) / 2.0)
-        penalty = gamma * fragmentation ** beta
-        score = f_mean * (1.0 - penalty)
-        return 0.0 if score != score else max(score, 0.0)
-
-    def item_stats(self, hypothesis, references):
-        """The statistics of the best-scoring single reference (first wins a tie), as getMeteorStats(test, refs)."""
-        [(hypothesis, references)] = self.prepare_items([(hypothesis, references)])
-        hyp, best, best_score = self.sentence(hypothesis), None, -1.0
-        for reference in references:
-            ref = self.sentence(reference)
-            stats = self._stats(hyp, ref, self._resolve(*self._candidates(hyp, ref), len(ref.words)))
-            if self.score(stats) > best_score:
-                best, best_score = stats, self.score(stats)
-        return best
-
-    def zero_stats(self):
-        zeros = (0,) * len(self.modules)
-        return (0, 0, 0, 0, zeros, zeros, zeros, zeros, 0, 0, 0)
-
-    @staticmethod
-    def add(total, stats):
-        """MeteorStats.addStats: sums, except that a perfect item (all matched, one chunk) adds no chunk."""
-        perfect = (sum(stats[4]) + sum(stats[6]) == stats[0] and sum(stats[5]) + sum(stats[7]) == stats[1]
-                   and stats[8] == 1)
-        return (total[0] + stats[0], total[1] + stats[1], total[2] + stats[2], total[3] + stats[3],
-                *(tuple(a + b for a, b in zip(total[k], stats[k])) for k in (4, 5, 6, 7)),
-                total[8] + (0 if perfect else stats[8]), total[9] + stats[9], total[10] + stats[10])
-
-
-def _meteor_fields(hypothesis, references):
-    """The hypothesis and references Meteor reads from the wrapper's `SCORE ||| ref ||| ... ||| hyp` line."""
-    hypothesis = hypothesis.replace("|||", "").replace("  ", " ")        # meteor.py cleans the hypothesis only
-    fields = " ||| ".join(("SCORE", " ||| ".join(references), hypothesis)).split("|||")
-    while fields and fields[-1] == "":                                  # Java's split drops trailing empties
-        fields.pop()
-    return fields[-1].strip(_JAVA_WHITESPACE), [f.strip(_JAVA_WHITESPACE) for f in fields[1:-1]]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 9. METEOR, speed variants: the same numbers, faster. Each says what it stands in for and why it exists, and a
-#    test checks that it gives exactly what the readable code gives.
-# ---------------------------------------------------------------------------------------------------------------
-# 9.1 The paraphrase index, for read_paraphrases (8.2). Unzipping the table alone takes seconds, so it is turned
-# once into a word-id index cached on disk. The index files each pair under its rarest word: a run reads only the
-# pairs filed under its own vocabulary, then keeps those whose words it all has (0.08 s for CLEVR's vocabulary).
-def _paraphrase_cache_dir(gz):
-    with open(gz, "rb") as f:
-        head = f.read(1 << 16)
-        f.seek(max(0, gz.stat().st_size - (1 << 16)))
-        tail = f.read()
-    fingerprint = f"{gz.stat().st_size}-{zlib.crc32(head + tail):08x}"
-    root = os.environ.get(METEOR_CACHE_ENV) or \
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "clip4idc" / "meteor"
-    return Path(root) / f"paraphrase-en-v{PARAPHRASE_INDEX_VERSION}-{fingerprint}"
-
-
-def _build_paraphrase_index(gz, out):
-    """Parse paraphrase-en.gz into numpy arrays: entries sorted by (rarest word, file position)."""
-    vocab, lengths, ids = {}, ([], []), ([], [])        # per side: phrase (0) and paraphrase (1)
-    with gzip.open(gz, "rb") as f:
-        leftover = []
-        while True:                                      # about 32 MB of text at a time, whole triples of lines
-            lines = leftover + f.readlines(1 << 25)
-            if len(lines) == len(leftover):
-                break
-            whole = len(lines) - len(lines) % 3
-            lines, leftover = lines[:whole], lines[whole:]
-            for side in (0, 1):
-                phrases = lines[1 + side::3]             # each still ends in "\n"
-                lengths[side].append(np.fromiter((p.count(b" ") + 1 for p in phrases), np.int32, len(phrases)))
-                words = b"".join(phrases).replace(b"\n", b" ").split(b" ")[:-1]
-                for word in dict.fromkeys(words):
-                    vocab.setdefault(word, len(vocab))
-                ids[side].append(np.fromiter(map(vocab.__getitem__, words), np.int32, len(words)))
-    assert len(vocab) < 1 << 16, "word ids are stored as uint16"
-    n_src, n_tgt = np.concatenate(lengths[0]), np.concatenate(lengths[1])
-    src_ids, tgt_ids = np.concatenate(ids[0]), np.concatenate(ids[1])
-    del lengths, ids
-    # Each entry's words, phrase then paraphrase, in one flat array.
-    sizes = n_src + n_tgt
-    starts = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
-    words = np.empty(starts[-1], np.int32)
-    for side_ids, n, first in ((src_ids, n_src, starts[:-1]), (tgt_ids, n_tgt, starts[:-1] + n_src)):
-        side_starts = np.concatenate(([0], np.cumsum(n, dtype=np.int64)))[:-1]
-        words[np.repeat(first - side_starts, n) + np.arange(len(side_ids))] = side_ids
-    del src_ids, tgt_ids
-    # The key of an entry: its rarest word (frequency * V + id, so the minimum also names the word).
-    frequency = np.bincount(words, minlength=len(vocab)).astype(np.int64)
-    key = np.minimum.reduceat(frequency[words] * len(vocab) + words, starts[:-1]) % len(vocab)
-    order = np.argsort(key, kind="stable")          # stable: file order within a key
-    new_sizes = sizes[order]
-    new_starts = np.concatenate(([0], np.cumsum(new_sizes, dtype=np.int64)))
-    gather = np.repeat(starts[:-1][order] - new_starts[:-1], new_sizes) + np.arange(new_starts[-1])
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    np.save(tmp / "words.npy", words[gather].astype(np.uint16))
-    np.save(tmp / "starts.npy", new_starts)
-    np.save(tmp / "entry.npy", order.astype(np.int32))             # position in the file: the Java trie's order
-    np.save(tmp / "n_src.npy", n_src[order].astype(np.uint8))
-    np.save(tmp / "key_starts.npy", np.searchsorted(key[order], np.arange(len(vocab) + 1)))
-    (tmp / "vocab.txt").write_bytes(b"\n".join(vocab))
-    try:
-        os.replace(tmp, out)                      # atomic: a concurrent run sees the whole index or none of it
-    except OSError:                               # another process finished first
-        for f in tmp.iterdir():
-            f.unlink()
-        tmp.rmdir()
-
-
-def load_paraphrases(resources, vocabulary):
-    """{phrase (tuple of words): [paraphrases in file order]} for the pairs whose words are all in `vocabulary`."""
-    out = _paraphrase_cache_dir(resources.paraphrase_gz)
-    if not (out / "vocab.txt").is_file():
-        print(f"metrics.py: building the METEOR paraphrase index in {out} (once, 15-40 s)", file=sys.stderr)
-        _build_paraphrase_index(resources.paraphrase_gz, out)
-    vocab = (out / "vocab.txt").read_bytes().decode("utf-8").split("\n")
-    word_id = {word: i for i, word in enumerate(vocab)}
-    ids = np.array(sorted(word_id[w] for w in vocabulary if w in word_id), np.int64)
-    key_starts = np.load(out / "key_starts.npy")
-    starts = np.load(out / "starts.npy", mmap_mode="r")
-    words = np.load(out / "words.npy", mmap_mode="r")
-    lo, hi = key_starts[ids], key_starts[ids + 1]
-    entries = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)] or [np.zeros(0, np.int64)])
-    if len(entries) == 0:
-        return {}
-    known = np.zeros(len(vocab), bool)
-    known[ids] = True
-    first, last = np.asarray(starts[entries]), np.asarray(starts[entries + 1])
-    flat = np.repeat(first - np.concatenate(([0], np.cumsum(last - first)))[:-1], last - first)
-    flat += np.arange(len(flat))
-    entry_words = np.asarray(words[flat]).astype(np.int64)
-    keep = np.logical_and.reduceat(known[entry_words], np.concatenate(([0], np.cumsum(last - first)))[:-1])
-    positions = np.load(out / "entry.npy", mmap_mode="r")[entries[keep]]
-    n_src = np.load(out / "n_src.npy", mmap_mode="r")[entries[keep]]
-    bounds = np.concatenate(([0], np.cumsum(last - first)))
-    table = {}
-    for (entry_pos, split, a, b) in sorted(zip(positions.tolist(), n_src.tolist(), bounds[:-1][keep].tolist(),
-                                               bounds[1:][keep].tolist())):
-        phrase = [vocab[i] for i in entry_words[a:b].tolist()]
-        table.setdefault(tuple(phrase[:split]), []).append(tuple(phrase[split:]))
-    return table
-
-
-# 9.2 Many items at once, for Meteor.item_stats (8.5). The beam search of Meteor._resolve, one alignment at a time
-# in Python, is about half of METEOR's time. BatchedMeteor collects the alignments of many items that need a search
-# (each distinct one once) and runs that same search on all of them together with numpy, step for step, so that
-# every tie is broken the same way. On the CLEVR-Change-sized corpus METEOR's statistics then take 4.2 s instead of
-# 5.9 s (one process).
-class BatchedMeteor(Meteor):
-    """Meteor, with item_stats_many(items) == [item_stats(hypothesis, references) for each item], faster."""
-
-    def item_stats_many(self, items):
-        """item_stats for many (hypothesis, references) at once: the alignments that need a search are solved
-        together by _resolve_batch (same result as _resolve, much faster)."""
-        fields = self.prepare_items(items)
-        pending, problems = {}, {}
-        for hypothesis, references in fields:
-            hyp = self.sentence(hypothesis)
-            for reference in references:
-                ref = self.sentence(reference)
-                key = (hyp.words, ref.words)
-                if key in self._pairs or key in pending:
-                    continue
-                cands, cover1, cover2 = self._candidates(hyp, ref)
-                fixed, used1, used2, open_choice = _fixed_matches(cands, cover1, cover2)
-                if not open_choice:
-                    self._pairs[key] = self._stats(hyp, ref, fixed)
-                    continue
-                structure = (len(ref.words), tuple(map(tuple, cands)))
-                if structure in self._structures:
-                    self._pairs[key] = self._stats(hyp, ref, self._structures[structure])
-                elif len(hyp.words) > 64 or len(ref.words) > 64:    # beyond 64-bit word masks
-                    self._pairs[key] = self._stats(hyp, ref, self._resolve(cands, cover1, cover2, len(ref.words)))
-                else:
-                    pending[key] = (hyp, ref, structure)
-                    problems.setdefault(structure, (cands, fixed, used1, used2))
-        solved = dict(zip(problems, self._resolve_batch(list(problems.values())))) if problems else {}
-        self._structures.update(solved)
-        for key, (hyp, ref, structure) in pending.items():
-            self._pairs[key] = self._stats(hyp, ref, solved[structure])
-        out, scores = [], {}
-        for hypothesis, references in fields:           # the best single reference, the first on a tie
-            hyp, best, best_score = self.sentence(hypothesis), None, -1.0
-            for reference in references:
-                stats = self._pairs[(hyp.words, self.sentence(reference).words)]
-                if stats not in scores:
-                    scores[stats] = self.score(stats)
-                if scores[stats] > best_score:
-                    best, best_score = stats, scores[stats]
-            out.append(best)
-        return out
-
-    def _resolve_batch(self, problems, batch_size=1 << 15):
-        """_resolve for many alignments at once, identical results: the same beam search, one reference position
-        at a time, with every partial alignment of every problem a row of numpy arrays. Words <= 64 a side.
-
-        problems: [(cands, fixed, used1, used2)]. Returns the chosen matches of each, by reference start.
-        """
-        out = []
-        for first in range(0, len(problems), batch_size):
-            out.extend(self._resolve_some(problems[first:first + batch_size]))
-        return out
-
-    def _resolve_some(self, problems):
-        beam, weights = self.config.meteor_beam, self.search_weights
-        # Number problems by decreasing reference length: those that finish first are then the last rows.
-        by_length = sorted(range(len(problems)), key=lambda p: -len(problems[p][0]))
-        problems = [problems[p] for p in by_length]
-        n_ref = np.array([len(cands) for cands, _, _, _ in problems], np.int64)
-        base = np.concatenate(([0], np.cumsum(n_ref)))                   # (problem, position) -> base[p] + i
-        # Every position's candidate options in one table (a fixed position's are never read: its word is used).
-        options = list(itertools.chain.from_iterable(itertools.chain.from_iterable(c for c, _, _, _ in problems)))
-        bounds = np.cumsum([0] + [len(matches) for cands, _, _, _ in problems for matches in cands])
-        opt_lo, opt_hi = bounds[:-1], bounds[1:]
-        fixed_at = np.zeros((base[-1], 5), np.int64)                     # ref end, hyp start, hyp end, key step, has
-        fixed_flat = [int(base[p]) + i for p, (_, fixed, _, _) in enumerate(problems) for i in fixed]
-        fixed_rows = [(start + length, m_start, m_start + m_length, self._key_step(match, weights)
-                       + abs(start - m_start), 1) for _, fixed, _, _ in problems
-                      for match in fixed.values() for start, length, m_start, m_length, _ in [match]]
-        if fixed_flat:
-            fixed_at[fixed_flat] = np.array(fixed_rows, np.int64)
-        o = np.array(options, np.int64).reshape(-1, 5)                   # start, length, m_start, m_length, stage
-        o_mask1 = (((np.uint64(1) << o[:, 3].astype(np.uint64)) - np.uint64(1)) << o[:, 2].astype(np.uint64))
-        o_mask2 = (((np.uint64(1) << o[:, 1].astype(np.uint64)) - np.uint64(1)) << o[:, 0].astype(np.uint64))
-        o_mask1, o_mask2 = o_mask1.view(np.int64), o_mask2.view(np.int64)
-        stage_weight = np.array(weights)[o[:, 4]]                         # Java: int += length * weight
-        o_step = -(np.floor(o[:, 3] * stage_weight) + np.floor(o[:, 1] * stage_weight)).astype(np.int64) << 32
-        o_dist = np.abs(o[:, 0] - o[:, 2])
-        # A row per partial alignment: the sort key packs (problem, -(matches1 + matches2) + 128, chunks,
-        # distance) into one int64 whose fields are updated by addition; then the reference end of its last match,
-        # the hypothesis end of its last match (-1 after a skip), the used-word masks (raw 64-bit patterns) and
-        # its entry in the history of choices. Rows of a problem stay together, in _resolve's list order.
-        KEY, REF_END, LAST, U1, U2, HIST = range(6)
-        rows = np.zeros((len(problems), 6), np.int64)
-        rows[:, KEY] = (np.arange(len(problems)) << 40) | (128 << 32)
-        rows[:, LAST] = rows[:, HIST] = -1
-        rows[:, U1] = np.array([u1 for _, _, u1, _ in problems], np.uint64).view(np.int64)
-        rows[:, U2] = np.array([u2 for _, _, _, u2 in problems], np.uint64).view(np.int64)
-        history_parent, history_option, n_history = [], [], 0
-        best_hist = np.full(len(problems), -1, np.int64)
-        for current in range(int(n_ref.max()) + 1):
-            # Sort (stable) by the key; keep the first `beam` rows of each problem.
-            assert (rows[:, KEY] & ((1 << 24) - 1)).max(initial=0) < (1 << 24) - 4096, "distance field overflow"
-            order = np.argsort(rows[:, KEY], kind="stable")
-            prob = rows[order, KEY] >> 40
-            first = np.flatnonzero(np.r_[True, prob[1:] != prob[:-1]])
-            rank = np.arange(len(order)) - np.repeat(first, np.diff(np.r_[first, len(order)]))
-            rows = rows[order[rank < beam]]
-            # Problems whose reference ends here (the last rows): close the last chunk, take the first best path.
-            n_done = int(np.count_nonzero(n_ref[rows[:, KEY] >> 40] == current))
-            if n_done:
-                done, rows = rows[len(rows) - n_done:], rows[:len(rows) - n_done]
-                final = done[:, KEY] + ((done[:, LAST] != -1).astype(np.int64) << 24)
-                order = np.argsort(final, kind="stable")
-                prob = final[order] >> 40
-                firsts = order[np.r_[True, prob[1:] != prob[:-1]]]
-                best_hist[done[firsts, KEY] >> 40] = done[firsts, HIST]
-            if len(rows) == 0:
-                break
-            flat = base[rows[:, KEY] >> 40] + current
-            used = (rows[:, U2] >> current) & 1 == 1
-            at_fixed = used & (current >= rows[:, REF_END])          # a fixed match starts here
-            assert fixed_at[flat[at_fixed], 4].all(), "a used word outside any match"
-            free = ~used                                              # (used rows not at_fixed are inside a match)
-            # Candidate options of the free rows, each checked against the row's used words.
-            count = np.where(free, opt_hi[flat] - opt_lo[flat], 0)
-            parent = np.repeat(np.arange(len(flat)), count)
-            option = np.repeat(opt_lo[flat] - np.cumsum(count) + count, count) + np.arange(count.sum())
-            valid = ((rows[parent, U1] & o_mask1[option]) == 0) & ((rows[parent, U2] & o_mask2[option]) == 0)
-            # Java adds each tried option's distance to the extended path: a child inherits the distances of the
-            # valid options before it, the skip path all of them (see _resolve).
-            tried = np.where(valid, o_dist[option], 0)
-            per_row = np.bincount(parent, weights=tried, minlength=len(flat)).astype(np.int64)
-            before = np.cumsum(tried) - tried - np.repeat(np.cumsum(per_row) - per_row, count)
-            n_valid = np.bincount(parent, weights=valid, minlength=len(flat)).astype(np.int64)
-            out_count = np.where(free, n_valid + 1, 1)
-            out_start = np.cumsum(out_count) - out_count
-            new = np.empty((out_count.sum(), 6), np.int64)
-            # Used rows carry on (inside a match) or take the fixed match; free rows end with their skip path.
-            new[out_start[used]] = rows[used]
-            at, r, fx = out_start[at_fixed], rows[at_fixed], fixed_at[flat[at_fixed]]
-            new[at, KEY] = r[:, KEY] + fx[:, 3] + (((r[:, LAST] != -1) & (fx[:, 1] != r[:, LAST])).astype(np.int64)
-                                                   << 24)
-            new[at, REF_END], new[at, LAST] = fx[:, 0], fx[:, 2]
-            skip, r = out_start[free] + n_valid[free], rows[free]
-            new[skip] = r
-            new[skip, KEY] = r[:, KEY] + ((r[:, LAST] != -1).astype(np.int64) << 24) + per_row[free]
-            new[skip, LAST] = -1
-            # Children: one per valid option, in option order, before the skip path.
-            parent, option, before = parent[valid], option[valid], before[valid]
-            at = out_start[parent] + np.arange(len(parent)) - np.repeat(np.cumsum(n_valid) - n_valid, n_valid)
-            r, op = rows[parent], o[option]
-            new[at, KEY] = r[:, KEY] + o_step[option] + before + (((r[:, LAST] != -1) & (op[:, 2] != r[:, LAST]))
-                                                                   .astype(np.int64) << 24)
-            new[at, REF_END], new[at, LAST] = op[:, 0] + op[:, 1], op[:, 2] + op[:, 3]
-            new[at, U1], new[at, U2] = r[:, U1] | o_mask1[option], r[:, U2] | o_mask2[option]
-            new[at, HIST] = n_history + np.arange(len(parent))
-            history_parent.append(r[:, HIST])
-            history_option.append(option)
-            n_history += len(parent)
-            rows = new
-        # Follow each problem's best path back through the matches it chose.
-        history_parent = np.concatenate(history_parent or [np.zeros(0, np.int64)])
-        history_option = np.concatenate(history_option or [np.zeros(0, np.int64)])
-        chosen = [dict(fixed) for _, fixed, _, _ in problems]
-        link, problem = best_hist, np.arange(len(problems))
-        while len(link):
-            keep = link != -1
-            link, problem = link[keep], problem[keep]
-            for p, k in zip(problem.tolist(), history_option[link].tolist()):
-                chosen[p][options[k][0]] = options[k]
-            link = history_parent[link]
-        out = [None] * len(problems)
-        for p, original in enumerate(by_length):
-            out[original] = chosen[p]
-        return out
-
-    @staticmethod
-    def _key_step(match, weights):
-        """What taking a match adds to the packed key: -(matches1 + matches2) in bits 32-39. Java's int matches1
-        += length * weight adds exactly floor(length * weight) to an integer."""
-        _, length, _, m_length, stage = match
-        return -(math.floor(m_length * weights[stage]) + math.floor(length * weights[stage])) << 32
-
-
-# 9.3 A forked worker, for computing every METEOR item in this process (CaptionScorer, section 5). On two cores a
-# second process computes part of METEOR while this one computes the other metrics: about 1.6x faster in all.
-PARALLEL_MIN_ITEMS = 1000     # below this a worker process costs more than it saves
-METEOR_CHUNK_ITEMS = 250      # with a worker, METEOR's items are shared out in chunks of this many
-
-
-_worker_meteor = None   # in a forked worker: the parent's Meteor, its vocabulary already prepared
-
-
-def _adopt_meteor(meteor):
-    """The worker's initializer. The worker is forked, so `meteor` is the parent's object, copied, not pickled."""
-    global _worker_meteor
-    _worker_meteor = meteor
-
-
-def _meteor_chunk(items):
-    """METEOR statistics of a chunk of (hypothesis, references) items, in the worker process."""
-    return _worker_meteor.item_stats_many(items)
-
-
-class _MeteorWorker:
-    """meteor.item_stats_many(items), shared with a forked process: the worker starts on the items chunk by chunk;
-    finish() then computes here, from the last chunk back, those the worker has not begun, so both end together
-    whatever the machine's load."""
-
-    def __init__(self, meteor, items):
-        meteor.prepare_items(items)     # every word registered before the fork: the worker never prepares again
-        self.meteor = meteor
-        self.chunks = [items[k:k + METEOR_CHUNK_ITEMS] for k in range(0, len(items), METEOR_CHUNK_ITEMS)]
-        self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"),
-                                                           initializer=_adopt_meteor, initargs=(meteor,))
-        self.futures = [self.pool.submit(_meteor_chunk, chunk) for chunk in self.chunks]
-
-    def finish(self):
-        """(the statistics of every item, in order; how many of the items the worker computed)."""
-        per_chunk = [None] * len(self.chunks)
-        for k in reversed(range(len(self.chunks))):          # from the last chunk back, those the worker has not
-            if self.futures[k].cancel():                      # begun (cancel() fails once it has)
-                per_chunk[k] = self.meteor.item_stats_many(self.chunks[k])
-        in_worker = sum(len(chunk) for chunk, stats in zip(self.chunks, per_chunk) if stats is None)
-        per_chunk = [stats if stats is not None else future.result() for stats, future in zip(per_chunk, self.futures)]
-        self.pool.shutdown()
-        return list(itertools.chain.from_iterable(per_chunk)), in_worker
-
-
-# 9.4 The garbage collector paused, for scoring with it running: around all of section 5's steps, where METEOR's
-# tuples are most of what it would scan.
-@contextlib.contextmanager
-def _collector_paused():
-    """Scoring allocates millions of small tuples and dicts and leaves no reference cycles. Python's cyclic garbage
-    collector would scan them again and again (about 40% of the run time here), so it is paused meanwhile. Its
-    first pass after the pause still scans all the survivors once (0.3 s on a CLEVR-sized corpus): CaptionScorer,
-    score_captions, score_subsets and the command line therefore hold one pause around all their steps (an inner
-    pause changes nothing)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 10. The command line, and a demo
+# 9. The command line, and a demo
 # ---------------------------------------------------------------------------------------------------------------
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Score captions as the coco-caption toolkit does (BLEU-1..4, "
@@ -1893,8 +789,6 @@ def main(argv=None):
     parser.add_argument("--meteor-modules", default=None,
                         help="e.g. exact,stem (default: all four when the METEOR data is found)")
     parser.add_argument("--pretokenized", action="store_true", help="captions are already PTB-tokenized")
-    parser.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1),
-                        help="2 lets a worker process compute part of METEOR (default: 2 on a multi-core machine)")
     args = parser.parse_args(argv)
     try:
         started = time.perf_counter()
@@ -1903,10 +797,10 @@ def main(argv=None):
         references = read_references(load_json(ref_path) if args.references else load_json(args.predictions),
                                      ref_path)
         modules = tuple(args.meteor_modules.split(",")) if args.meteor_modules else None
-        with _collector_paused():     # until the table is written: then the process ends, nothing left to scan
+        with collector_paused():      # until the table is written: then the process ends, nothing left to scan
             result = score_captions(predictions, references, tuple(args.metrics.split(",")),
-                                    tokenize=not args.pretokenized, meteor_modules=modules, processes=args.processes)
-            result["info"]["timing_s"]["total"] = round(time.perf_counter() - started, 3)
+                                    tokenize=not args.pretokenized, meteor_modules=modules)
+            result["info"]["seconds"] = round(time.perf_counter() - started, 3)
             print(json.dumps(result, ensure_ascii=False) if args.json else format_table(result))
     except CaptionInputError as e:
         print(f"metrics.py: error: {e}", file=sys.stderr)

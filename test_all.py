@@ -45,6 +45,7 @@ import caption
 import clip
 import data
 import explain
+import meteor
 import metrics
 import pretrain
 import runtime
@@ -1966,7 +1967,7 @@ def tokenized(coco):
 
 
 def needs_meteor_data():
-    if metrics.load_meteor_resources() is None:
+    if meteor.load_meteor_resources() is None:
         message = "the METEOR 1.5 data is missing: pip install --no-deps pycocoevalcap==1.2"
         if os.environ.get("CI") == "true":
             pytest.fail(message)
@@ -2030,7 +2031,8 @@ def test_rouge_takes_best_precision_and_best_recall_from_different_references():
     assert metrics.rouge_l("", ["", "the cube moved"]) == 1.0       # split(" ") makes "" one empty token
 
 
-def test_bit_parallel_lcs_equals_dynamic_programming():
+def test_lcs_is_the_longest_common_subsequence():
+    assert metrics.lcs_length("a b c d e".split(), "b x d e a".split()) == 3          # b d e
     rng = np.random.default_rng(0)
     for _ in range(300):
         a = list(rng.integers(0, 5, rng.integers(0, 12)))
@@ -2122,7 +2124,7 @@ def test_command_line_reads_coco_results_and_ground_truth(tmp_path, capsys):
         {"image_id": 7, "caption": "the red cube has moved", "id": 0},
         {"image_id": 8, "caption": "there is no change", "id": 1},
         {"image_id": 8, "caption": "nothing has changed", "id": 2}]})
-    assert metrics.main([results, truth, "--json", "--meteor-modules", "exact,stem", "--processes", "1"]) == 0
+    assert metrics.main([results, truth, "--json", "--meteor-modules", "exact,stem"]) == 0
     printed = json.loads(capsys.readouterr().out)
     expected = metrics.score_captions({7: "the red cube moved", 8: "nothing changed"},
                                       {7: ["the red cube has moved"], 8: ["there is no change", "nothing has changed"]},
@@ -2211,8 +2213,8 @@ def test_end_to_end_from_raw_text_gives_the_toolkits_numbers():
 def test_ptb_tokenizer_gives_the_toolkits_tokens_for_every_raw_caption(name):
     items, coco = load_corpus(name)
     for item, expected in zip(items, coco["items"]):
-        assert metrics.ptb_tokenize(item["candidate"]) == expected["candidate_tok"], item["id"]
-        assert [metrics.ptb_tokenize(r) for r in item["references"]] == expected["references_tok"], item["id"]
+        assert metrics.ptb_tokenize_fast(item["candidate"]) == expected["candidate_tok"], item["id"]
+        assert [metrics.ptb_tokenize_fast(r) for r in item["references"]] == expected["references_tok"], item["id"]
 
 
 def test_ptb_tokenizer_splits_contractions_keeps_brackets_and_drops_punctuation():
@@ -2231,13 +2233,21 @@ def test_captions_of_words_and_spaces_skip_the_lexer_and_get_the_lexers_tokens()
     for name in CORPORA:
         items, _ = load_corpus(name)
         captions.update(text for item in items for text in [item["candidate"], *item["references"]])
-    plain = sorted(c for c in captions if metrics._PTB_FAST.fullmatch(c) and not metrics._PTB_DIGITS_SPACED.search(c))
+    plain = sorted(c for c in captions if metrics._WORDS_ONLY.fullmatch(c) and not metrics._DIGITS_SPACED.search(c))
     assert len(plain) > 8_000
     plain = plain[::2]                        # 4,300 of them, for time
-    assert [metrics.ptb_tokenize(c) for c in plain] == [metrics._ptb_tokenize_by_lexer(c) for c in plain]
+    assert [metrics.ptb_tokenize_fast(c) for c in plain] == [metrics.ptb_tokenize(c) for c in plain]
 
 
-# --- METEOR ---
+def test_the_plain_scorer_and_the_fast_one_give_the_same_numbers():
+    items, _ = load_corpus("edge_cases")
+    predictions = {it["id"]: it["candidate"] for it in items}
+    references = {it["id"]: it["references"] for it in items}
+    plain = metrics.CaptionScorer(predictions, references, meteor_modules=("exact", "stem")).score()
+    assert metrics.FastCaptionScorer(predictions, references, meteor_modules=("exact", "stem")).score() == plain
+
+
+# ======== meteor.py ========
 
 def test_snowball_stemmer_gives_the_english_stems():
     # Checked against org.tartarus.snowball.ext.englishStemmer of meteor-1.5.jar, which agrees on 168,703 words.
@@ -2245,28 +2255,16 @@ def test_snowball_stemmer_gives_the_english_stems():
                 "dying": "die", "hopped": "hop", "hoping": "hope", "agreed": "agre", "feed": "feed", "bus": "bus",
                 "gaps": "gap", "communication": "communic", "spheres": "sphere", "metallic": "metal",
                 "shiny": "shini", "largest": "largest", "disappeared": "disappear"}
-    assert {word: metrics.snowball_stem(word) for word in examples} == examples
+    assert {word: meteor.snowball_stem(word) for word in examples} == examples
 
 
 def test_meteor_normaliser_joins_hyphens_splits_apostrophes_and_keeps_abbreviations():
     # Checked against edu.cmu.meteor.util.Normalizer of meteor-1.5.jar, which agrees on 25,470 lines.
-    assert metrics.meteor_normalize("the café-coloured cube") == ["the", "café", "coloured", "cube"]
-    assert metrics.meteor_normalize("it 's red") == ["it", "'", "s", "red"]
-    assert metrics.meteor_normalize("the u.s. cube") == ["the", "us", "cube"]
-    assert metrics.meteor_normalize("mr. smith moved") == ["mr.", "smith", "moved"]
-    assert metrics.meteor_normalize("the end .") == ["the", "end", "."]
-
-
-def test_lines_of_words_and_spaces_skip_the_normaliser_and_get_its_words():
-    lines = {"the 3d cube  moved ", "no 5 st mr us", ""}
-    for name in CORPORA:
-        _, coco = load_corpus(name)
-        lines.update(text for item in coco["items"] for text in [item["candidate_tok"], *item["references_tok"]])
-    plain = sorted(line for line in lines if metrics._PTB_FAST.fullmatch(line))
-    assert len(plain) > 8_000
-    plain = plain[::2]                        # 4,300 of them, for time
-    assert [metrics.meteor_normalize(line) for line in plain] == \
-        [metrics._meteor_normalize_by_rules(line) for line in plain]
+    assert meteor.meteor_normalize("the café-coloured cube") == ["the", "café", "coloured", "cube"]
+    assert meteor.meteor_normalize("it 's red") == ["it", "'", "s", "red"]
+    assert meteor.meteor_normalize("the u.s. cube") == ["the", "us", "cube"]
+    assert meteor.meteor_normalize("mr. smith moved") == ["mr.", "smith", "moved"]
+    assert meteor.meteor_normalize("the end .") == ["the", "end", "."]
 
 
 @pytest.mark.parametrize("name", CORPORA)
@@ -2296,10 +2294,10 @@ def test_meteor_without_its_data_lands_on_the_toolkits_own_exact_and_stem_scores
 
 @pytest.fixture
 def no_meteor_data(monkeypatch, tmp_path):
-    monkeypatch.setenv(metrics.METEOR_DATA_ENV, str(tmp_path))        # a folder without the jar
-    metrics.load_meteor_resources.cache_clear()
+    monkeypatch.setenv(meteor.METEOR_DATA_ENV, str(tmp_path))         # a folder without the jar
+    meteor.load_meteor_resources.cache_clear()
     yield
-    metrics.load_meteor_resources.cache_clear()
+    meteor.load_meteor_resources.cache_clear()
 
 
 def test_without_the_meteor_data_scoring_falls_back_to_exact_and_stem_and_says_so(no_meteor_data):
@@ -2307,22 +2305,22 @@ def test_without_the_meteor_data_scoring_falls_back_to_exact_and_stem_and_says_s
     assert result["info"]["meteor_modules"] == "exact+stem"
     assert "the METEOR 1.5 data was not found" in result["info"]["meteor_note"]
     with pytest.raises(metrics.CaptionInputError, match="pip install --no-deps pycocoevalcap"):
-        metrics.score_captions({1: "a"}, {1: ["a"]}, metrics=("METEOR",), meteor_modules=metrics.METEOR_MODULES)
+        metrics.score_captions({1: "a"}, {1: ["a"]}, metrics=("METEOR",), meteor_modules=meteor.METEOR_MODULES)
 
 
 def test_meteor_builtin_word_lists_equal_the_jars_files():
     needs_meteor_data()
-    jar = metrics._find_meteor_files()[0]
+    jar = meteor._find_meteor_files()[0]
     with zipfile.ZipFile(jar) as archive:
         words = archive.read("function/english.words").decode("utf-8").split("\n")
         prefixes = archive.read("nonbreaking/english.prefixes").decode("utf-8").split("\n")
-    assert metrics.METEOR_FUNCTION_WORDS == {w for w in words if w}
+    assert meteor.METEOR_FUNCTION_WORDS == {w for w in words if w}
     table = {}
     for line in prefixes:
         parts = line.split()
         if parts and not parts[0].startswith("#"):
             table[parts[0]] = 2 if parts[1:2] == ["#NUMERIC_ONLY#"] else 1
-    assert metrics.METEOR_NONBREAKING == table
+    assert meteor.METEOR_NONBREAKING == table
 
 
 # --- METEOR's speed variants give what the readable code gives ---
@@ -2333,29 +2331,29 @@ def test_many_items_at_once_give_the_statistics_of_one_item_at_a_time():
     for name in CORPORA:
         _, coco = load_corpus(name)
         items += [(e["candidate_tok"], e["references_tok"]) for e in coco["items"][:250]]
-    meteor = metrics.BatchedMeteor(resources=metrics.load_meteor_resources())
-    batched = meteor.item_stats_many(items)
-    meteor._structures.clear()                # so that the readable search solves every alignment again
-    assert [meteor.item_stats(hypothesis, references) for hypothesis, references in items] == batched
+    fast = meteor.FastMeteor(resources=meteor.load_meteor_resources())
+    plain = meteor.Meteor(resources=meteor.load_meteor_resources())
+    plain.read_paraphrases = meteor.load_paraphrases     # the same table (a test below), read faster
+    assert plain.item_stats_many(items) == fast.item_stats_many(items)
 
 
 def test_batched_beam_search_chooses_the_same_alignments_as_the_readable_one():
     needs_meteor_data()
     items, _ = load_corpus("clevr_style_public")
-    meteor = metrics.BatchedMeteor(resources=metrics.load_meteor_resources())
-    pairs = [(metrics.ptb_tokenize(it["candidate"]), metrics.ptb_tokenize(r)) for it in items[:300]
+    fast = meteor.FastMeteor(resources=meteor.load_meteor_resources())
+    pairs = [(metrics.ptb_tokenize_fast(it["candidate"]), metrics.ptb_tokenize_fast(r)) for it in items[:300]
              for r in it["references"]]
-    meteor.prepare([text for pair in pairs for text in pair])
+    fast.prepare([text for pair in pairs for text in pair])
     problems, readable = [], []
     for hypothesis, reference in pairs:
-        cands, cover1, cover2 = meteor._candidates(meteor.sentence(hypothesis), meteor.sentence(reference))
-        fixed, used1, used2, open_choice = metrics._fixed_matches(cands, cover1, cover2)
+        cands, cover1, cover2 = fast._candidates(fast.sentence(hypothesis), fast.sentence(reference))
+        fixed, used1, used2, open_choice = meteor._fixed_matches(cands, cover1, cover2)
         if open_choice:
             problems.append((cands, fixed, used1, used2))
-            readable.append(meteor._resolve(cands, cover1, cover2, len(cands)))
-            meteor._structures.clear()
+            readable.append(fast._resolve(cands, cover1, cover2, len(cands)))
+            fast._structures.clear()
     assert len(problems) > 100
-    assert meteor._resolve_batch(problems) == readable
+    assert fast._resolve_batch(problems) == readable
 
 
 def test_paraphrase_index_is_built_once_and_keeps_the_tables_order(tmp_path, monkeypatch):
@@ -2363,50 +2361,36 @@ def test_paraphrase_index_is_built_once_and_keeps_the_tables_order(tmp_path, mon
     triples = [("0.1", "the cube", "the block"), ("0.2", "cube", "block"), ("0.3", "cube", "dice"),
                ("0.4", "red", "crimson"), ("0.5", "the cube", "this cube")]
     table.write_bytes(gzip.compress("".join(f"{p}\n{a}\n{b}\n" for p, a, b in triples).encode()))
-    monkeypatch.setenv(metrics.METEOR_CACHE_ENV, str(tmp_path / "cache"))
-    resources = metrics.MeteorResources({}, {}, table, str(tmp_path))
+    monkeypatch.setenv(meteor.METEOR_CACHE_ENV, str(tmp_path / "cache"))
+    resources = meteor.MeteorResources({}, {}, table, str(tmp_path))
     vocabulary = {"the", "cube", "block", "dice", "this"}
     expected = {("the", "cube"): [("the", "block"), ("this", "cube")], ("cube",): [("block",), ("dice",)]}
-    assert metrics.load_paraphrases(resources, vocabulary) == expected         # "red" -> "crimson" cannot match
+    assert meteor.load_paraphrases(resources, vocabulary) == expected         # "red" -> "crimson" cannot match
     assert any((tmp_path / "cache").iterdir())
-    assert metrics.load_paraphrases(resources, vocabulary) == expected         # now read from the cache
+    assert meteor.load_paraphrases(resources, vocabulary) == expected         # now read from the cache
 
 
 def test_the_paraphrase_index_gives_what_reading_the_table_plainly_gives(tmp_path, monkeypatch):
     needs_meteor_data()
-    with gzip.open(metrics.load_meteor_resources().paraphrase_gz, "rb") as f:
+    with gzip.open(meteor.load_meteor_resources().paraphrase_gz, "rb") as f:
         lines = [f.readline() for _ in range(3 * 20_000)]            # the real table's first 20,000 pairs
     table = tmp_path / "paraphrase-en.gz"
     table.write_bytes(gzip.compress(b"".join(lines)))
-    monkeypatch.setenv(metrics.METEOR_CACHE_ENV, str(tmp_path / "cache"))
-    resources = metrics.MeteorResources({}, {}, table, str(tmp_path))
+    monkeypatch.setenv(meteor.METEOR_CACHE_ENV, str(tmp_path / "cache"))
+    resources = meteor.MeteorResources({}, {}, table, str(tmp_path))
     words = sorted({w for line in lines[1::3] + lines[2::3] for w in line.decode().split()})
     rng = np.random.default_rng(0)
     for vocabulary in [set(words), set(rng.choice(words, len(words) // 2)), set(rng.choice(words, 500))]:
-        expected = metrics.read_paraphrases(resources, vocabulary)
+        expected = meteor.read_paraphrases(resources, vocabulary)
         assert len(expected) > 10
-        assert metrics.load_paraphrases(resources, vocabulary) == expected
-
-
-def test_a_forked_meteor_worker_gives_the_same_numbers():
-    needs_meteor_data()
-    _, coco = load_corpus("clevr_style_public")                               # 1,200 items: above the threshold
-    one = metrics.score_captions(*tokenized(coco), tokenize=False, processes=1)
-    two = metrics.score_captions(*tokenized(coco), tokenize=False, processes=2)
-    assert one["corpus"] == two["corpus"] and one["items"] == two["items"]
-    assert one["info"]["meteor_items_in_worker"] == 0 and two["info"]["meteor_items_in_worker"] > 0
-    # METEOR alone: this process has nothing else to do, so it takes chunks from the end at once
-    alone = metrics.score_captions(*tokenized(coco), metrics=("METEOR",), tokenize=False, processes=2)
-    assert alone["corpus"]["METEOR"] == one["corpus"]["METEOR"]
-    assert all(alone["items"][i]["METEOR"] == one["items"][i]["METEOR"] for i in one["items"])
-    assert 0 < alone["info"]["meteor_items_in_worker"] < len(coco["items"])
+        assert meteor.load_paraphrases(resources, vocabulary) == expected
 
 
 def test_pausing_the_garbage_collector_changes_no_score_and_turns_it_back_on(monkeypatch):
     _, coco = load_corpus("edge_cases")
     paused = metrics.score_captions(*tokenized(coco), tokenize=False)
     assert gc.isenabled()
-    monkeypatch.setattr(metrics, "_collector_paused", contextlib.nullcontext)
+    monkeypatch.setattr(metrics, "collector_paused", contextlib.nullcontext)
     running = metrics.score_captions(*tokenized(coco), tokenize=False)
     assert paused["corpus"] == running["corpus"] and paused["items"] == running["items"]
 
