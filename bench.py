@@ -57,6 +57,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import gzip
 import hashlib
 import itertools
 import json
@@ -618,10 +619,22 @@ def _timed_run(command):
     return wall, child.stdout
 
 
-def metrics_scoring(corpus: str = "../shared/metrics_vectors/clevr_size_timing.json", runs: int = 3,
-                    variants: str = "all", toolkit: bool = True) -> dict:
+TIMING_CORPUS = Path(__file__).resolve().parent / "tests" / "metrics_vectors" / "clevr_size_timing.json.gz"
+
+
+def metrics_scoring(corpus: str | os.PathLike = TIMING_CORPUS, runs: int = 3, variants: str = "all",
+                    toolkit: bool = True) -> dict:
     """Whole-process seconds of metrics.py on `corpus` with every speed variant, and without each one, and of the
-    Java toolkit, run in turns (ABAB...) so that the machine's changing load falls on all of them alike."""
+    Java toolkit, run in turns (ABAB...) so that the machine's changing load falls on all of them alike. A
+    gzipped corpus is unpacked into a temporary file first, outside the timing, since both programs read JSON."""
+    if str(corpus).endswith(".gz"):
+        unpacked = tempfile.NamedTemporaryFile(suffix=".json", delete=False)
+        unpacked.write(gzip.decompress(Path(corpus).read_bytes()))
+        unpacked.close()
+        try:
+            return metrics_scoring(unpacked.name, runs, variants, toolkit)
+        finally:
+            os.unlink(unpacked.name)
     if meteor.load_meteor_resources() is None:
         raise SystemExit("metrics bench: the METEOR 1.5 data is missing (pip install --no-deps pycocoevalcap==1.2)")
     names = list(METRICS_VARIANTS) if variants == "all" else \
@@ -1209,7 +1222,7 @@ def main(argv=None):
 
     p = figure("metrics", "scoring a CLEVR-Change-sized corpus with metrics.py, whole process, against the Java "
                           "toolkit's time (JSON)")
-    p.add_argument("--corpus", default="../shared/metrics_vectors/clevr_size_timing.json", help="metrics.py input")
+    p.add_argument("--corpus", default=TIMING_CORPUS, help="metrics.py input (JSON, or gzipped JSON)")
     p.add_argument("--runs", type=int, default=3, help="whole-process runs of each, in turns; the median is reported")
     p.add_argument("--variants", default="all", help=f"comma-separated, from {list(METRICS_VARIANTS)[1:]}; "
                                                       "none: all on, beside the toolkit")

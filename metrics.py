@@ -19,7 +19,8 @@ computes the same numbers without Java and without torch (METEOR, the long one, 
                                   that selects every speed variant (FastCaptionScorer, which the functions use)
     9. the command line, and the demo
 
-On the toolkit's own output for ../shared/metrics_vectors every score agrees to the last bit, METEOR included.
+On the toolkit's own output for the corpora in tests/metrics_vectors every score agrees to the last bit, METEOR
+included.
 
 Differences from the toolkit (each is marked `# differs from reference:` below):
   - Line-break characters other than \\n (CR, VT, FF, U+2028, U+2029) are spaces. The toolkit's tokenizer starts a
@@ -34,12 +35,13 @@ Differences from the toolkit (each is marked `# differs from reference:` below):
 
 Run:   python metrics.py                                   # demo: one candidate against two references
        python metrics.py PREDICTIONS.json REFERENCES.json  # a table; --json for machines
-       python metrics.py ../shared/metrics_vectors/edge_cases.json   # items with candidate and references
+       python metrics.py tests/metrics_vectors/edge_cases.json.gz   # items with candidate and references
 
 Shape letters: T texts (captions), P image pairs.
 """
 import argparse
 import functools
+import gzip
 import json
 import math
 import re
@@ -300,7 +302,7 @@ def _ptb_rules():
     """The lexer's rules as (regex, action), in the order of PTBLexer.flex, built on first use.
 
     Written from the rule definitions of older and newer PTBLexer.flex versions (CoreNLP's GitHub history) and
-    checked against the 3.4.1 jar itself: identical output on every caption of ../shared/metrics_vectors and on
+    checked against the 3.4.1 jar itself: identical output on every caption of tests/metrics_vectors and on
     5,994 of 6,000 random caption-like lines of tricky fragments (the other 6 depend on the next line, which a
     per-caption tokenizer cannot see); 16 of 3,000 lines of fragments glued without spaces differ.
 
@@ -655,11 +657,12 @@ def score_subsets(predictions, references, subsets, metrics=METRICS, tokenize=Tr
 # 7. Reading predictions and references, and printing the table
 # ---------------------------------------------------------------------------------------------------------------
 def load_json(path):
-    """Parsed JSON; a malformed file is reported with its name, line and column."""
+    """Parsed JSON (gzipped when the name ends in .gz); a malformed file is reported with its name, line and column."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise CaptionInputError(f"{path}: cannot read it ({e.strerror})") from None
+        raw = Path(path).read_bytes()
+        text = (gzip.decompress(raw) if str(path).endswith(".gz") else raw).decode("utf-8")
+    except (OSError, EOFError, UnicodeDecodeError) as e:  # a missing file, a damaged gzip, bytes that are not UTF-8
+        raise CaptionInputError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:

@@ -614,7 +614,7 @@ def test_two_processes_with_b_pairs_each_train_like_one_process_with_2b_pairs(tm
     torch.manual_seed(0)
     one_process = _loss_and_gradients(_TwoTowers(), *_full_batch())
     for rank in range(2):
-        two_processes = torch.load(tmp_path / f"rank{rank}.pt")
+        two_processes = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         assert two_processes.keys() == one_process.keys()
         for name, expected in one_process.items():
             torch.testing.assert_close(two_processes[name], expected, rtol=1e-5, atol=1e-6, msg=name)
@@ -659,7 +659,7 @@ def test_with_every_block_intra_image_the_cls_output_is_clips_image_embedding():
 
 
 def test_on_the_tiny_openai_checkpoint_the_intra_image_cls_output_is_openais_image_embedding():
-    expected = torch.load(vectors("clip_vectors", "tiny_expected.pt"))
+    expected = torch.load(vectors("clip_vectors", "tiny_expected.pt"), weights_only=True)
     clip_model = clip.build_model(clip.load_state_dict(vectors("clip_vectors", "tiny_openai_state_dict.pt")))
     model = PairEncoder(clip_model, EncoderConfig(intra_layers=len(clip_model.visual.transformer.resblocks)))
     with torch.no_grad():
@@ -2273,9 +2273,7 @@ def test_meteor_with_its_data_equals_the_toolkit(name):
     _, coco = load_corpus(name)
     result = metrics.score_captions(*tokenized(coco), metrics=("METEOR",), tokenize=False)
     assert result["info"]["meteor_modules"] == "exact+stem+synonym+paraphrase"
-    assert result["corpus"]["METEOR"] == pytest.approx(coco["corpus"]["METEOR"], abs=1e-3)
-    close = [abs(result["items"][e["id"]]["METEOR"] - e["METEOR"]) <= 0.01 for e in coco["items"]]
-    assert np.mean(close) >= 0.99
+    assert result["corpus"]["METEOR"] == pytest.approx(coco["corpus"]["METEOR"], abs=1e-12)
     assert all(result["items"][e["id"]]["METEOR"] == pytest.approx(e["METEOR"], abs=1e-12) for e in coco["items"])
 
 
