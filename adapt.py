@@ -385,13 +385,10 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, model: nn.Module, raw_
             f"{config.batch_size} = {micro} x {dist_.world_size} processes x {config.grad_accum} accumulation; "
             f"{steps_per_epoch} steps per epoch, {total_steps} in all; {dtype} on {device}; "
             f"{sum(p.numel() for p in raw_model.parameters() if p.requires_grad) / 1e6:.1f}M trainable parameters")
-    saved = {"step": None if state is None else step}  # ckpt_last.pt's step, for the line Ctrl-C prints
 
     def save(path, epoch):
         runtime.save_checkpoint(checkpoint(raw_model, optimizer, scaler, config, clip_config, tokenizer, epoch=epoch,
                                            step=step, best_metric=best, best_epoch=best_epoch, history=history), path)
-        if path.name == "ckpt_last.pt":
-            saved["step"] = step
 
     progress = runtime.Progress(total_steps, first_step=step)
     model.train()
@@ -434,7 +431,7 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, model: nn.Module, raw_
             if dist_.ddp:
                 dist.barrier()
     except KeyboardInterrupt:
-        raise runtime.interrupted(out_dir / "ckpt_last.pt", saved["step"]) from None
+        raise runtime.interrupted(out_dir / "ckpt_last.pt") from None
     return step
 
 def test(model: nn.Module, splits: dict, tokenizer, images, config: Config, device, ctx, step: int,

@@ -680,14 +680,11 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, root: Path, stage1: St
         runtime.save_json(dataclasses.asdict(config), out_dir / "config.json")
         say(json.dumps(dataclasses.asdict(config)))
         say(describe(config, len(train_set), micro, dist_, steps_per_epoch, dtype, captioner))
-    saved = {"step": None if state is None else step}  # ckpt_last.pt's step, for the line Ctrl-C prints
 
     def save(path):
         runtime.save_checkpoint(checkpoint(
             captioner, optimizer, scaler, config, stage1, tokenizer, stage1_weights=path.name == "ckpt_best.pt",
             step=step, best_metric=best_cider, best_epoch=best_epoch, bad_epochs=bad_epochs, history=history), path)
-        if path == ckpt_path:
-            saved["step"] = step
 
     progress = runtime.Progress(total_steps, first_step=step)
     model.train()
@@ -733,7 +730,7 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, root: Path, stage1: St
                 dist.broadcast(flag, 0)
                 bad_epochs = int(flag)
     except KeyboardInterrupt:
-        raise runtime.interrupted(ckpt_path, saved["step"]) from None
+        raise runtime.interrupted(ckpt_path) from None
     if bad_epochs > config.patience:
         say(f"stopped early: {bad_epochs} epochs without a better validation CIDEr-D")
     if master:  # the test split, scored once, with the epoch chosen on validation

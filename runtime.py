@@ -237,14 +237,17 @@ class Interrupted(KeyboardInterrupt):
     """Ctrl-C during training, with the one line to print: what was saved, and the command that resumes."""
 
 
-def interrupted(path, saved_step: int | None) -> Interrupted:
-    """The Interrupted for a run whose last checkpoint is `path`, last saved at saved_step (None: not yet)."""
-    if saved_step is None:
+def interrupted(path) -> Interrupted:
+    """The Interrupted for a run whose last checkpoint is `path`. The step is read from the file itself: the
+    interrupt may have come between a save and any note of it. mmap reads the one number, not the weights."""
+    path = Path(path)
+    if not path.is_file():
         return Interrupted(f"interrupted before the first checkpoint: nothing was saved; run the same command "
                            f"again to start over")
+    step = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"]
     argv = [a for a in sys.argv if a not in ("--resume", "--no-resume")]
     command = shlex.join(["python", *argv, "--resume"])
-    return Interrupted(f"interrupted: {path} holds step {saved_step}; continue with: {command}")
+    return Interrupted(f"interrupted: {path} holds step {step}; continue with: {command}")
 
 
 def run(main, program: str) -> None:
