@@ -28,6 +28,7 @@ Run `python runtime.py` for a demo of the config parser and the progress line.
 """
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import inspect
@@ -38,8 +39,10 @@ import os
 import random
 import re
 import shlex
+import signal
 import sys
 import tempfile
+import threading
 import time
 import typing
 from pathlib import Path
@@ -366,21 +369,40 @@ def _fsync_dir(path: Path) -> None:
 def save_checkpoint(state: dict, path) -> None:
     """torch.save to a temporary file in the same folder, fsync, then rename over `path`.
 
-    A reader, or a run killed at any instant, sees either the old complete file or the new complete file.
+    A reader, or a run killed at any instant, sees either the old complete file or the new complete file. A Ctrl-C
+    during the save takes effect when it is done (torch.save interrupted half-way raises another error instead).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with sigint_deferred():
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        _fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def sigint_deferred():
+    """Ctrl-C inside the block is noted and raised as KeyboardInterrupt when the block ends (main thread only:
+    elsewhere Python gives no signals, and the block runs as it is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: came.append(number))
     try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        yield
     finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_dir(path.parent)
+        signal.signal(signal.SIGINT, previous)
+    if came:
+        raise KeyboardInterrupt
 
 
 def _alive(pid: int) -> bool:
