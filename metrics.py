@@ -40,10 +40,13 @@ Run:   python metrics.py                                   # demo: one candidate
 Shape letters: T texts (captions), P image pairs.
 """
 import argparse
+import concurrent.futures
 import functools
 import gzip
 import json
 import math
+import multiprocessing
+import os
 import re
 import sys
 import time
@@ -555,6 +558,14 @@ class CaptionScorer:
         self.references = {i: [tokens[r] for r in references[i]] for i in self.ids}
         self.items = {i: {} for i in self.ids}
         self._counts = {}
+        self.meteor_modules = None
+        if "METEOR" in self.metrics:
+            resources = load_meteor_resources()
+            if meteor_modules is None:
+                meteor_modules = METEOR_MODULES if resources is not None else ("exact", "stem")
+            self.meteor_modules = tuple(meteor_modules)
+            self.meteor = self.meteor_class(self.config.meteor, self.meteor_modules, resources)
+            meteor_stats = self.start_meteor([(self.candidates[i], self.references[i]) for i in self.ids])
         if "BLEU" in self.metrics:
             self.bleu_stats = {}
             for i in self.ids:
@@ -568,18 +579,16 @@ class CaptionScorer:
         if "ROUGE_L" in self.metrics:
             for i in self.ids:
                 self.items[i]["ROUGE_L"] = rouge_l(self.candidates[i], self.references[i], self.config.rouge_beta)
-        self.meteor_modules = None
         if "METEOR" in self.metrics:
-            resources = load_meteor_resources()
-            if meteor_modules is None:
-                meteor_modules = METEOR_MODULES if resources is not None else ("exact", "stem")
-            self.meteor_modules = tuple(meteor_modules)
-            self.meteor = self.meteor_class(self.config.meteor, self.meteor_modules, resources)
-            per_item = self.meteor.item_stats_many([(self.candidates[i], self.references[i]) for i in self.ids])
+            self.meteor_stats = dict(zip(self.ids, meteor_stats()))
             self.meteor.forget()                              # the per-item statistics are all we keep
-            self.meteor_stats = dict(zip(self.ids, per_item))
             for i, stats in self.meteor_stats.items():
                 self.items[i]["METEOR"] = self.meteor.score(stats)
+
+    def start_meteor(self, items):
+        """A function that returns METEOR's statistics of each (candidate, references) item. Here they are
+        computed when it is called; FastCaptionScorer starts on them at once, in a second process."""
+        return lambda: self.meteor.item_stats_many(items)
 
     def _cider(self, ids):
         """CIDEr-D of these items, with document frequencies over their references only."""
@@ -637,19 +646,23 @@ class CaptionScorer:
         return {"corpus": corpus, "items": items, "info": info}
 
 
-def score_captions(predictions, references, metrics=METRICS, tokenize=True, meteor_modules=None, config=None):
+def score_captions(predictions, references, metrics=METRICS, tokenize=True, meteor_modules=None, config=None,
+                   processes=1):
     """Score {id: caption} against {id: [captions]} as coco-caption does; returns corpus and per-item scores.
 
     tokenize=False takes the captions as already PTB-tokenized. meteor_modules: None for all four when the METEOR
-    data is found (exact + stem otherwise), or e.g. ("exact", "stem").
+    data is found (exact + stem otherwise), or e.g. ("exact", "stem"). processes=2: a forked process computes part
+    of METEOR (the same numbers; not inside a process that uses CUDA).
     """
-    return FastCaptionScorer(predictions, references, metrics, tokenize, meteor_modules, config).score()
+    return FastCaptionScorer(predictions, references, metrics, tokenize, meteor_modules, config,
+                             processes=processes).score()
 
 
 def score_subsets(predictions, references, subsets, metrics=METRICS, tokenize=True, meteor_modules=None,
-                  config=None):
+                  config=None, processes=1):
     """{name: result} for named subsets of ids, e.g. per change type; each subset is re-scored on its own."""
-    scorer = FastCaptionScorer(predictions, references, metrics, tokenize, meteor_modules, config)
+    scorer = FastCaptionScorer(predictions, references, metrics, tokenize, meteor_modules, config,
+                               processes=processes)
     return {name: scorer.score(ids) for name, ids in subsets.items()}
 
 
@@ -753,8 +766,8 @@ _PTB_SPLIT_WORDS = {"cannot": ("can", "not"), "gonna": ("gon", "na"), "gotta": (
 def ptb_tokenize_fast(text):
     """ptb_tokenize(text), with a shortcut for captions of words and spaces only (most captions): the lexer's
     tokens are then the words, but for the few it splits. Trying each of the lexer's 80 rules at every position
-    is slow in Python: on the CLEVR-Change-sized corpus this shortcut buys 54-64% of the whole process's time
-    (`python bench.py metrics`, two runs on a loaded 2-core machine)."""
+    is slow in Python: on the CLEVR-Change-sized corpus this shortcut buys 77% of the whole process's time
+    (`python bench.py metrics`, quiet 2-core machine)."""
     if _WORDS_ONLY.fullmatch(text) and not _DIGITS_SPACED.search(text):
         tokens = []
         for word in text.lower().split():
@@ -763,15 +776,69 @@ def ptb_tokenize_fast(text):
     return ptb_tokenize(text)
 
 
+PARALLEL_MIN_ITEMS = 1000     # below this a second process costs more than it saves
+METEOR_CHUNK_ITEMS = 250      # METEOR's items are shared between the processes in chunks of this many
+_FORKED = {}                  # the worker process's copy of the parent's FastMeteor (set by its initializer)
+
+
+def _meteor_chunk(items):
+    """METEOR statistics of a chunk of (candidate, references) items, in the worker process."""
+    return _FORKED["meteor"].item_stats_many(items)
+
+
+class MeteorWorker:
+    """meteor.item_stats_many(items), shared with a forked process, which starts on the items chunk by chunk while
+    this process computes BLEU and ROUGE-L; finish() then computes here, from the last chunk back, those the worker
+    has not begun, so that both end together whatever the machine's load. The worker is forked, so it has the
+    parent's METEOR tables without pickling them. It buys 46% of the whole scoring process on 2 quiet cores
+    (`python bench.py metrics`); the command line uses it, the training scripts do not (they may hold CUDA)."""
+
+    def __init__(self, meteor, items):
+        meteor.prepare_items(items)     # every word registered before the fork: the worker never prepares again
+        self.meteor = meteor
+        self.chunks = [items[k:k + METEOR_CHUNK_ITEMS] for k in range(0, len(items), METEOR_CHUNK_ITEMS)]
+        self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"),
+                                                           initializer=_FORKED.update, initargs=({"meteor": meteor},))
+        self.futures = [self.pool.submit(_meteor_chunk, chunk) for chunk in self.chunks]
+
+    def finish(self):
+        """The statistics of every item, in order."""
+        per_chunk = [None] * len(self.chunks)
+        for k in reversed(range(len(self.chunks))):          # from the last chunk back, those the worker has not
+            if self.futures[k].cancel():                      # begun (cancel() fails once it has)
+                per_chunk[k] = self.meteor.item_stats_many(self.chunks[k])
+        per_chunk = [stats if stats is not None else future.result() for stats, future in zip(per_chunk, self.futures)]
+        self.pool.shutdown()
+        return [stats for chunk in per_chunk for stats in chunk]
+
+
 class FastCaptionScorer(CaptionScorer):
     """CaptionScorer with every speed variant in place of the plain step it stands in for: the same numbers.
-    The garbage collector is paused around its work (meteor.collector_paused)."""
+    The garbage collector is paused around its work (meteor.collector_paused). processes=2 shares METEOR with a
+    forked process (MeteorWorker)."""
     tokenizer = staticmethod(ptb_tokenize_fast)
     meteor_class = FastMeteor
+    whole_set_cider = None    # CIDEr-D of all the items, computed while a METEOR worker runs
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, processes=1, **kwargs):
+        self.processes = processes
         with collector_paused():
             super().__init__(*args, **kwargs)
+
+    def start_meteor(self, items):
+        if self.processes < 2 or len(items) < PARALLEL_MIN_ITEMS or "fork" not in multiprocessing.get_all_start_methods():
+            return super().start_meteor(items)
+        worker = MeteorWorker(self.meteor, items)
+
+        def finish():
+            self.whole_set_cider = self._cider(self.ids)    # while the worker is still on METEOR
+            return worker.finish()
+        return finish
+
+    def _cider(self, ids):
+        if ids == self.ids and self.whole_set_cider is not None:
+            return self.whole_set_cider
+        return super()._cider(ids)
 
     def score(self, ids=None):
         with collector_paused():
@@ -792,6 +859,8 @@ def main(argv=None):
     parser.add_argument("--meteor-modules", default=None,
                         help="e.g. exact,stem (default: all four when the METEOR data is found)")
     parser.add_argument("--pretokenized", action="store_true", help="captions are already PTB-tokenized")
+    parser.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1),
+                        help="2: a forked process computes part of METEOR (the same numbers; default on 2+ cores)")
     args = parser.parse_args(argv)
     try:
         started = time.perf_counter()
@@ -802,7 +871,8 @@ def main(argv=None):
         modules = tuple(args.meteor_modules.split(",")) if args.meteor_modules else None
         with collector_paused():      # until the table is written: then the process ends, nothing left to scan
             result = score_captions(predictions, references, tuple(args.metrics.split(",")),
-                                    tokenize=not args.pretokenized, meteor_modules=modules)
+                                    tokenize=not args.pretokenized, meteor_modules=modules,
+                                    processes=args.processes)
             result["info"]["seconds"] = round(time.perf_counter() - started, 3)
             print(json.dumps(result, ensure_ascii=False) if args.json else format_table(result))
     except CaptionInputError as e:

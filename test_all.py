@@ -2247,6 +2247,24 @@ def test_the_plain_scorer_and_the_fast_one_give_the_same_numbers():
     assert metrics.FastCaptionScorer(predictions, references, meteor_modules=("exact", "stem")).score() == plain
 
 
+def test_a_forked_meteor_worker_gives_the_same_numbers():
+    needs_meteor_data()
+    _, coco = load_corpus("clevr_style_public")                               # 1,200 items: above the threshold
+    one = metrics.score_captions(*tokenized(coco), tokenize=False, processes=1)
+    two = metrics.score_captions(*tokenized(coco), tokenize=False, processes=2)
+    assert one == two
+
+
+def test_the_normalisers_shortcut_for_plain_lines_gives_its_words():
+    lines = {"the 3d cube  moved ", "no 5 st mr us", "", "DOTMULTI moved", "the u.s. cube"}
+    for name in CORPORA:
+        _, coco = load_corpus(name)
+        lines.update(text for item in coco["items"] for text in [item["candidate_tok"], *item["references_tok"]])
+    fast = meteor.FastMeteor(meteor.MeteorConfig(), ("exact",), None)
+    assert sum(bool(meteor._PLAIN_LINE.fullmatch(line)) for line in lines) > 5_000   # most take the shortcut
+    assert [fast.words(line) for line in sorted(lines)] == [meteor.meteor_normalize(line) for line in sorted(lines)]
+
+
 # ======== meteor.py ========
 
 def test_snowball_stemmer_gives_the_english_stems():
