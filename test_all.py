@@ -1712,6 +1712,12 @@ def test_building_the_image_cache_draws_nothing_from_the_global_generator(synth_
     assert torch.equal(torch.rand(3), expected)
 
 
+
+def ctrl_c_as_in_a_terminal():
+    """A child's SIGINT handling as in a terminal: a shell's background job starts with SIGINT ignored, and Python
+    then never raises KeyboardInterrupt, so a CI runner that starts the suite in the background would not test it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 def test_an_interrupt_during_the_image_cache_build_leaves_no_partial_file(tmp_path):
     for i in range(300):
         Image.new("RGB", (8, 8), (i % 256, 0, 0)).save(tmp_path / f"{i}.png")
@@ -1722,7 +1728,7 @@ def test_an_interrupt_during_the_image_cache_build_leaves_no_partial_file(tmp_pa
               "data.preprocess_uint8 = lambda path, size: (time.sleep(0.02), decode(path, size))[1]  # 6 s in all\n"
               "data.image_cache(pairs, root / 'cache', 'all', image_size=16, workers=0)\n")
     process = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=HERE, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE)
+                               stderr=subprocess.PIPE, preexec_fn=ctrl_c_as_in_a_terminal)
     said = b""
     while b"image cache" not in said and process.poll() is None:  # the progress line: the build has begun
         said += process.stderr.read(1)
@@ -2756,7 +2762,7 @@ def test_ctrl_c_prints_what_was_saved_and_the_resume_command_and_exits_130(synth
     args = ["--data_root", synth40_root, "--out_dir", out, "--epochs", "20", "--save_every", "2"]
     command = [sys.executable, str(HERE / "adapt.py"), *TINY_ADAPT, *map(str, args)]
     process = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+                               env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=ctrl_c_as_in_a_terminal)
     deadline = time.time() + 240
     while time.time() < deadline and not (out / "ckpt_last.pt").exists():
         time.sleep(0.05)
