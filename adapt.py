@@ -453,7 +453,7 @@ def evaluate_checkpoint(config: Config, dist_, ctx, out_dir: Path) -> None:
     path = Path(config.checkpoint or out_dir / "ckpt_best.pt")
     model, state = runtime.load_encoder(path, config.intra_layers)
     if state.get("release") and config.dtype == "auto":  # scored in float32, as the reference's figures: bf16
-        ctx = nullcontext()  # autocast on a GPU moves ranks that nearly tie (BENCHMARKS.md section 11)
+        ctx = nullcontext()  # autocast on a GPU moves ranks that nearly tie (BENCHMARKS.md section 12)
     splits, tokenizer, images = read_pairs(config, dist_, model.clip.visual.input_resolution)
     if tokenizer.vocab_size != model.clip.config.vocab_size:
         raise runtime.ConfigError(f"{path} has a vocabulary of {model.clip.config.vocab_size} tokens but the "

@@ -12,19 +12,19 @@ the machine BENCHMARKS.md was measured on) and, but for clip, its seed; it warms
 a few timed repeats, the one least slowed by whatever else the machine was doing. The defaults are the settings of the
 figures in BENCHMARKS.md; smaller values (see each subcommand's --help) make a smoke run of a few seconds.
 
-  clip      the ViT-B/32 image tower (images/s) and the BPE tokenizer, cold and warm (captions/s)   section 4
+  clip      the ViT-B/32 image tower (images/s) and the BPE tokenizer, cold and warm (captions/s)   section 5
   decoder   greedy decoding with the key/value cache against the reference's full recompute, and a
-            decoder training step on cached pair features, three ways                               section 3
+            decoder training step on cached pair features, three ways                               section 4
   adapt     one stage-1 training step of the ViT-B/32 pair encoder (adapt.train_step): pairs/s, and
-            its GFLOP/s next to this machine's matrix-multiply rate; JSON                            section 2
+            its GFLOP/s next to this machine's matrix-multiply rate; JSON                            section 3
   synth     the synth preset's two training steps: GFLOP per step, ms per step, the fraction of this
             machine's matmul rate; --profile N: the top operators by wall time, and the largest
-            matrix products' rates in the step and alone                                            section 1
+            matrix products' rates in the step and alone                                            section 2
   caption   stage 2 through caption.py's captioner: encoding pairs, decoding (cached and recomputed),
-            a training step on cached features, and what they make of CLEVR-Change's splits; JSON  section 3
-  metrics   metrics.py on a CLEVR-Change-sized corpus, the whole process, next to the Java toolkit   section 5
-  load      stage-1 training batches: PNG decoding against the uint8 cache, 0 and 2 workers         section 6
-  draw      drawing the synthetic dataset: pairs/s and pairs per CPU second                          section 6
+            a training step on cached features, and what they make of CLEVR-Change's splits; JSON  section 4
+  metrics   metrics.py on a CLEVR-Change-sized corpus, the whole process, next to the Java toolkit   section 6
+  load      stage-1 training batches: PNG decoding against the uint8 cache, 0 and 2 workers         section 7
+  draw      drawing the synthetic dataset: pairs/s and pairs per CPU second                          section 7
   kinds     the kind of change each test caption of a caption.py run says, by keywords, per true kind
             (--confusion: true kind -> said kind), and the run's pointing game                      section 1
   first     the README's first command from a clean clone, each line time-stamped: per script wall
@@ -216,7 +216,7 @@ CPU_ATTENTION_FLOPS = {
 
 
 # ---------------------------------------------------------------------------------------------------------
-# clip: the image tower and the tokenizer (BENCHMARKS.md section 4)
+# clip: the image tower and the tokenizer (BENCHMARKS.md section 5)
 
 
 def clevr_style_captions(n: int) -> list[str]:
@@ -261,7 +261,7 @@ def clip_throughput(bpe_path: str | None = None, threads: int = 2, batch: int = 
 
 
 # ---------------------------------------------------------------------------------------------------------
-# decoder: greedy decoding and a training step of the decoder alone (BENCHMARKS.md section 3)
+# decoder: greedy decoding and a training step of the decoder alone (BENCHMARKS.md section 4)
 
 
 def decoder_timings(threads: int = 2, batch_decode: int = 32, steps: int = 22, batch_train: int = 16,
@@ -333,7 +333,7 @@ def decoder_timings(threads: int = 2, batch_decode: int = 32, steps: int = 22, b
 
 
 # ---------------------------------------------------------------------------------------------------------
-# adapt: one full-size stage-1 training step, FLOPs counted, next to this machine's matmul rate (section 2)
+# adapt: one full-size stage-1 training step, FLOPs counted, next to this machine's matmul rate (section 3)
 
 
 def adapt_step(threads: int = 2, batch_size: int = 16, steps: int = 3, compile: bool = False) -> dict:
@@ -457,7 +457,7 @@ def synth_steps(threads: int = 2, steps: int = 5, caption_length: int = 14, prof
 
 
 # ---------------------------------------------------------------------------------------------------------
-# caption: stage 2's encoding, decoding and training, full-size, and CLEVR-Change's splits at those rates (section 3)
+# caption: stage 2's encoding, decoding and training, full-size, and CLEVR-Change's splits at those rates (section 4)
 
 
 def caption_costs(threads: int = 2, pairs: int = 64, batch: int = 32, steps: int = 22, train_batch: int = 16) -> dict:
@@ -518,7 +518,7 @@ def caption_costs(threads: int = 2, pairs: int = 64, batch: int = 32, steps: int
 
 
 # ---------------------------------------------------------------------------------------------------------
-# data.py and synth.py: loading stage-1 batches (section 6), drawing the synthetic dataset (section 6)
+# data.py and synth.py: loading stage-1 batches, drawing the synthetic dataset (section 7)
 
 
 def loading_rate(pairs: list[data.ImagePair], tokenizer: clip.SimpleTokenizer, batch_size: int, batches: int,
@@ -577,7 +577,7 @@ def drawing(folder: str, pairs: int, seed: int, workers: int = 1) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# metrics.py: scoring a CLEVR-Change-sized corpus, the whole process as a user runs it (section 5)
+# metrics.py: scoring a CLEVR-Change-sized corpus, the whole process as a user runs it (section 6)
 
 # The coco-caption toolkit's whole process, as a caption paper runs it: PTB tokens (Java), then the four scorers
 # (METEOR in a Java process). Its output goes nowhere; only its time is wanted.
@@ -903,7 +903,7 @@ def report_first(summary: dict, folder: str) -> None:
         raise SystemExit(f"first: {failed[0]} failed; its output is in {Path(folder) / failed[0].replace('.py', '.log')}")
 
 # cost: what a full run costs, on paper, from two measurements per stage at the papers' sizes: the FLOPs of one
-# training pair, and the memory of one training step at a few batch sizes (section 7)
+# training pair, and the memory of one training step at a few batch sizes (section 8)
 
 COST_STAGES = {  # one training step of each stage, at the papers' sizes, as adapt.py and caption.py run it
     "stage1": "adapt.py's clevr preset: the ViT-B/32 pair encoder (9 intra-image + 3 inter-image blocks) and CLIP's "

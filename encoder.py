@@ -173,7 +173,7 @@ class PairEncoder(nn.Module):
         of the last block's output are read, so that block, ln_post and the projection run on them alone."""
         x = self.join(*self.intra_pair(before, after))  # (B, L, D)
         # differs from reference: it computes every token, then pools two; the same numbers up to float rounding,
-        # with a stage-1 step 40% shorter on the synth preset (BENCHMARKS.md section 1)
+        # with a stage-1 step 40% shorter on the synth preset (BENCHMARKS.md section 2)
         return self.pool(self.project(self.inter_image(x, rows=self.cls_rows)))  # (B, 2, E) -> (B, E)
 
     def encode_text(self, text: torch.Tensor) -> torch.Tensor:

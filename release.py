@@ -18,8 +18,10 @@ Use (runtime.load_encoder, caption.py):
     decoder = release_decoder(state, 2 * (pair_encoder.n_patches + 1), pair_encoder.clip.token_embedding.weight,
                               pair_encoder.clip.positional_embedding)   # stage 2: its decoder.*, tied to CLIP
 
+Run:  python release.py     a tiny pair encoder written under the reference's names and read back
+
 Run the commands on a release: README.md, "Using the released weights"; what was checked against the
-reference's own code: BENCHMARKS.md section 11.
+reference's own code: BENCHMARKS.md section 12.
 """
 from pathlib import Path
 from typing import Optional
@@ -219,3 +221,20 @@ def release_decoder(state_dict: dict[str, torch.Tensor], visual_tokens: int,
     decoder = CaptionDecoder(release_decoder_config(state_dict, visual_tokens), word_embedding, position_embedding)
     decoder.load_state_dict(ours, strict=True)
     return decoder.eval()
+
+
+if __name__ == "__main__":
+    # A tiny pair encoder saved under the reference's names, told apart as a stage-1 release, and read back.
+    torch.manual_seed(0)
+    tiny = clip.CLIPConfig(embed_dim=32, image_resolution=64, vision_layers=4, vision_width=128, vision_patch_size=16,
+                           context_length=77, vocab_size=1000, transformer_width=64, transformer_heads=1,
+                           transformer_layers=2)
+    ours = PairEncoder(clip.CLIP(tiny), EncoderConfig(intra_layers=3)).state_dict()
+    theirs = to_reference_keys(ours)
+    renamed = sorted(set(theirs) - set(ours))
+    print(f"{len(ours)} tensors; {len(renamed)} renamed for the reference, e.g.")
+    for key in renamed[:4]:
+        print("   ", key)
+    print(f"stage of a file with these keys: {release_stage(theirs)}")
+    again = release_encoder(theirs, EncoderConfig(intra_layers=3)).state_dict()
+    print(f"read back with strict=True, every tensor equal: {all(torch.equal(again[k], ours[k]) for k in ours)}")

@@ -2158,7 +2158,7 @@ def test_a_prediction_without_references_is_refused_with_a_hint_about_id_types()
 
 # Spot-the-Diff-style items, four with empty references (two whose only reference is empty, one of them with an
 # empty candidate; one whose only reference is whitespace); the expected numbers are the coco-caption toolkit's
-# output (pycocoevalcap 1.2, OpenJDK 17: PTBTokenizer, Bleu(4), Meteor(), Rouge(), Cider()), BENCHMARKS.md section 7.
+# output (pycocoevalcap 1.2, OpenJDK 17: PTBTokenizer, Bleu(4), Meteor(), Rouge(), Cider()), BENCHMARKS.md section 6.
 EMPTY_REFERENCE_CORPUS = {
     "256.png": ("the person with the umbrella is gone",
                 ["person with umbrella is gone", "person with red coat is moved",
