@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import inspect
 import itertools
 import json
@@ -405,22 +406,12 @@ def sigint_deferred():
         raise KeyboardInterrupt
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: no signal, only the question whether the process exists
-    except ProcessLookupError:
-        return False
-    except OSError:  # it exists, and belongs to someone else
-        return True
-    return True
-
-
 def remove_partial_files(folder) -> None:
     """Delete the temporary files (.NAME.tmpPID) that a killed process left behind: never a finished file, nor the
     temporary file of a process still running (another run writing to the same folder)."""
     for partial in Path(folder).glob(".*.tmp*"):
         pid = partial.name.rpartition(".tmp")[2]
-        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and data.process_alive(int(pid)):
             continue
         partial.unlink(missing_ok=True)
 
@@ -509,8 +500,10 @@ def encoder_from_state(state: dict) -> PairEncoder:
     return model.eval()
 
 
+@functools.cache
 def vocabulary_tensor(bpe_path) -> torch.Tensor:
-    """A vocabulary file's bytes as a uint8 tensor: kept inside a checkpoint, so the checkpoint travels alone."""
+    """A vocabulary file's bytes as a uint8 tensor: kept inside a checkpoint, so the checkpoint travels alone. Read
+    once per process: a run saves it with every checkpoint, and the file does not change meanwhile."""
     return torch.frombuffer(bytearray(Path(bpe_path).read_bytes()), dtype=torch.uint8)
 
 
