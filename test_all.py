@@ -2234,14 +2234,16 @@ def test_ptb_tokenizer_splits_contractions_keeps_brackets_and_drops_punctuation(
     assert metrics.ptb_tokenize("   \t ") == ""
 
 
-def test_captions_of_words_and_spaces_skip_the_lexer_and_get_the_lexers_tokens():
-    captions = {"Cannot you see  the 3D cube gonna move", "No 5 St Mr US  ", "the cube 555 moved", ""}
+def test_captions_of_words_spaces_and_lone_marks_skip_the_lexer_and_get_the_lexers_tokens():
+    captions = {"Cannot you see  the 3D cube gonna move", "No 5 St Mr US  ", "the cube 555 moved", "", "a, b; c! d?",
+                "It moved etc. It is gone etc.", "see No. 5 and no. 6.", "the cube is a. The ball moved.", "Mr. Red",
+                "U.S. cube.", "the cube ? . ! moved .", "red . . . cube", "cube.red moved", "moved?! Yes", "5. 6, 7."}
     for name in CORPORA:
         items, _ = load_corpus(name)
         captions.update(text for item in items for text in [item["candidate"], *item["references"]])
-    plain = sorted(c for c in captions if metrics._WORDS_ONLY.fullmatch(c) and not metrics._DIGITS_SPACED.search(c))
-    assert len(plain) > 8_000
-    plain = plain[::2]                        # 4,300 of them, for time
+    plain = sorted(c for c in captions if metrics._PLAIN_CAPTION.fullmatch(c) and not metrics._DIGITS_SPACED.search(c))
+    assert len(plain) > 8_000 and sum("." in c for c in plain) > 50
+    plain = plain[::2] + [c for c in captions if len(c) < 40 and "." in c]     # 4,300 of them, for time
     assert [metrics.ptb_tokenize_fast(c) for c in plain] == [metrics.ptb_tokenize(c) for c in plain]
 
 
