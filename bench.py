@@ -603,7 +603,7 @@ METRICS_VARIANTS = {
     "paraphrase index": "meteor.FastMeteor.read_paraphrases = staticmethod(meteor.read_paraphrases)",
     "batched beam search": "meteor.FastMeteor.item_stats_many = meteor.Meteor.item_stats_many",
     "garbage collector paused": "import contextlib; metrics.collector_paused = contextlib.nullcontext",
-    "PTB words-only captions": "metrics.FastCaptionScorer.tokenizer = staticmethod(metrics.ptb_tokenize)",
+    "PTB plain captions": "metrics.FastCaptionScorer.tokenizer = staticmethod(metrics.ptb_tokenize)",
     "METEOR's second process": "metrics.FastCaptionScorer.start_meteor = metrics.CaptionScorer.start_meteor",
     "normaliser's plain lines": "meteor.FastMeteor.words = meteor.Meteor.words",
 }
