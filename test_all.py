@@ -2234,6 +2234,17 @@ def test_ptb_tokenizer_splits_contractions_keeps_brackets_and_drops_punctuation(
     assert metrics.ptb_tokenize("   \t ") == ""
 
 
+def test_the_lexers_letters_are_javas_letters_of_the_basic_multilingual_plane():
+    import unicodedata
+    word = next(rx for rx, action in metrics._ptb_rules() if getattr(action, "__name__", "") == "unsoft"
+                and "tok" not in rx.groupindex)
+    marks = {0xad, *range(0x300, 0x370), *range(0x483, 0x488)}       # the soft hyphen and combining marks it takes
+    for code in range(0x10000):
+        is_letter = unicodedata.category(chr(code)).startswith("L") or code in marks
+        assert (word.fullmatch(chr(code)) is not None) == is_letter, hex(code)
+    assert word.fullmatch("a\u0660") and not word.fullmatch("a\u00b2") and not word.fullmatch("\U00010400")
+
+
 def test_captions_of_words_spaces_and_lone_marks_skip_the_lexer_and_get_the_lexers_tokens():
     captions = {"Cannot you see  the 3D cube gonna move", "No 5 St Mr US  ", "the cube 555 moved", "", "a, b; c! d?",
                 "It moved etc. It is gone etc.", "see No. 5 and no. 6.", "the cube is a. The ball moved.", "Mr. Red",
