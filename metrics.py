@@ -773,7 +773,8 @@ def ptb_tokenize_fast(text):
 
 
 PARALLEL_MIN_ITEMS = 1000     # below this a second process costs more than it saves
-METEOR_CHUNK_ITEMS = 250      # METEOR's items are shared between the processes in chunks of this many
+METEOR_CHUNK_ITEMS = (250, 50)   # METEOR's items are shared between the processes in chunks of this many, the last
+# quarter in small ones: the processes meet there, and the one that finishes first waits at most for a small chunk
 _FORKED = {}                  # the worker process's copy of the parent's FastMeteor (set by its initializer)
 
 
@@ -792,7 +793,10 @@ class MeteorWorker:
     def __init__(self, meteor, items):
         meteor.prepare_items(items)     # every word registered before the fork: the worker never prepares again
         self.meteor = meteor
-        self.chunks = [items[k:k + METEOR_CHUNK_ITEMS] for k in range(0, len(items), METEOR_CHUNK_ITEMS)]
+        large, small = METEOR_CHUNK_ITEMS
+        cut = len(items) * 3 // 4
+        self.chunks = [items[k:min(k + large, cut)] for k in range(0, cut, large)] + \
+                      [items[k:k + small] for k in range(cut, len(items), small)]
         self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"),
                                                            initializer=_FORKED.update, initargs=({"meteor": meteor},))
         self.futures = [self.pool.submit(_meteor_chunk, chunk) for chunk in self.chunks]
