@@ -2234,7 +2234,7 @@ def test_ptb_tokenizer_splits_contractions_keeps_brackets_and_drops_punctuation(
     assert metrics.ptb_tokenize("   \t ") == ""
 
 
-def test_the_lexers_letters_are_javas_letters_of_the_basic_multilingual_plane():
+def test_ptb_lexers_letters_are_javas_letters_of_the_basic_multilingual_plane():
     import unicodedata
     word = next(rx for rx, action in metrics._ptb_rules() if getattr(action, "__name__", "") == "unsoft"
                 and "tok" not in rx.groupindex)
@@ -2245,7 +2245,7 @@ def test_the_lexers_letters_are_javas_letters_of_the_basic_multilingual_plane():
     assert word.fullmatch("a\u0660") and not word.fullmatch("a\u00b2") and not word.fullmatch("\U00010400")
 
 
-def test_captions_of_words_spaces_and_lone_marks_skip_the_lexer_and_get_the_lexers_tokens():
+def test_ptb_shortcut_gives_the_lexers_tokens_for_captions_of_words_spaces_and_lone_marks():
     captions = {"Cannot you see  the 3D cube gonna move", "No 5 St Mr US  ", "the cube 555 moved", "", "a, b; c! d?",
                 "It moved etc. It is gone etc.", "see No. 5 and no. 6.", "the cube is a. The ball moved.", "Mr. Red",
                 "U.S. cube.", "the cube ? . ! moved .", "red . . . cube", "cube.red moved", "moved?! Yes", "5. 6, 7."}
