@@ -1109,26 +1109,30 @@ class FastMeteor(Meteor):
             out_count = np.where(free, n_valid + 1, 1)
             out_start = np.cumsum(out_count) - out_count
             new = np.empty((out_count.sum(), 6), np.int64)
-            # Used rows carry on (inside a match) or take the fixed match; free rows end with their skip path.
-            new[out_start[used]] = rows[used]
-            at, r, fx = out_start[at_fixed], rows[at_fixed], fixed_at[flat[at_fixed]]
-            new[at, KEY] = r[:, KEY] + fx[:, 3] + (((r[:, LAST] != -1) & (fx[:, 1] != r[:, LAST])).astype(np.int64)
-                                                   << 24)
-            new[at, REF_END], new[at, LAST] = fx[:, 0], fx[:, 2]
-            skip, r = out_start[free] + n_valid[free], rows[free]
-            new[skip] = r
-            new[skip, KEY] = r[:, KEY] + ((r[:, LAST] != -1).astype(np.int64) << 24) + per_row[free]
-            new[skip, LAST] = -1
+            # Used rows carry on (inside a match) or take the fixed match; free rows end with their skip path. Each
+            # block is a copy of its rows, changed column by column, then put in its place in `new` at once.
+            inside = used & ~at_fixed
+            new[out_start[inside]] = rows[inside]
+            r, fx = rows[at_fixed], fixed_at[flat[at_fixed]]
+            r[:, KEY] += fx[:, 3] + (((r[:, LAST] != -1) & (fx[:, 1] != r[:, LAST])).astype(np.int64) << 24)
+            r[:, REF_END], r[:, LAST] = fx[:, 0], fx[:, 2]
+            new[out_start[at_fixed]] = r
+            r = rows[free]
+            r[:, KEY] += ((r[:, LAST] != -1).astype(np.int64) << 24) + per_row[free]
+            r[:, LAST] = -1
+            new[out_start[free] + n_valid[free]] = r
             # Children: one per valid option, in option order, before the skip path.
             parent, option, before = parent[valid], option[valid], before[valid]
             at = out_start[parent] + np.arange(len(parent)) - np.repeat(np.cumsum(n_valid) - n_valid, n_valid)
             r, op = rows[parent], o[option]
-            new[at, KEY] = r[:, KEY] + o_step[option] + before + (((r[:, LAST] != -1) & (op[:, 2] != r[:, LAST]))
-                                                                   .astype(np.int64) << 24)
-            new[at, REF_END], new[at, LAST] = op[:, 0] + op[:, 1], op[:, 2] + op[:, 3]
-            new[at, U1], new[at, U2] = r[:, U1] | o_mask1[option], r[:, U2] | o_mask2[option]
-            new[at, HIST] = n_history + np.arange(len(parent))
-            history_parent.append(r[:, HIST])
+            history_parent.append(r[:, HIST].copy())
+            r[:, KEY] += o_step[option] + before + (((r[:, LAST] != -1) & (op[:, 2] != r[:, LAST]))
+                                                    .astype(np.int64) << 24)
+            r[:, REF_END], r[:, LAST] = op[:, 0] + op[:, 1], op[:, 2] + op[:, 3]
+            r[:, U1] |= o_mask1[option]
+            r[:, U2] |= o_mask2[option]
+            r[:, HIST] = np.arange(n_history, n_history + len(parent))
+            new[at] = r
             history_option.append(option)
             n_history += len(parent)
             rows = new
