@@ -990,10 +990,10 @@ class FastMeteor(Meteor):
         for hypothesis, references in fields:
             hyp = self.fast_sentence(hypothesis)
             for reference in references:
-                ref = self.fast_sentence(reference)
-                key = (hyp.words, ref.words)
+                key = (hypothesis, reference)             # texts: their hashes are kept, a tuple's are not
                 if key in self._pairs or key in pending:
                     continue
+                ref = self.fast_sentence(reference)
                 cands, cover1, cover2 = self._candidates(hyp, ref)
                 fixed, used1, used2, open_choice = _fixed_matches(cands, cover1, cover2)
                 if not open_choice:
@@ -1013,9 +1013,9 @@ class FastMeteor(Meteor):
             self._pairs[key] = self._stats(hyp, ref, solved[structure])
         out, scores = [], {}
         for hypothesis, references in fields:           # the best single reference, the first on a tie
-            hyp, best, best_score = self.fast_sentence(hypothesis), None, -1.0
+            best, best_score = None, -1.0
             for reference in references:
-                stats = self._pairs[(hyp.words, self.fast_sentence(reference).words)]
+                stats = self._pairs[(hypothesis, reference)]
                 if stats not in scores:
                     scores[stats] = self.score(stats)
                 if scores[stats] > best_score:
