@@ -869,8 +869,8 @@ def load_paraphrases(resources, vocabulary):
 # items that need a search (each distinct one once) and runs that same search on all of them together with numpy,
 # step for step, so that every tie is broken the same way. It buys 29% of the whole scoring process on the
 # CLEVR-Change-sized corpus (`python bench.py metrics`, quiet; 19-27% loaded).
-# Its sentences (_FastSentence) are built from per-word records, computed once per word, and list their phrases'
-# paraphrases by first word, so that a pair's paraphrase matches start from the other sentence's few words.
+# Its sentences (_FastSentence) are built from per-word records, computed once per word, and hold each phrase's
+# paraphrases grouped by first word as lists made once per phrase: a pair's paraphrase matches then need no set.
 _PLAIN_LINE = re.compile(r"[a-z0-9 ]*")     # lower-case words and spaces: no normaliser rule changes them
 
 
