@@ -869,7 +869,61 @@ def load_paraphrases(resources, vocabulary):
 # items that need a search (each distinct one once) and runs that same search on all of them together with numpy,
 # step for step, so that every tie is broken the same way. It buys 29% of the whole scoring process on the
 # CLEVR-Change-sized corpus (`python bench.py metrics`, quiet; 19-27% loaded).
+# Its sentences (_FastSentence) are built from per-word records, computed once per word, and hold each phrase's
+# paraphrases grouped by first word as lists made once per phrase: a pair's paraphrase matches then need no set.
 _PLAIN_LINE = re.compile(r"[a-z0-9 ]*")     # lower-case words and spaces: no normaliser rule changes them
+
+
+class _FastSentence(_MeteorSentence):
+    """_MeteorSentence built from per-word records (FastMeteor._word_record). Its paths hold each phrase's
+    paraphrases as FastMeteor._by_first lists them."""
+    __slots__ = ()
+
+    def __init__(self, words, meteor):
+        records = meteor._records
+        rows = [records.get(word) or meteor._word_record(word) for word in words]
+        self.words = words = tuple(words)
+        self.positions = {}
+        for i, word in enumerate(words):
+            self.positions.setdefault(word, []).append(i)
+        functional, stems, synonyms, paths, longer = zip(*rows) if rows else ((),) * 5
+        self.functional, self.stems, self.synonyms = functional, stems, synonyms
+        self.stem_positions = self.paths = None
+        if "stem" in meteor.modules:
+            self.stem_positions = {}
+            for i, stem in enumerate(stems):
+                self.stem_positions.setdefault(stem, []).append(i)
+        else:
+            self.stems = None
+        if "synonym" not in meteor.modules:
+            self.synonyms = None
+        if "paraphrase" in meteor.modules:
+            extendable, by_first = meteor.extendable, meteor._by_first
+            self.paths = list(paths)
+            for i in [i for i, more in enumerate(longer) if more]:     # as _MeteorSentence: longer phrases too
+                self.paths[i] = grown = list(paths[i])
+                for n in range(2, len(words) - i + 1):
+                    phrase = words[i:i + n]
+                    firsts = by_first(phrase)
+                    if firsts:
+                        grown.append((n, firsts))
+                    if phrase not in extendable:
+                        break
+
+    def paraphrase_matches(self, other):
+        """_MeteorSentence.paraphrase_matches: the same list."""
+        found, other_words, other_positions = [], other.words, other.positions
+        for i, paths in enumerate(self.paths):
+            for n, firsts in paths:
+                for first, options in firsts:
+                    if first in other_positions:
+                        for rank, target, m in options:
+                            for j in other_positions[first]:
+                                if m == 1 or other_words[j:j + m] == target:
+                                    found.append((i, n, rank, j, m))
+        found.sort()
+        return found
+
 
 class FastMeteor(Meteor):
     """Meteor with every speed variant of this section in place of the plain step it stands in for."""
@@ -883,18 +937,63 @@ class FastMeteor(Meteor):
             self._words[text] = text.split()
         return super().words(text)
 
+    def __init__(self, config=None, modules=None, resources=None):
+        super().__init__(config, modules, resources)
+        self._records = {}              # word -> (functional, stem, synonyms, paths, longer): see _word_record
+        self._firsts = {}               # phrase -> its paraphrases by first word: see _by_first
+
+    def prepare(self, texts):
+        known = len(self.vocabulary)
+        super().prepare(texts)
+        if len(self.vocabulary) != known:
+            self._records.clear()       # paraphrase paths may grow
+            self._firsts.clear()
+
+    def forget(self):
+        super().forget()
+        self._records, self._firsts = {}, {}
+
+    def _by_first(self, phrase):
+        """The phrase's paraphrases, [(first word, [(rank, paraphrase, its length)])], in paraphrase_index's
+        order; [] when it has none."""
+        if phrase not in self._firsts:
+            self._firsts[phrase] = [(first, [(rank, target, len(target)) for rank, target in targets])
+                                    for first, targets in self.paraphrase_index.get(phrase, {}).items()]
+        return self._firsts[phrase]
+
+    def _word_record(self, word):
+        """What _MeteorSentence computes of one word, computed once per word."""
+        paths, longer = [], False
+        if "paraphrase" in self.modules:
+            firsts, longer = self._by_first((word,)), (word,) in self.extendable
+            paths = [(1, firsts)] if firsts else []
+        self._records[word] = record = (word in METEOR_FUNCTION_WORDS, self.stem(word) if "stem" in self.modules
+                                        else None, self.synonyms(word) if "synonym" in self.modules else None,
+                                        paths, longer)
+        return record
+
+    def fast_sentence(self, text):
+        """sentence(text) as a _FastSentence."""
+        sentence = self._sentences.get(text)
+        if type(sentence) is not _FastSentence:
+            words = self.words(text)
+            if not self.vocabulary.issuperset(words):
+                self.prepare([text])
+            sentence = self._sentences[text] = _FastSentence(words, self)
+        return sentence
+
     def item_stats_many(self, items):
         """item_stats for many (hypothesis, references) at once: the alignments that need a search are solved
         together by _resolve_batch (same result as _resolve, much faster)."""
         fields = self.prepare_items(items)
         pending, problems = {}, {}
         for hypothesis, references in fields:
-            hyp = self.sentence(hypothesis)
+            hyp = self.fast_sentence(hypothesis)
             for reference in references:
-                ref = self.sentence(reference)
-                key = (hyp.words, ref.words)
+                key = (hypothesis, reference)             # texts: their hashes are kept, a tuple's are not
                 if key in self._pairs or key in pending:
                     continue
+                ref = self.fast_sentence(reference)
                 cands, cover1, cover2 = self._candidates(hyp, ref)
                 fixed, used1, used2, open_choice = _fixed_matches(cands, cover1, cover2)
                 if not open_choice:
@@ -914,9 +1013,9 @@ class FastMeteor(Meteor):
             self._pairs[key] = self._stats(hyp, ref, solved[structure])
         out, scores = [], {}
         for hypothesis, references in fields:           # the best single reference, the first on a tie
-            hyp, best, best_score = self.sentence(hypothesis), None, -1.0
+            best, best_score = None, -1.0
             for reference in references:
-                stats = self._pairs[(hyp.words, self.sentence(reference).words)]
+                stats = self._pairs[(hypothesis, reference)]
                 if stats not in scores:
                     scores[stats] = self.score(stats)
                 if scores[stats] > best_score:
@@ -1010,26 +1109,30 @@ class FastMeteor(Meteor):
             out_count = np.where(free, n_valid + 1, 1)
             out_start = np.cumsum(out_count) - out_count
             new = np.empty((out_count.sum(), 6), np.int64)
-            # Used rows carry on (inside a match) or take the fixed match; free rows end with their skip path.
-            new[out_start[used]] = rows[used]
-            at, r, fx = out_start[at_fixed], rows[at_fixed], fixed_at[flat[at_fixed]]
-            new[at, KEY] = r[:, KEY] + fx[:, 3] + (((r[:, LAST] != -1) & (fx[:, 1] != r[:, LAST])).astype(np.int64)
-                                                   << 24)
-            new[at, REF_END], new[at, LAST] = fx[:, 0], fx[:, 2]
-            skip, r = out_start[free] + n_valid[free], rows[free]
-            new[skip] = r
-            new[skip, KEY] = r[:, KEY] + ((r[:, LAST] != -1).astype(np.int64) << 24) + per_row[free]
-            new[skip, LAST] = -1
+            # Used rows carry on (inside a match) or take the fixed match; free rows end with their skip path. Each
+            # block is a copy of its rows, changed column by column, then put in its place in `new` at once.
+            inside = used & ~at_fixed
+            new[out_start[inside]] = rows[inside]
+            r, fx = rows[at_fixed], fixed_at[flat[at_fixed]]
+            r[:, KEY] += fx[:, 3] + (((r[:, LAST] != -1) & (fx[:, 1] != r[:, LAST])).astype(np.int64) << 24)
+            r[:, REF_END], r[:, LAST] = fx[:, 0], fx[:, 2]
+            new[out_start[at_fixed]] = r
+            r = rows[free]
+            r[:, KEY] += ((r[:, LAST] != -1).astype(np.int64) << 24) + per_row[free]
+            r[:, LAST] = -1
+            new[out_start[free] + n_valid[free]] = r
             # Children: one per valid option, in option order, before the skip path.
             parent, option, before = parent[valid], option[valid], before[valid]
             at = out_start[parent] + np.arange(len(parent)) - np.repeat(np.cumsum(n_valid) - n_valid, n_valid)
             r, op = rows[parent], o[option]
-            new[at, KEY] = r[:, KEY] + o_step[option] + before + (((r[:, LAST] != -1) & (op[:, 2] != r[:, LAST]))
-                                                                   .astype(np.int64) << 24)
-            new[at, REF_END], new[at, LAST] = op[:, 0] + op[:, 1], op[:, 2] + op[:, 3]
-            new[at, U1], new[at, U2] = r[:, U1] | o_mask1[option], r[:, U2] | o_mask2[option]
-            new[at, HIST] = n_history + np.arange(len(parent))
-            history_parent.append(r[:, HIST])
+            history_parent.append(r[:, HIST].copy())
+            r[:, KEY] += o_step[option] + before + (((r[:, LAST] != -1) & (op[:, 2] != r[:, LAST]))
+                                                    .astype(np.int64) << 24)
+            r[:, REF_END], r[:, LAST] = op[:, 0] + op[:, 1], op[:, 2] + op[:, 3]
+            r[:, U1] |= o_mask1[option]
+            r[:, U2] |= o_mask2[option]
+            r[:, HIST] = np.arange(n_history, n_history + len(parent))
+            new[at] = r
             history_option.append(option)
             n_history += len(parent)
             rows = new

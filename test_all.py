@@ -2372,6 +2372,23 @@ def test_many_items_at_once_give_the_statistics_of_one_item_at_a_time():
     assert plain.item_stats_many(items) == fast.item_stats_many(items)
 
 
+def test_fast_sentences_hold_what_readable_sentences_hold_and_match_the_same_paraphrases():
+    needs_meteor_data()
+    texts = []
+    for name in CORPORA:
+        _, coco = load_corpus(name)
+        texts += [text for e in coco["items"][:100] for text in [e["candidate_tok"], *e["references_tok"]]]
+    fast = meteor.FastMeteor(resources=meteor.load_meteor_resources())
+    fast.prepare(texts)
+    plain = [meteor._MeteorSentence(fast.words(text), fast) for text in texts]
+    quick = [fast.fast_sentence(text) for text in texts]
+    fields = ("words", "positions", "functional", "stems", "stem_positions", "synonyms")
+    assert [[getattr(s, f) for f in fields] for s in plain] == [[getattr(s, f) for f in fields] for s in quick]
+    found = [a.paraphrase_matches(b) for a, b in zip(plain, plain[1:] + plain[:1])]
+    assert sum(any(n > 1 or m > 1 for _, n, _, _, m in f) for f in found) > 10    # phrases of several words too
+    assert found == [a.paraphrase_matches(b) for a, b in zip(quick, quick[1:] + quick[:1])]
+
+
 def test_batched_beam_search_chooses_the_same_alignments_as_the_readable_one():
     needs_meteor_data()
     items, _ = load_corpus("clevr_style_public")
