@@ -867,7 +867,7 @@ def load_paraphrases(resources, vocabulary):
 # 6.2 Many items at once, for Meteor.item_stats_many (section 5). The beam search of Meteor._resolve, one alignment
 # at a time in Python, is about half of METEOR's time. FastMeteor.item_stats_many collects the alignments of many
 # items that need a search (each distinct one once) and runs that same search on all of them together with numpy,
-# step for step, so that every tie is broken the same way. It buys 29% of the whole scoring process on the
+# step for step, so that every tie is broken the same way. It buys 31% of the whole scoring process on the
 # CLEVR-Change-sized corpus (`python bench.py metrics`, quiet; 19-27% loaded).
 # Its sentences (_FastSentence) are built from per-word records, computed once per word, and hold each phrase's
 # paraphrases grouped by first word as lists made once per phrase: a pair's paraphrase matches then need no set.
@@ -932,7 +932,7 @@ class FastMeteor(Meteor):
     def words(self, text):
         """Meteor.words, with a shortcut for lines of lower-case letters, digits and spaces (most PTB-tokenized
         captions): no rule of the normaliser changes them, so their words are the line split on spaces. It buys
-        20% of the whole scoring process (`python bench.py metrics`, quiet 2-core machine)."""
+        23% of the whole scoring process (`python bench.py metrics`, quiet 2-core machine)."""
         if text not in self._words and _PLAIN_LINE.fullmatch(text):
             self._words[text] = text.split()
         return super().words(text)
@@ -1161,7 +1161,7 @@ class FastMeteor(Meteor):
 
 
 # 6.3 The garbage collector paused, for scoring with it running: around all of metrics.py's scoring (its
-# FastCaptionScorer and command line), where METEOR's tuples are most of what it would scan. It buys 44% of the
+# FastCaptionScorer and command line), where METEOR's tuples are most of what it would scan. It buys 43% of the
 # whole scoring process on the CLEVR-Change-sized corpus (`python bench.py metrics`, quiet; 27-41% loaded).
 @contextlib.contextmanager
 def collector_paused():

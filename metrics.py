@@ -787,7 +787,7 @@ class MeteorWorker:
     """meteor.item_stats_many(items), shared with a forked process, which starts on the items chunk by chunk while
     this process computes BLEU and ROUGE-L; finish() then computes here, from the last chunk back, those the worker
     has not begun, so that both end together whatever the machine's load. The worker is forked, so it has the
-    parent's METEOR tables without pickling them. It buys 46% of the whole scoring process on 2 quiet cores
+    parent's METEOR tables without pickling them. It buys 45% of the whole scoring process on 2 quiet cores
     (`python bench.py metrics`); the command line uses it, the training scripts do not (they may hold CUDA)."""
 
     def __init__(self, meteor, items):
