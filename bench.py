@@ -601,7 +601,8 @@ for scorer in (Bleu(4), Meteor(), Rouge(), Cider()):
 METRICS_VARIANTS = {
     "none (all speed variants on)": "",
     "paraphrase index": "meteor.FastMeteor.read_paraphrases = staticmethod(meteor.read_paraphrases)",
-    "batched beam search": "meteor.FastMeteor.item_stats_many = meteor.Meteor.item_stats_many",
+    "batched beam search": "meteor.FastMeteor.item_stats_many = meteor.Meteor.item_stats_many; "
+                           "meteor.FastMeteor.sentence_type = meteor._MeteorSentence",
     "garbage collector paused": "import contextlib; metrics.collector_paused = contextlib.nullcontext",
     "PTB plain captions": "metrics.FastCaptionScorer.tokenizer = staticmethod(metrics.ptb_tokenize)",
     "METEOR's second process": "metrics.FastCaptionScorer.start_meteor = metrics.CaptionScorer.start_meteor",

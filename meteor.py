@@ -437,6 +437,7 @@ class Meteor:
 
     # The plain steps. FastMeteor (section 6) puts faster ones with the same results in their place.
     read_paraphrases = staticmethod(read_paraphrases)
+    sentence_type = _MeteorSentence       # what sentence() builds (FastMeteor's: _FastSentence)
 
     def __init__(self, config=None, modules=None, resources=None):
         self.config = config or MeteorConfig()
@@ -546,7 +547,7 @@ class Meteor:
         if text not in self._sentences:
             if not self.vocabulary.issuperset(self.words(text)):
                 self.prepare([text])
-            self._sentences[text] = _MeteorSentence(self.words(text), self)
+            self._sentences[text] = self.sentence_type(self.words(text), self)
         return self._sentences[text]
 
     # Alignment ----------------------------------------------------------------------------------------------
@@ -928,6 +929,7 @@ class _FastSentence(_MeteorSentence):
 class FastMeteor(Meteor):
     """Meteor with every speed variant of this section in place of the plain step it stands in for."""
     read_paraphrases = staticmethod(load_paraphrases)
+    sentence_type = _FastSentence
 
     def words(self, text):
         """Meteor.words, with a shortcut for lines of lower-case letters, digits and spaces (most PTB-tokenized
@@ -972,28 +974,18 @@ class FastMeteor(Meteor):
                                         paths, longer)
         return record
 
-    def fast_sentence(self, text):
-        """sentence(text) as a _FastSentence."""
-        sentence = self._sentences.get(text)
-        if type(sentence) is not _FastSentence:
-            words = self.words(text)
-            if not self.vocabulary.issuperset(words):
-                self.prepare([text])
-            sentence = self._sentences[text] = _FastSentence(words, self)
-        return sentence
-
     def item_stats_many(self, items):
         """item_stats for many (hypothesis, references) at once: the alignments that need a search are solved
         together by _resolve_batch (same result as _resolve, much faster)."""
         fields = self.prepare_items(items)
         pending, problems = {}, {}
         for hypothesis, references in fields:
-            hyp = self.fast_sentence(hypothesis)
+            hyp = self.sentence(hypothesis)
             for reference in references:
                 key = (hypothesis, reference)             # texts: their hashes are kept, a tuple's are not
                 if key in self._pairs or key in pending:
                     continue
-                ref = self.fast_sentence(reference)
+                ref = self.sentence(reference)
                 cands, cover1, cover2 = self._candidates(hyp, ref)
                 fixed, used1, used2, open_choice = _fixed_matches(cands, cover1, cover2)
                 if not open_choice:

@@ -2381,7 +2381,8 @@ def test_fast_sentences_hold_what_readable_sentences_hold_and_match_the_same_par
     fast = meteor.FastMeteor(resources=meteor.load_meteor_resources())
     fast.prepare(texts)
     plain = [meteor._MeteorSentence(fast.words(text), fast) for text in texts]
-    quick = [fast.fast_sentence(text) for text in texts]
+    quick = [fast.sentence(text) for text in texts]
+    assert all(type(s) is meteor._FastSentence for s in quick)
     fields = ("words", "positions", "functional", "stems", "stem_positions", "synonyms")
     assert [[getattr(s, f) for f in fields] for s in plain] == [[getattr(s, f) for f in fields] for s in quick]
     found = [a.paraphrase_matches(b) for a, b in zip(plain, plain[1:] + plain[:1])]
