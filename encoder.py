@@ -254,13 +254,19 @@ def no_decay_names(model: nn.Module) -> set[str]:
     return names
 
 
-
-if __name__ == "__main__":
+def tiny_pair_encoder() -> PairEncoder:
+    """A pair encoder on a tiny random CLIP (64 x 64 images of 16 patches, 4 vision blocks, 3 of them intra-image),
+    seeded: what the demo below and release.py's run."""
     torch.manual_seed(0)
     tiny = clip.CLIPConfig(embed_dim=32, image_resolution=64, vision_layers=4, vision_width=128, vision_patch_size=16,
                            context_length=77, vocab_size=1000, transformer_width=64, transformer_heads=1,
                            transformer_layers=2)
-    model = PairEncoder(clip.CLIP(tiny), EncoderConfig(intra_layers=3)).eval()
+    return PairEncoder(clip.CLIP(tiny), EncoderConfig(intra_layers=3))
+
+
+if __name__ == "__main__":
+    model = tiny_pair_encoder().eval()
+    tiny = model.clip.config
     B, R, T = 2, tiny.image_resolution, 8
     before, after = torch.randn(B, 3, R, R), torch.randn(B, 3, R, R)
     text = torch.randint(0, tiny.vocab_size - 2, (B, T))

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 import clip
 from decoder import CaptionDecoder, DecoderConfig
-from encoder import EncoderConfig, PairEncoder
+from encoder import EncoderConfig, PairEncoder, tiny_pair_encoder
 
 # ---------------------------------------------------------------------------------------------------
 # 1. The pair encoder's names
@@ -225,16 +225,13 @@ def release_decoder(state_dict: dict[str, torch.Tensor], visual_tokens: int,
 
 if __name__ == "__main__":
     # A tiny pair encoder saved under the reference's names, told apart as a stage-1 release, and read back.
-    torch.manual_seed(0)
-    tiny = clip.CLIPConfig(embed_dim=32, image_resolution=64, vision_layers=4, vision_width=128, vision_patch_size=16,
-                           context_length=77, vocab_size=1000, transformer_width=64, transformer_heads=1,
-                           transformer_layers=2)
-    ours = PairEncoder(clip.CLIP(tiny), EncoderConfig(intra_layers=3)).state_dict()
+    model = tiny_pair_encoder()
+    ours = model.state_dict()
     theirs = to_reference_keys(ours)
     renamed = sorted(set(theirs) - set(ours))
     print(f"{len(ours)} tensors; {len(renamed)} renamed for the reference, e.g.")
     for key in renamed[:4]:
         print("   ", key)
     print(f"stage of a file with these keys: {release_stage(theirs)}")
-    again = release_encoder(theirs, EncoderConfig(intra_layers=3)).state_dict()
+    again = release_encoder(theirs, model.config).state_dict()
     print(f"read back with strict=True, every tensor equal: {all(torch.equal(again[k], ours[k]) for k in ours)}")
