@@ -354,22 +354,26 @@ def snowball_stem(word):
 # stage (module) proposes matches: (ref start, ref length, hyp start, hyp length, stage). A match whose words no
 # other match touches is fixed; the rest are resolved by a beam search over reference positions, left to right,
 # ranking partial alignments by weighted matches (more), then chunks (fewer), then distance (smaller).
+def _positions(items):
+    """item -> its positions in items, ascending."""
+    positions = {}
+    for i, item in enumerate(items):
+        positions.setdefault(item, []).append(i)
+    return positions
+
+
 class _MeteorSentence:
     """One normalised sentence and what every matcher needs from it, computed once per distinct sentence."""
     __slots__ = ("words", "positions", "functional", "stems", "stem_positions", "synonyms", "paths")
 
     def __init__(self, words, meteor):
         self.words = tuple(words)
-        self.positions = {}                                  # word -> its positions, ascending
-        for i, word in enumerate(words):
-            self.positions.setdefault(word, []).append(i)
+        self.positions = _positions(self.words)              # word -> its positions, ascending
         self.functional = tuple(word in METEOR_FUNCTION_WORDS for word in words)
         self.stems = self.stem_positions = self.synonyms = self.paths = None
         if "stem" in meteor.modules:
             self.stems = tuple(meteor.stem(word) for word in words)
-            self.stem_positions = {}
-            for i, stem in enumerate(self.stems):
-                self.stem_positions.setdefault(stem, []).append(i)
+            self.stem_positions = _positions(self.stems)
         if "synonym" in meteor.modules:
             self.synonyms = tuple(meteor.synonyms(word) for word in words)
         if "paraphrase" in meteor.modules:
@@ -884,16 +888,12 @@ class _FastSentence(_MeteorSentence):
         records = meteor._records
         rows = [records.get(word) or meteor._word_record(word) for word in words]
         self.words = words = tuple(words)
-        self.positions = {}
-        for i, word in enumerate(words):
-            self.positions.setdefault(word, []).append(i)
+        self.positions = _positions(words)
         functional, stems, synonyms, paths, longer = zip(*rows) if rows else ((),) * 5
         self.functional, self.stems, self.synonyms = functional, stems, synonyms
         self.stem_positions = self.paths = None
         if "stem" in meteor.modules:
-            self.stem_positions = {}
-            for i, stem in enumerate(stems):
-                self.stem_positions.setdefault(stem, []).append(i)
+            self.stem_positions = _positions(stems)
         else:
             self.stems = None
         if "synonym" not in meteor.modules:
