@@ -881,7 +881,8 @@ _PLAIN_LINE = re.compile(r"[a-z0-9 ]*")     # lower-case words and spaces: no no
 
 class _FastSentence(_MeteorSentence):
     """_MeteorSentence built from per-word records (FastMeteor._word_record). Its paths hold each phrase's
-    paraphrases as FastMeteor._by_first lists them."""
+    paraphrases as FastMeteor._by_first lists them, found by walking the table's phrases as a trie
+    (FastMeteor._trie), one word at a time, as ParaphraseTransducer does."""
     __slots__ = ()
 
     def __init__(self, words, meteor):
@@ -889,7 +890,7 @@ class _FastSentence(_MeteorSentence):
         rows = [records.get(word) or meteor._word_record(word) for word in words]
         self.words = words = tuple(words)
         self.positions = _positions(words)
-        functional, stems, synonyms, paths, longer = zip(*rows) if rows else ((),) * 5
+        functional, stems, synonyms, paths, nodes = zip(*rows) if rows else ((),) * 5
         self.functional, self.stems, self.synonyms = functional, stems, synonyms
         self.stem_positions = self.paths = None
         if "stem" in meteor.modules:
@@ -899,17 +900,16 @@ class _FastSentence(_MeteorSentence):
         if "synonym" not in meteor.modules:
             self.synonyms = None
         if "paraphrase" in meteor.modules:
-            extendable, by_first = meteor.extendable, meteor._by_first
             self.paths = list(paths)
-            for i in [i for i, more in enumerate(longer) if more]:     # as _MeteorSentence: longer phrases too
-                self.paths[i] = grown = list(paths[i])
-                for n in range(2, len(words) - i + 1):
-                    phrase = words[i:i + n]
-                    firsts = by_first(phrase)
-                    if firsts:
-                        grown.append((n, firsts))
-                    if phrase not in extendable:
-                        break
+            for i, node in enumerate(nodes):              # as _MeteorSentence: longer phrases too, down the trie
+                if node is not None and node[1]:
+                    self.paths[i] = grown = list(paths[i])
+                    for n in range(2, len(words) - i + 1):
+                        node = node[1].get(words[i + n - 1])
+                        if node is None:
+                            break
+                        if node[0]:
+                            grown.append((n, node[0]))
 
     def paraphrase_matches(self, other):
         """_MeteorSentence.paraphrase_matches: the same list."""
@@ -941,8 +941,9 @@ class FastMeteor(Meteor):
 
     def __init__(self, config=None, modules=None, resources=None):
         super().__init__(config, modules, resources)
-        self._records = {}              # word -> (functional, stem, synonyms, paths, longer): see _word_record
+        self._records = {}              # word -> (functional, stem, synonyms, paths, trie node): see _word_record
         self._firsts = {}               # phrase -> its paraphrases by first word: see _by_first
+        self._trie = {}                 # word -> [paraphrases by first word, {next word -> node}]: see prepare
 
     def prepare(self, texts):
         known = len(self.vocabulary)
@@ -950,10 +951,17 @@ class FastMeteor(Meteor):
         if len(self.vocabulary) != known:
             self._records.clear()       # paraphrase paths may grow
             self._firsts.clear()
+            self._trie = {}             # every phrase of the table read, word by word
+            for phrase in self.paraphrase_index:
+                children = self._trie
+                for word in phrase:
+                    node = children.setdefault(word, [[], {}])
+                    children = node[1]
+                node[0] = self._by_first(phrase)
 
     def forget(self):
         super().forget()
-        self._records, self._firsts = {}, {}
+        self._records, self._firsts, self._trie = {}, {}, {}
 
     def _by_first(self, phrase):
         """The phrase's paraphrases, [(first word, [(rank, paraphrase, its length)])], in paraphrase_index's
@@ -965,13 +973,11 @@ class FastMeteor(Meteor):
 
     def _word_record(self, word):
         """What _MeteorSentence computes of one word, computed once per word."""
-        paths, longer = [], False
-        if "paraphrase" in self.modules:
-            firsts, longer = self._by_first((word,)), (word,) in self.extendable
-            paths = [(1, firsts)] if firsts else []
+        node = self._trie.get(word)
+        paths = [(1, node[0])] if node is not None and node[0] else []
         self._records[word] = record = (word in METEOR_FUNCTION_WORDS, self.stem(word) if "stem" in self.modules
                                         else None, self.synonyms(word) if "synonym" in self.modules else None,
-                                        paths, longer)
+                                        paths, node)
         return record
 
     def item_stats_many(self, items):

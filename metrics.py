@@ -129,12 +129,16 @@ def bleu_from_stats(testlen, reflen, guess, correct):
 # ---------------------------------------------------------------------------------------------------------------
 def lcs_length(a, b):
     """Length of the longest common subsequence of two token lists, by dynamic programming over a table of
-    len(a) + 1 rows and len(b) + 1 columns, one row kept at a time."""
+    len(a) + 1 rows and len(b) + 1 columns, one row kept at a time. A word that only one list holds is in no common
+    subsequence, so it is dropped first: two captions share a few words, and the table shrinks to those."""
+    shared = set(a).intersection(b)
+    a, b = [x for x in a if x in shared], [y for y in b if y in shared]
     previous = [0] * (len(b) + 1)               # row i: LCS lengths of a[:i] with b[:j], j = 0..len(b)
     for x in a:
-        current = [0]
-        for j, y in enumerate(b):
-            current.append(previous[j] + 1 if x == y else max(previous[j + 1], current[j]))
+        current = [left := 0]
+        for y, diagonal, above in zip(b, previous, previous[1:]):
+            left = diagonal + 1 if x == y else (above if above > left else left)    # max(above, left)
+            current.append(left)
         previous = current
     return previous[-1]
 
@@ -752,6 +756,7 @@ def format_table(result):
 # ---------------------------------------------------------------------------------------------------------------
 _PLAIN_CAPTION = re.compile(r"(?:[A-Za-z0-9 ]*[A-Za-z0-9 ][,;!?.](?= |\Z))*[A-Za-z0-9 ]*")   # most captions: words,
 # spaces and lone punctuation marks the lexer splits off and the wrapper drops (each before a space or the end)
+_LOWER_WORDS = re.compile(r"[a-z0-9 ]*")       # the commonest of them: lower-case words and spaces
 _DIGITS_SPACED = re.compile(r"\d \d")          # "555 123 4567" is one (phone number) token
 _BEFORE_PERIOD = re.compile(r"[A-Za-z0-9]+(?=\.)")   # "etc.", "No.", "a.": maybe an abbreviation, ask the lexer
 _WORD = re.compile(r"[a-z0-9]+")
@@ -766,10 +771,16 @@ def ptb_tokenize_fast(text):
     before a period is asked of the lexer (one step: an abbreviation keeps its period). Trying each of the lexer's
     80 rules at every position is slow in Python: on the CLEVR-Change-sized corpus this shortcut buys 77% of the
     whole process's time (`python bench.py metrics`, quiet 2-core machine)."""
-    if not _PLAIN_CAPTION.fullmatch(text) or _DIGITS_SPACED.search(text) or ("." in text and not all(
-            _ptb_step(text + "\n", m.start()) == ([m.group()], m.end()) for m in _BEFORE_PERIOD.finditer(text))):
+    if _DIGITS_SPACED.search(text):
         return ptb_tokenize(text)
-    return " ".join([_PTB_SPLIT_WORDS.get(word, word) for word in _WORD.findall(text.lower())])
+    if _LOWER_WORDS.fullmatch(text):              # lower-case words and spaces: nothing to lower or drop
+        words = text.split()
+    elif _PLAIN_CAPTION.fullmatch(text) and ("." not in text or all(
+            _ptb_step(text + "\n", m.start()) == ([m.group()], m.end()) for m in _BEFORE_PERIOD.finditer(text))):
+        words = _WORD.findall(text.lower())
+    else:
+        return ptb_tokenize(text)
+    return " ".join([_PTB_SPLIT_WORDS.get(word, word) for word in words])
 
 
 PARALLEL_MIN_ITEMS = 1000     # below this a second process costs more than it saves
