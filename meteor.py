@@ -1076,7 +1076,7 @@ class FastMeteor(Meteor):
             prob = rows[order, KEY] >> 40
             first = np.flatnonzero(np.r_[True, prob[1:] != prob[:-1]])
             rank = np.arange(len(order)) - np.repeat(first, np.diff(np.r_[first, len(order)]))
-            rows = rows[order[rank < beam]]
+            rows = rows.take(order[rank < beam], axis=0)
             # Problems whose reference ends here (the last rows): close the last chunk, take the first best path.
             n_done = int(np.count_nonzero(n_ref[rows[:, KEY] >> 40] == current))
             if n_done:
@@ -1122,7 +1122,7 @@ class FastMeteor(Meteor):
             # Children: one per valid option, in option order, before the skip path.
             parent, option, before = parent[valid], option[valid], before[valid]
             at = out_start[parent] + np.arange(len(parent)) - np.repeat(np.cumsum(n_valid) - n_valid, n_valid)
-            r, op = rows[parent], o[option]
+            r, op = rows.take(parent, axis=0), o.take(option, axis=0)
             history_parent.append(r[:, HIST].copy())
             r[:, KEY] += o_step[option] + before + (((r[:, LAST] != -1) & (op[:, 2] != r[:, LAST]))
                                                     .astype(np.int64) << 24)

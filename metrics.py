@@ -76,16 +76,20 @@ METRICS = ("BLEU", "METEOR", "ROUGE_L", "CIDEr")
 # N-gram counts shared by BLEU and CIDEr (both split on whitespace with str.split(), as bleu_scorer / cider_scorer)
 # ---------------------------------------------------------------------------------------------------------------
 def _ngram_counts(sentence, n):
-    """[Counter of 1-grams (words), 2-grams, ..., n-grams], each in order of first occurrence.
+    """[{1-gram (word): count}, {2-gram: count}, ..., {n-gram: count}], each in order of first occurrence.
 
     An n-gram is its words joined by spaces (the toolkit uses tuples): a str keeps its hash once computed, a tuple
     hashes all its words again at every lookup, and the scorers look each n-gram up many times.
     """
     words = sentence.split()
-    counts, grams = [Counter(words)], words
-    for order in range(2, n + 1):
-        grams = [gram + " " + word for gram, word in zip(grams, words[order - 1:])]   # extend each by one word
-        counts.append(Counter(grams))
+    counts, grams = [], words
+    for order in range(1, n + 1):
+        if order > 1:
+            grams = [gram + " " + word for gram, word in zip(grams, words[order - 1:])]   # extend each by one word
+        counted = {}                      # a plain dict: a Counter takes twice as long to make for a few words
+        for gram in grams:
+            counted[gram] = counted.get(gram, 0) + 1
+        counts.append(counted)
     return counts
 
 
@@ -178,40 +182,40 @@ def cider_scores(candidate_counts, reference_counts, n=4, sigma=6.0):
     # differs from reference: the toolkit crashes (max() of an empty table) when every reference is empty.
     log_n = math.log(float(len(reference_counts)))
     idf = {gram: log_n - math.log(float(df)) for gram, df in document_frequency.items()}   # unseen: log N
-
     weight_of = idf.get
+    norms = {}                     # by id(): equal captions share one counts object (CaptionScorer._ngrams)
 
-    def to_vector(counts):
-        vec, norm = [], []
-        for k in range(n):
-            weights = {gram: tf * weight_of(gram, log_n) for gram, tf in counts[k].items()}   # int * float
-            vec.append(weights)
-            total = 0.0
-            for w in weights.values():
-                total += w * w
-            norm.append(math.sqrt(total))
-        # The toolkit's "length" counts bigrams (it adds term frequencies where len(ngram) - 1 == 1).
-        return vec, norm, (sum(counts[1].values()) if n > 1 else 0)
+    def norm(counts):
+        """The length of each n's weight vector, summed in the toolkit's order (the weights are not kept: a
+        reference's are computed below only where they meet the candidate's)."""
+        if id(counts) not in norms:
+            out = []
+            for k in range(n):
+                total = 0.0
+                for gram, tf in counts[k].items():
+                    w = tf * weight_of(gram, log_n)             # int * float, as the toolkit
+                    total += w * w
+                out.append(math.sqrt(total))
+            norms[id(counts)] = (counts, out)               # (keeps counts alive, so its id stays unique)
+        return norms[id(counts)][1]
 
-    vectors, scores = {}, []       # by id(): equal captions share one counts object (CaptionScorer._ngrams)
+    def length(counts):            # the toolkit's "length" counts bigrams (term frequencies where len(ngram) == 2)
+        return sum(counts[1].values()) if n > 1 else 0
 
-    def vector(counts):
-        if id(counts) not in vectors:
-            vectors[id(counts)] = (counts, to_vector(counts))        # (keeps counts alive, so its id stays unique)
-        return vectors[id(counts)][1]
-
+    scores = []
     for cand, refs in zip(candidate_counts, reference_counts):
-        vec_c, norm_c, len_c = vector(cand)
-        total = [0.0] * n
+        vec_c = [{gram: tf * weight_of(gram, log_n) for gram, tf in cand[k].items()} for k in range(n)]
+        norm_c, len_c, total = norm(cand), length(cand), [0.0] * n
         for ref in refs:
-            vec_r, norm_r, len_r = vector(ref)
+            norm_r, len_r = norm(ref), length(ref)
             penalty = math.e ** (-(float(len_c - len_r) ** 2) / (2 * sigma ** 2))
             for k in range(n):
-                cand_k, ref_k, value = vec_c[k], vec_r[k], 0.0
+                cand_k, ref_k, value = vec_c[k], ref[k], 0.0
                 if not cand_k.keys().isdisjoint(ref_k):
                     for gram, w in cand_k.items():        # the toolkit's order: the sum is then bit-identical
-                        r = ref_k.get(gram)
-                        if r is not None:
+                        tf = ref_k.get(gram)
+                        if tf is not None:
+                            r = tf * weight_of(gram, log_n)       # the reference's weight of this n-gram
                             value += min(w, r) * r
                     if norm_c[k] != 0 and norm_r[k] != 0:
                         value /= norm_c[k] * norm_r[k]
