@@ -84,8 +84,7 @@ def _ngram_counts(sentence, n):
     words = sentence.split()
     counts, grams = [], words
     for order in range(1, n + 1):
-        if order > 1:
-            grams = [gram + " " + word for gram, word in zip(grams, words[order - 1:])]   # extend each by one word
+        grams = [gram + " " + word for gram, word in zip(grams, words[order - 1:])] if order > 1 else words
         counted = {}                      # a plain dict: a Counter takes twice as long to make for a few words
         for gram in grams:
             counted[gram] = counted.get(gram, 0) + 1
@@ -182,12 +181,9 @@ def cider_scores(candidate_counts, reference_counts, n=4, sigma=6.0):
     # differs from reference: the toolkit crashes (max() of an empty table) when every reference is empty.
     log_n = math.log(float(len(reference_counts)))
     idf = {gram: log_n - math.log(float(df)) for gram, df in document_frequency.items()}   # unseen: log N
-    weight_of = idf.get
-    norms = {}                     # by id(): equal captions share one counts object (CaptionScorer._ngrams)
+    weight_of, norms = idf.get, {}      # norms by id(): equal captions share a counts object (CaptionScorer._ngrams)
 
-    def norm(counts):
-        """The length of each n's weight vector, summed in the toolkit's order (the weights are not kept: a
-        reference's are computed below only where they meet the candidate's)."""
+    def norm(counts):                   # the length of each n's weight vector, summed in the toolkit's order
         if id(counts) not in norms:
             out = []
             for k in range(n):
@@ -199,15 +195,13 @@ def cider_scores(candidate_counts, reference_counts, n=4, sigma=6.0):
             norms[id(counts)] = (counts, out)               # (keeps counts alive, so its id stays unique)
         return norms[id(counts)][1]
 
-    def length(counts):            # the toolkit's "length" counts bigrams (term frequencies where len(ngram) == 2)
-        return sum(counts[1].values()) if n > 1 else 0
-
     scores = []
     for cand, refs in zip(candidate_counts, reference_counts):
         vec_c = [{gram: tf * weight_of(gram, log_n) for gram, tf in cand[k].items()} for k in range(n)]
-        norm_c, len_c, total = norm(cand), length(cand), [0.0] * n
-        for ref in refs:
-            norm_r, len_r = norm(ref), length(ref)
+        # The toolkit's "length" counts bigrams (it adds term frequencies where len(ngram) - 1 == 1).
+        norm_c, len_c, total = norm(cand), sum(cand[1].values()) if n > 1 else 0, [0.0] * n
+        for ref in refs:                # a reference's weights are computed only where they meet the candidate's
+            norm_r, len_r = norm(ref), sum(ref[1].values()) if n > 1 else 0
             penalty = math.e ** (-(float(len_c - len_r) ** 2) / (2 * sigma ** 2))
             for k in range(n):
                 cand_k, ref_k, value = vec_c[k], ref[k], 0.0
@@ -467,11 +461,8 @@ def _ptb_step(text, pos):
     if best is None:
         return [], pos + 1
     m, action = best
-    tok = m.group("tok") if "tok" in m.re.groupindex and m.group("tok") is not None else None
-    for extra in ("tok2", "tok3"):
-        if tok is None and extra in m.re.groupindex and m.group(extra) is not None:
-            tok = m.group(extra)
-    tok = m.group(0) if tok is None else tok
+    groups = [g for g in ("tok", "tok2", "tok3") if g in m.re.groupindex and m.group(g) is not None]
+    tok = m.group(groups[0] if groups else 0)            # the token; the rest of the match is trailing context
     if action == "drop":
         return [], pos + len(tok)
     if action == "keep":
@@ -517,11 +508,9 @@ def _check_inputs(predictions, references):
         raise CaptionInputError("predictions must be a dict {id: caption} and references a dict {id: [captions]}")
     missing = [i for i in predictions if i not in references]
     if missing:
-        hint = ""
-        ref_by_text = {str(k): k for k in references}
-        if str(missing[0]) in ref_by_text:
-            hint = (f" (the references have {ref_by_text[str(missing[0])]!r} of type "
-                    f"{type(ref_by_text[str(missing[0])]).__name__}: ids must have the same type)")
+        same = [k for k in references if str(k) == str(missing[0])]      # the same id, of another type?
+        hint = f" (the references have {same[0]!r} of type {type(same[0]).__name__}: ids must have the same type)" \
+            if same else ""
         raise CaptionInputError(f"{len(missing)} prediction id(s) have no references, e.g. {missing[:5]}{hint}; "
                                 f"score only ids that have reference captions")
     for i in predictions:
@@ -841,7 +830,8 @@ class FastCaptionScorer(CaptionScorer):
             super().__init__(*args, **kwargs)
 
     def start_meteor(self, items):
-        if self.processes < 2 or len(items) < PARALLEL_MIN_ITEMS or "fork" not in multiprocessing.get_all_start_methods():
+        if self.processes < 2 or len(items) < PARALLEL_MIN_ITEMS or \
+                "fork" not in multiprocessing.get_all_start_methods():
             return super().start_meteor(items)
         worker = MeteorWorker(self.meteor, items)
 
