@@ -762,7 +762,7 @@ def ptb_tokenize_fast(text):
     """ptb_tokenize(text), with a shortcut for captions of words, spaces and lone , ; ! ? . marks (most captions):
     the lexer's tokens are then the words, but for the few it splits, and the marks, which the wrapper drops. A word
     before a period is asked of the lexer (one step: an abbreviation keeps its period). Trying each of the lexer's
-    80 rules at every position is slow in Python: on the CLEVR-Change-sized corpus this shortcut buys 77% of the
+    80 rules at every position is slow in Python: on the CLEVR-Change-sized corpus this shortcut buys 79% of the
     whole process's time (`python bench.py metrics`, quiet 2-core machine)."""
     if _DIGITS_SPACED.search(text):
         return ptb_tokenize(text)
@@ -791,7 +791,7 @@ class MeteorWorker:
     """meteor.item_stats_many(items), shared with a forked process, which starts on the items chunk by chunk while
     this process computes BLEU and ROUGE-L; finish() then computes here, from the last chunk back, those the worker
     has not begun, so that both end together whatever the machine's load. The worker is forked, so it has the
-    parent's METEOR tables without pickling them. It buys 45% of the whole scoring process on 2 quiet cores
+    parent's METEOR tables without pickling them. It buys 44% of the whole scoring process on 2 quiet cores
     (`python bench.py metrics`); the command line uses it, the training scripts do not (they may hold CUDA)."""
 
     def __init__(self, meteor, items):
