@@ -82,10 +82,11 @@ class Config:
     synth_pairs: int = 2000        # synth only: scenes drawn on first use
     max_words: int = 32            # caption length in tokens, start and end tokens included
     image_cache: bool = False      # keep preprocessed 224x224 pixels in .npy files (skips PNG decoding)
-    num_workers: int = 4           # DataLoader processes per training process that read and preprocess the images, so
-                                   # that a step need not wait for them; 0: the training process reads them between
-                                   # steps. On a GPU, raise it until the GPU stays busy (decoding a pair's PNGs takes
-                                   # about 5 ms of CPU), or use --image_cache, which needs few workers or none
+    num_workers: int = -1          # DataLoader processes per training process that read the images and hand over
+                                   # their uint8 pixels; 0: the training process reads them between steps. -1 (auto):
+                                   # on a GPU every CPU this process may use but one (shared by torchrun's processes
+                                   # on a machine), on the CPU 4. Decoding a pair's PNGs takes about 10 ms of CPU; with
+                                   # --image_cache a worker hands over thousands of pairs a second (BENCHMARKS.md)
     # model
     clip_model: str = "ViT-B/32"   # model name (clip.MODELS) or weights file, or "scratch" (the scratch_* sizes)
     intra_layers: int = 9          # vision blocks that see each image alone; the rest see the pair
@@ -116,14 +117,19 @@ class Config:
     device: str = "auto"           # where to train: auto (cuda when torch sees a GPU, else cpu), cpu or cuda; under
                                    # torchrun each process takes the GPU of its LOCAL_RANK. Choose GPUs with
                                    # CUDA_VISIBLE_DEVICES
-    dtype: str = "auto"            # precision of the products: auto is bfloat16 autocast on a GPU that has it (A100,
-                                   # H100), float16 autocast with a loss scaler on one that has not (V100), float32 on
-                                   # the CPU and when scoring a release; or float32, bfloat16, float16. The weights stay
-                                   # float32
-    compile: bool = False          # torch.compile the pair encoder: up to a minute of compiling, then fused
-                                   # element-wise work; no faster on the CPU (BENCHMARKS.md), not yet timed on a GPU
+    dtype: str = "auto"            # precision of the products: auto is bfloat16 autocast on a GPU that computes it
+                                   # natively (compute capability >= 8.0: A100, H100), float16 autocast with a loss
+                                   # scaler on an older one (V100, T4), float32 on the CPU and when scoring a release;
+                                   # or float32, bfloat16, float16. The weights stay float32
+    tf32: bool = True              # float32 on a GPU (--dtype float32): matrix products and convolutions in
+                                   # TensorFloat-32 on A100/H100, about 8x IEEE float32's rate; --no-tf32 for IEEE
+                                   # float32, to compare a run with the CPU's numbers
+    compile: bool = False          # torch.compile the model (after the DDP wrap): up to a minute of compiling, then
+                                   # fused element-wise work; no faster on the CPU (BENCHMARKS.md), not yet timed on a GPU
     out_dir: str = ""              # checkpoints and logs ("" = runs/adapt_<dataset>)
-    log_every: int = 10            # optimizer steps between progress lines
+    log_every: int = 10            # optimizer steps between progress lines; the check that the loss and gradient norm
+                                   # are finite runs then too (and before every save), not every step: reading a
+                                   # number from a GPU waits for it, so a diverged run stops at most this many steps late
     save_every: int = 200          # optimizer steps between ckpt_last.pt saves (and at every epoch end)
     eval_batch_size: int = 128     # pairs per batch when encoding the evaluation split
     resume: bool = False           # continue from out_dir/ckpt_last.pt
@@ -135,8 +141,10 @@ class Config:
                                                "scratch_layers", "scratch_patch", "scratch_text_width",
                                                "scratch_text_layers", "scratch_embed_dim", "epochs", "batch_size",
                                                "grad_accum", "lr", "log_every", "save_every", "eval_batch_size"),
-                               non_negative=("num_workers", "clip_lr_scale", "weight_decay", "grad_clip"),
+                               non_negative=("clip_lr_scale", "weight_decay", "grad_clip"),
                                fraction=("warmup",))
+        if self.num_workers < -1:
+            raise runtime.ConfigError(f"--num_workers {self.num_workers}: it must be >= 0, or -1 for auto")
         # at least one word between the start and end tokens; CLIP's text positions hold 77 (clip.CLIPConfig)
         most = self.max_words if self.clip_model == "scratch" else clip.CLIPConfig.context_length
         runtime.check_length("max_words", self.max_words, 3, most, "start token, at least one word, end token; "
@@ -235,19 +243,17 @@ def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp
     clipping (tensors, not synced)."""
     total = 0.0
     for i, batch in enumerate(micro_batches):
-        if ddp:  # all-reduce the gradients only after the last micro-batch
-            model.require_backward_grad_sync = i == len(micro_batches) - 1
-        images = [batch[k] for k in IMAGE_KEYS if k in batch]
-        # cut the captions after the batch's last end-of-text token (the largest id): the columns after it are
-        # padding everywhere, and in the causal text tower no token sees the ones after it
-        caption = batch["caption"][:, :int(batch["caption"].argmax(dim=-1).max()) + 1]  # (B, T')
-        with ctx:
-            out = model(*images, caption)
-            # the all-gather inside the loss sees one micro-batch per process: accumulation shrinks the
-            # set of contrastive negatives to micro-batch x processes, it does not grow it
-            loss = contrastive_loss(out["text_embedding"], visual_embedding(out), out["logit_scale"])
-            loss = loss / len(micro_batches)
-        scaler.scale(loss).backward()
+        # under DDP, the gradients are all-reduced only in the last micro-batch's backward
+        with model.no_sync() if ddp and i < len(micro_batches) - 1 else nullcontext():
+            with ctx:
+                images = [batch[k] for k in IMAGE_KEYS if k in batch]
+                # the captions come cut after the batch's last end-of-text token (data.collate_text)
+                out = model(*images, batch["caption"])
+                # the all-gather inside the loss sees one micro-batch per process: accumulation shrinks the
+                # set of contrastive negatives to micro-batch x processes, it does not grow it
+                loss = contrastive_loss(out["text_embedding"], visual_embedding(out), out["logit_scale"])
+                loss = loss / len(micro_batches)
+            scaler.scale(loss).backward()
         total = total + loss.detach()
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
@@ -278,11 +284,12 @@ def evaluate(model: nn.Module, split, tokenizer, images, config: Config, device,
     visual_set, texts, text_to_pair = retrieval_set(split, images)
     # a generator of its own: evaluating must not draw from the global one that training's random choices use
     loader = DataLoader(visual_set, batch_size=config.eval_batch_size, num_workers=config.num_workers,
-                        generator=torch.Generator())
+                        generator=torch.Generator(), pin_memory=device.type == "cuda")
     pair_embeddings = []
     for batch in loader:
+        images = data.to_device(batch, device, IMAGE_KEYS)
         with ctx:
-            out = model(*[batch[k].to(device) for k in IMAGE_KEYS if k in batch])
+            out = model(*[images[k] for k in IMAGE_KEYS if k in images])
         pair_embeddings.append(visual_embedding(out).float())  # (B, E)
     text_embeddings = []
     for start in range(0, len(texts), config.eval_batch_size):
@@ -315,11 +322,14 @@ def setup(config: Config) -> tuple[runtime.Distributed, str, object, torch.amp.G
     ddp = int(os.environ.get("RANK", -1)) != -1
     rank, local_rank, world_size = (int(os.environ.get(k, 0)) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     if ddp and device.startswith("cuda"):
-        torch.cuda.set_device(local_rank)
-        init_process_group("nccl")
         device = f"cuda:{local_rank}"
-    elif ddp:
-        init_process_group("gloo")
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)  # also for one process on cuda:1: its kernels and caches go to that GPU
+        runtime.set_tf32(config.tf32)
+    if ddp:  # device_id binds NCCL to this process's GPU at once; the timeout covers the master's work alone
+        init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=runtime.GROUP_TIMEOUT,
+                           device_id=torch.device(device) if device.startswith("cuda") else None)
+    if ddp and not device.startswith("cuda"):
         # torchrun sets OMP_NUM_THREADS=1: share this machine's cores between its local processes instead
         torch.set_num_threads(max(1, data.usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
     dist_ = runtime.Distributed(ddp, rank, local_rank, world_size if ddp else 1, torch.device(device), rank == 0)
@@ -329,6 +339,16 @@ def setup(config: Config) -> tuple[runtime.Distributed, str, object, torch.amp.G
     # fp16 only: the loss is scaled up before backward so that small gradients do not underflow
     scaler = torch.amp.GradScaler(dist_.device.type, enabled=(dtype == "float16"))
     return dist_, dtype, ctx, scaler
+
+
+def wrap(model: nn.Module, config: Config, dist_) -> nn.Module:
+    """The model the training step calls: under torchrun wrapped in DDP, which all-reduces the gradients in
+    buckets while the backward runs; with --compile, compiled after the wrap, so that the compiled backward keeps
+    DDP's overlap (compiled first, DDP would see one opaque backward and all-reduce after it). The unwrapped
+    model is still the one saved, evaluated and whose logit_scale is clamped."""
+    if dist_.ddp:
+        model = DDP(model, device_ids=[dist_.local_rank] if dist_.device.type == "cuda" else None)
+    return torch.compile(model) if config.compile else model
 
 
 # -----------------------------------------------------------------------------
@@ -390,33 +410,38 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, model: nn.Module, raw_
         runtime.save_checkpoint(checkpoint(raw_model, optimizer, scaler, config, clip_config, tokenizer, epoch=epoch,
                                            step=step, best_metric=best, best_epoch=best_epoch, history=history), path)
 
+    loader = runtime.training_loader(train_set, sampler, micro, config.num_workers, device, data.collate_text)
+    watch = runtime.DivergenceWatch(scaler, dist_.ddp)  # reads the losses on the log steps and before a save
     progress = runtime.Progress(total_steps, first_step=step)
     model.train()
     try:  # Ctrl-C: one line saying what ckpt_last.pt holds and the command that resumes, instead of a traceback
         while step < total_steps:
             epoch = step // steps_per_epoch
             done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
-            batches = runtime.epoch_batches(train_set, sampler, epoch, done_in_epoch, micro, config.grad_accum,
-                                            config.num_workers, device)
+            batches = runtime.epoch_batches(loader, epoch, done_in_epoch, config.grad_accum)
             for _ in range(done_in_epoch, steps_per_epoch):
                 lr = get_lr(step, total_steps, config)
                 for group in optimizer.param_groups:
                     group["lr"] = lr * group["lr_scale"]
-                micro_batches = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()
-                                  if k in (*IMAGE_KEYS, "caption")} for _ in range(config.grad_accum)]
+                micro_batches = [data.to_device(next(batches), device, (*IMAGE_KEYS, "caption"))
+                                 for _ in range(config.grad_accum)]
                 loss, grad_norm = train_step(model, optimizer, scaler, micro_batches, ctx, config, dist_.ddp,
                                              raw_model.clip.logit_scale)
                 step += 1
-                runtime.check_finite(loss, grad_norm, scaler, dist_.ddp, step, lr)  # stop where it diverges
+                watch.add(step, lr, loss, grad_norm)
+                saving = step % config.save_every == 0 and step % steps_per_epoch != 0
+                if step % config.log_every == 0 or step == total_steps or saving:
+                    watch.check()  # stops a diverged run (the one wait for the GPU, with the .item()s below)
                 if master and (step % config.log_every == 0 or step == total_steps):
-                    loss_value, scale = loss.item(), raw_model.clip.logit_scale.exp().item()  # .item() waits
+                    loss_value, scale = loss.item(), raw_model.clip.logit_scale.exp().item()
                     say(progress.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=loss_value,
                                       lr=get_lr(step, total_steps, config), temp=1 / scale if scale else math.inf),
                         flush=True)
                     log.write(step=step, epoch=epoch, loss=loss_value, lr=get_lr(step, total_steps, config),
                               logit_scale=scale)
-                if master and step % config.save_every == 0 and step % steps_per_epoch:
+                if master and saving:
                     save(out_dir / "ckpt_last.pt", epoch)
+            watch.check()
             if master:  # end of epoch: validation retrieval on the master, the others wait
                 runtime.check_finite_model(raw_model, step, lr)  # a non-finite model is never scored nor saved
                 scores = evaluate(raw_model, splits["val"], tokenizer, images, config, device, ctx)
@@ -450,18 +475,20 @@ def test(model: nn.Module, splits: dict, tokenizer, images, config: Config, devi
 def evaluate_checkpoint(config: Config, dist_, ctx, out_dir: Path) -> None:
     """--eval: the test split's retrieval with a stage-1 checkpoint: adapt.py's (out_dir/ckpt_best.pt), or the
     adaptation stage of a CLIP4IDC release (--checkpoint pretrained/pytorch_model.bin.clevr), the paper's table."""
+    if not dist_.master:  # one process scores the test split; under torchrun the others wait for it
+        return
     path = Path(config.checkpoint or out_dir / "ckpt_best.pt")
     model, state = runtime.load_encoder(path, config.intra_layers)
     if state.get("release") and config.dtype == "auto":  # scored in float32, as the reference's figures: bf16
         ctx = nullcontext()  # autocast on a GPU moves ranks that nearly tie (BENCHMARKS.md section 12)
-    splits, tokenizer, images = read_pairs(config, dist_, model.clip.visual.input_resolution)
+    splits, tokenizer, images = read_pairs(config, dataclasses.replace(dist_, ddp=False),
+                                           model.clip.visual.input_resolution)
     if tokenizer.vocab_size != model.clip.config.vocab_size:
         raise runtime.ConfigError(f"{path} has a vocabulary of {model.clip.config.vocab_size} tokens but the "
                                   f"{config.data} dataset's tokenizer has {tokenizer.vocab_size}")
     scores = evaluate(model.to(dist_.device), splits["test"], tokenizer, images, config, dist_.device, ctx)
-    if dist_.master:
-        runtime.save_json({"checkpoint": str(path), **scores}, out_dir / "test_retrieval.json")
-        print(f"test retrieval of {path}:\n{retrieval_table(scores)}")
+    runtime.save_json({"checkpoint": str(path), **scores}, out_dir / "test_retrieval.json")
+    print(f"test retrieval of {path}:\n{retrieval_table(scores)}")
 
 
 def train_and_test(config: Config, dist_, dtype: str, ctx, scaler, out_dir: Path) -> None:
@@ -478,28 +505,24 @@ def train_and_test(config: Config, dist_, dtype: str, ctx, scaler, out_dir: Path
                                      scaler)
     if state is not None and master:
         print(f"resumed {ckpt_path} at step {state['step']}")
-    if config.freeze_intra:  # training reads each image's intra tokens, computed now
+    if config.freeze_intra:  # training reads each image's intra tokens, computed now (by the master, under DDP)
         started = time.time()
         train_set.images = data.IntraTokens(model, splits["train"], images, config.eval_batch_size, device, ctx,
-                                       images.cache_dir)
+                                            images.cache_dir or out_dir, dist_)
         if master:
             print(f"intra-image tokens of {len(train_set.images.row)} training images {train_set.images.origin} "
                   f"({time.time() - started:.0f} s): the intra-image blocks are frozen")
-    raw_model = model  # for saving, evaluating and clamping logit_scale
-    if config.compile:
-        model = torch.compile(model)
-    if dist_.ddp:
-        model = DDP(model, device_ids=[dist_.local_rank] if device.type == "cuda" else None)
-    step = train(config, dist_, ctx, scaler, dtype, model, raw_model, optimizer, train_set, splits, tokenizer, images,
-                 clip_config, state, out_dir)
+    step = train(config, dist_, ctx, scaler, dtype, wrap(model, config, dist_), model, optimizer, train_set, splits,
+                 tokenizer, images, clip_config, state, out_dir)
     if master:
-        test(raw_model, splits, tokenizer, images, config, device, ctx, step, out_dir)
+        test(model, splits, tokenizer, images, config, device, ctx, step, out_dir)
 
 
 def main(argv=None):
     config = runtime.parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
     runtime.keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
     dist_, dtype, ctx, scaler = setup(config)
+    config = dataclasses.replace(config, num_workers=runtime.loader_workers(config.num_workers, dist_.device))
     runtime.seed_everything(config.seed + dist_.rank)
     out_dir = Path(config.out_dir or f"runs/adapt_{config.data}")
     if config.eval:

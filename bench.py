@@ -80,6 +80,15 @@ from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
+# `bench.py gpu` runs on a stock GPU image with no internet, which may lack ftfy (clip.py's tokenizer needs it): its
+# pure-Python wheels, carried in assets/wheels, are importable as they are, put on the path (and on PYTHONPATH for
+# the torchrun runs) only when ftfy is missing
+WHEELS = sorted((Path(__file__).resolve().parent / "assets" / "wheels").glob("*.whl"))
+try:
+    import ftfy  # noqa: F401
+except ImportError:
+    sys.path[:0] = [str(wheel) for wheel in WHEELS]
+
 import adapt
 import caption
 import clip
@@ -393,7 +402,14 @@ def synth_batches(encoder: PairEncoder, batch1: int, batch2: int, caption_length
               "caption_in": torch.cat([start(batch2), change], 1), "caption_out": torch.cat([change, end(batch2)], 1),
               "no_change_caption_in": torch.cat([start(batch2), no_change], 1),  # (B, T+1)
               "no_change_caption_out": torch.cat([no_change, end(batch2)], 1)}
-    return stage1, stage2
+    return stage1, collated(stage2)
+
+
+def collated(batch: dict) -> dict:
+    """A stage-2 batch of stacked tensors as the training DataLoader hands it over (data.collate_captions: cut
+    to its longest caption, with the positions the loss reads)."""
+    size = len(next(iter(batch.values())))
+    return data.collate_captions([{key: value[i] for key, value in batch.items()} for i in range(size)])
 
 
 def synth_steps(threads: int = 2, steps: int = 5, caption_length: int = 14, profile: int = 0) -> dict:
@@ -496,9 +512,9 @@ def caption_costs(threads: int = 2, pairs: int = 64, batch: int = 32, steps: int
             ids[i, :length] = torch.randint(1, vocab - 2, (length,))
         return ids
 
-    features = {"visual": torch.randn(train_batch, *visual.shape[1:]), "caption_in": caption_ids(0),
-                "caption_out": caption_ids(0), "no_change_visual": torch.randn(train_batch, *visual.shape[1:]),
-                "no_change_caption_in": caption_ids(1), "no_change_caption_out": caption_ids(1)}
+    features = collated({"visual": torch.randn(train_batch, *visual.shape[1:]), "caption_in": caption_ids(0),
+                         "caption_out": caption_ids(0), "no_change_visual": torch.randn(train_batch, *visual.shape[1:]),
+                         "no_change_caption_in": caption_ids(1), "no_change_caption_out": caption_ids(1)})
 
     def train_step():
         captioner(features).backward()
@@ -521,47 +537,73 @@ def caption_costs(threads: int = 2, pairs: int = 64, batch: int = 32, steps: int
 # data.py and synth.py: loading stage-1 batches, drawing the synthetic dataset (section 7)
 
 
-def loading_rate(pairs: list[data.ImagePair], tokenizer: clip.SimpleTokenizer, batch_size: int, batches: int,
-                 workers: int, images: data.ImageReader) -> dict[str, float]:
-    """Stage-1 training batches (decode or cache, resize, normalise, tokenize, collate), in pairs per second.
-
-    "wall": after one warm-up batch, pairs per second of wall time. "cpu": all pairs, warm-up included,
-    per second of CPU time of this process and its DataLoader workers, which a busy machine does not change.
-    """
+def loader_rate(samples, batch_size: int, workers: int, device: torch.device, seconds: float) -> dict:
+    """Pairs per second that `workers` DataLoader processes deliver to this process, as training gets them: the
+    DataLoader of runtime.training_loader (persistent workers, pinned on CUDA), for about `seconds` after a
+    warm-up batch; on a GPU each batch is also copied there and normalised (data.to_device), which on the CPU
+    would be the training process's own work, not the loader's. Also the CPU milliseconds per pair of this
+    process and of its workers (read from /proc)."""
     torch.manual_seed(0)
-    samples = data.AdaptationSamples(pairs, tokenizer, train=True, images=images)
-    loader = DataLoader(samples, batch_size=batch_size, shuffle=True, num_workers=workers, drop_last=True)
-    cpu_start = os.times()
-    iterator = iter(loader)
-    next(iterator)  # warm-up: worker start, first decode
-    start = time.perf_counter()
-    for _ in range(batches):
-        next(iterator)
-    seconds = time.perf_counter() - start
-    del iterator  # joins the workers, so that their CPU time is counted below
-    cpu = os.times()
-    cpu_seconds = sum(cpu[:4]) - sum(cpu_start[:4])  # user + system, this process and its finished workers
-    return {"wall": batches * batch_size / seconds, "cpu": (batches + 1) * batch_size / cpu_seconds}
+    sampler = torch.utils.data.RandomSampler(samples, replacement=True, num_samples=10 ** 9)
+    loader = runtime.training_loader(samples, sampler, batch_size, workers, device, data.collate_text)
+    batches = iter(loader)
+    data.to_device(next(batches), device)  # warm-up: the workers start, and their first batches are queued
+    start, cpu_start, pairs = time.perf_counter(), os.times(), 0
+    workers_cpu_start = worker_cpu_seconds()
+    while time.perf_counter() - start < seconds:
+        batch = next(batches)
+        if device.type == "cuda":
+            batch = data.to_device(batch, device, ("before", "after", "caption"))
+        pairs += batch["before"].shape[0]
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    wall, cpu = time.perf_counter() - start, os.times()
+    workers_cpu = worker_cpu_seconds() - workers_cpu_start
+    del batches, loader  # the workers end
+    return {"workers": workers, "batch_size": batch_size, "pairs_per_s": round(pairs / wall, 1),
+            "main_cpu_ms_per_pair": round(1000 * (cpu.user + cpu.system - cpu_start.user - cpu_start.system) / pairs, 3),
+            "worker_cpu_ms_per_pair": round(1000 * workers_cpu / pairs, 3) if workers else None}
 
 
-def loading(name: str = "synth", root: str | None = None, batch_size: int = 16, batches: int = 20) -> None:
-    """The stage-1 loading pipeline: PNG decoding against the uint8 cache, with 0 and 2 DataLoader workers."""
+def worker_cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process's living child processes (its DataLoader workers), read from
+    /proc; 0 where there is none."""
+    total = 0.0
+    for children in Path("/proc/self/task").glob("*/children"):
+        for pid in children.read_text().split():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+            except (OSError, IndexError, ValueError):  # a child that just ended
+                pass
+    return total
+
+
+def loader_samples(root: Path, pairs: int, cached: bool) -> data.AdaptationSamples:
+    """Stage-1 training samples of a small synthetic set drawn in root (480 x 320 PNGs, as CLEVR-Change's), read
+    from the PNGs or from their uint8 image cache."""
+    synth.ensure_synth(root, synth.SynthConfig(pairs=pairs))
+    splits = {s: data.load_split("synth", s, root) for s in data.SPLITS}
+    reader = data.image_reader(splits, root, data.IMAGE_SIZE, cached, runtime.Distributed(
+        False, 0, 0, 1, torch.device("cpu"), True))
+    return data.AdaptationSamples(splits["train"], clip.get_tokenizer(data.bpe_path("synth", root)), train=True,
+                                  images=reader)
+
+
+def loading(root: str | None = None, pairs: int = 200, workers: int = 1, batch_size: int = 128,
+            seconds: float = 10.0) -> dict:
+    """What `workers` DataLoader processes deliver to a training process, in pairs/s, from the uint8 image cache
+    and from the PNGs (decoded and resized in the workers); printed as JSON."""
     torch.set_num_threads(1)
-    root = data.dataset_root(name, root)
-    if name == "synth":
-        synth.ensure_synth(root)  # data.load_split reads the synthetic set; drawing it is synth.py's
-    pairs = data.load_split(name, "train", root)
-    tokenizer = clip.get_tokenizer(data.bpe_path(name, root))
-    print(f"{name} train: {len(pairs)} pairs; batch {batch_size}, {batches} batches after one warm-up")
-    start = time.perf_counter()
-    cache = data.image_cache(pairs, root / "cache", "train", data.IMAGE_SIZE, workers=2)
-    print(f"uint8 cache of {len(cache.row)} images ready in {time.perf_counter() - start:.1f} s: "
-          f"{cache.array_path}")
-    for name, images in (("decode PNG", data.ImageReader()), ("uint8 cache", data.ImageReader(cache=cache))):
-        for workers in (0, 2):
-            rate = loading_rate(pairs, tokenizer, batch_size, batches, workers, images)
-            print(f"{name:12s} workers={workers}: {rate['wall']:7.1f} pairs/s, "
-                  f"{rate['cpu']:7.1f} pairs per CPU second")
+    with tempfile.TemporaryDirectory() as folder:
+        root = Path(root) if root else Path(folder) / "synth"
+        result = {"cpu_flags": cpu_flags(), "usable_cpus": data.usable_cpus()}
+        for source, cached in (("image cache", True), ("PNG", False)):
+            samples = loader_samples(root, pairs, cached)
+            result[source] = loader_rate(samples, batch_size if cached else 32, workers, torch.device("cpu"),
+                                         seconds)
+    print(json.dumps(result, indent=2))
+    return result
 
 
 def drawing(folder: str, pairs: int, seed: int, workers: int = 1) -> None:
@@ -955,32 +997,36 @@ TINY_COST_SIZES = CostSizes(clip.CLIPConfig(embed_dim=32, image_resolution=64, v
                             caption_tokens=8)
 
 
-def cost_step(stage: str, batch_size: int, sizes: CostSizes, captions_per_pair: int = 2):
+def cost_step(stage: str, batch_size: int, sizes: CostSizes, captions_per_pair: int = 2,
+              device: torch.device = torch.device("cpu"), dtype: str = "float32"):
     """(the model, a function running one training step of `stage` on one random batch of batch_size pairs).
 
-    Random weights and inputs, float32; the frozen sets, optimizers and steps of adapt.py and caption.py
-    (train_step). captions_per_pair 2: CLEVR-Change's change and no-change caption (in stage 2 also the
-    distractor pair); 1: Spot-the-Diff's and IER's one caption."""
+    Random weights and inputs, on `device`, in `dtype` (float32, or autocast in bfloat16 or float16 with a
+    GradScaler); the frozen sets, optimizers and steps of adapt.py and caption.py (train_step).
+    captions_per_pair 2: CLEVR-Change's change and no-change caption (in stage 2 also the distractor pair); 1:
+    Spot-the-Diff's and IER's one caption."""
     torch.manual_seed(0)
     encoder = PairEncoder(clip.CLIP(sizes.clip_config), EncoderConfig(sizes.intra_layers)).train()
     side, vocab, length = sizes.clip_config.image_resolution, sizes.clip_config.vocab_size, sizes.caption_tokens
     sot, eot = vocab - 2, vocab - 1
-    pixels = lambda: torch.randn(batch_size, 3, side, side)  # (B, 3, R, R)
+    pixels = lambda: torch.randn(batch_size, 3, side, side)  # (B, 3, R, R), normalised
     words = lambda: torch.randint(1, vocab - 2, (batch_size, length - 1))  # (B, T-1), no padding
     column = lambda token: torch.full((batch_size, 1), token)  # (B, 1)
-    scaler, ctx = torch.amp.GradScaler("cpu", enabled=False), contextlib.nullcontext()  # float32
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == "float16")
+    ctx = contextlib.nullcontext() if dtype == "float32" else torch.autocast(device.type, dtype=getattr(torch, dtype))
     if stage == "stage1":
         config = adapt.Config(**adapt.PRESETS["clevr"])
         encoder.freeze()  # adapt.build_encoder with the preset's freeze=True
-        optimizer = adapt.build_optimizer(encoder, config, torch.device("cpu"))
+        optimizer = adapt.build_optimizer(encoder.to(device), config, device)
         batch = {"before": pixels(), "after": pixels(), "caption": torch.cat([column(sot), words()], 1)}  # (B, T)
-        batch["caption"][:, -1] = eot  # every caption T tokens long: train_step cuts none
+        batch["caption"][:, -1] = eot  # every caption T tokens long: the collate cuts none
+        batch = data.to_device(batch, device)
         return encoder, lambda: adapt.train_step(encoder, optimizer, scaler, [batch], ctx, config, False,
                                                  encoder.clip.logit_scale)
     config = caption.Config(**{**caption.PRESETS["clevr"], **sizes.decoder, "max_words": length,
                                "finetune_encoder": stage == "stage2_finetune",
                                "use_no_change_pair": captions_per_pair == 2})
-    captioner = caption.build_captioner(config, encoder, dataclasses.asdict(sizes.clip_config)).train()
+    captioner = caption.build_captioner(config, encoder, dataclasses.asdict(sizes.clip_config)).train().to(device)
     optimizer = caption.build_optimizer(captioner, config)
     batch = {}
     for name in ("caption", "no_change_caption")[:captions_per_pair]:
@@ -991,6 +1037,7 @@ def cost_step(stage: str, batch_size: int, sizes: CostSizes, captions_per_pair: 
     else:  # the pair tokens caption.py cached, (B, M, E) per pair
         tokens = lambda: torch.randn(batch_size, 2 * (encoder.n_patches + 1), sizes.clip_config.embed_dim)
         batch.update(visual=tokens(), **({"no_change_visual": tokens()} if captions_per_pair == 2 else {}))
+    batch = data.to_device(collated(batch), device)
     return captioner, lambda: caption.train_step(captioner, optimizer, scaler, [batch], ctx, config, False)
 
 
@@ -1153,6 +1200,176 @@ def run_costs(batch_sizes=(1, 2, 4, 8), stages=tuple(COST_STAGES), sizes: CostSi
 
 
 # ---------------------------------------------------------------------------------------------------------
+# gpu: the prepared GPU measurement (BENCHMARKS.md section 10)
+
+GPU_PEAKS = {  # dense tensor-core TFLOPS in the vendors' data sheets (no sparsity): (bf16, fp16); None: not native
+    "H200": (989, 989), "H100 SXM": (989, 989), "H100 NVL": (835, 835), "H100 PCIe": (756, 756), "H100": (756, 756),
+    "A100": (312, 312), "A10": (125, 125), "L40S": (362, 362), "L4": (121, 121), "V100": (None, 125),
+    "T4": (None, 65)}
+GPU_STEP_BATCH = {"stage1": 128, "stage2_cached": 16, "stage2_finetune": 16}  # the clevr presets' global batches
+# bench.py cost's float32 estimate at those batches (BENCHMARKS.md section 8): activations, weights, gradients, AdamW
+COST_ESTIMATE_GB = {"stage1": 11.0, "stage2_cached": 1.4, "stage2_finetune": 5.0}
+
+
+def gpu_peak(name: str) -> tuple:
+    """(bf16, fp16) peak TFLOPS of the GPU named `name` (torch.cuda.get_device_name), (None, None) if unknown."""
+    for key, peaks in GPU_PEAKS.items():  # longest names first in the table: "H100 SXM" before "H100"
+        if all(word in name for word in key.split()):
+            return peaks
+    return None, None
+
+
+def device_steps(stage: str, batch_size: int, sizes: CostSizes, device: torch.device, dtype: str, steps: int,
+                 peak: float | None) -> dict:
+    """One stage's training step (cost_step: adapt.py's and caption.py's train_step) on the device in `dtype`
+    (autocast, or TF32 float32): ms per step (the mean of `steps` after two warm-up steps), the FLOPs of a step
+    and the fraction of the GPU's peak they reach (MFU), the peak memory allocated."""
+    model, run = cost_step(stage, batch_size, sizes, device=device, dtype=dtype)
+    with flop_counter.FlopCounterMode(display=False) as counter:
+        run()
+    run()
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        run()
+    synchronize(device)
+    step_s = (time.perf_counter() - start) / steps
+    flops = counter.get_total_flops()
+    result = {"batch_size": batch_size, "dtype": dtype, "ms_per_step": round(step_s * 1000, 2),
+              "pairs_per_s": round(batch_size / step_s, 1), "flops_per_step": flops,
+              "tflop_per_s": round(flops / step_s / 1e12, 2),
+              "mfu": round(flops / step_s / (peak * 1e12), 3) if peak else None}
+    if device.type == "cuda":
+        result["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+    return result
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decoding_rate(sizes: CostSizes, device: torch.device, dtype: str, batch: int, max_len: int) -> dict:
+    """Greedy decoding with the key/value cache, the reference's decoder sizes, random weights (which never write
+    EOT early: every caption max_len tokens, the worst case), in captions per second."""
+    config = caption.Config(**{**caption.PRESETS["clevr"], **sizes.decoder})
+    encoder = PairEncoder(clip.CLIP(sizes.clip_config), EncoderConfig(sizes.intra_layers))
+    decoder = caption.build_captioner(config, encoder, dataclasses.asdict(sizes.clip_config)).decoder.eval().to(device)
+    visual = torch.randn(batch, decoder.config.visual_tokens, decoder.config.hidden, device=device)  # (B, M, E)
+    ctx = contextlib.nullcontext() if dtype == "float32" else torch.autocast(device.type, dtype=getattr(torch, dtype))
+    vocab = sizes.clip_config.vocab_size
+    with torch.no_grad(), ctx:
+        decoder.greedy_decode(visual, vocab - 2, vocab - 1, 2)  # warm-up
+        synchronize(device)
+        start = time.perf_counter()
+        tokens = decoder.greedy_decode(visual, vocab - 2, vocab - 1, max_len)
+        synchronize(device)
+    seconds = time.perf_counter() - start
+    return {"batch": batch, "tokens_per_caption": tokens.shape[1], "captions_per_s": round(batch / seconds, 1)}
+
+
+def torchrun_tiny(folder: Path, device: torch.device) -> dict:
+    """adapt.py and caption.py under a 1-process torchrun (nccl on a GPU, gloo on the CPU) on a tiny synthetic set,
+    each to its end (checkpoint and test files written), then adapt.py again with --resume: it continues from its
+    checkpoint. Returns each command's exit status, seconds and last line."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, WHEELS), os.environ.get("PYTHONPATH", "")])}
+    tiny = ["--data", "synth", "--data_root", str(folder / "synth"), "--synth_pairs", "40", "--epochs", "1",
+            "--device", device.type, "--num_workers", "2"]
+    commands = {"adapt": ["adapt.py", *tiny, "--out_dir", str(folder / "adapt"), "--batch_size", "8"],
+                "adapt --resume": ["adapt.py", *tiny, "--out_dir", str(folder / "adapt"), "--batch_size", "8",
+                                   "--resume"],
+                "caption": ["caption.py", *tiny, "--out_dir", str(folder / "caption"), "--batch_size", "8",
+                            "--encoder_ckpt", str(folder / "adapt" / "ckpt_best.pt"), "--eval_batch_size", "16"]}
+    results = {}
+    for name, command in commands.items():
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                               *command], cwd=Path(__file__).resolve().parent, env=env, capture_output=True, text=True)
+        lines = (done.stdout + done.stderr).strip().splitlines()
+        results[name] = {"exit_status": done.returncode, "seconds": round(time.perf_counter() - start, 1),
+                         "last_line": lines[-1] if lines else "",
+                         "resumed": any(line.startswith("resumed ") for line in lines)}
+    results["files"] = sorted(str(p.relative_to(folder)) for p in folder.glob("*/*")
+                              if p.suffix in (".pt", ".json") and p.parent.name in ("adapt", "caption"))
+    return results
+
+
+def gpu_figures(out: str, tiny: bool = False, steps: int = 10) -> dict:
+    """Everything BENCHMARKS.md section 10 needs from one GPU, in one command (about 5 minutes on one): the GPU,
+    its peak and the dtype --dtype auto picks; each stage's step at the papers' sizes (random weights: the speed
+    and memory do not depend on them) in bfloat16, float16 and TF32 float32, with MFU and peak memory against
+    bench.py cost's estimate; the loader's pairs/s with this machine's cores; greedy decoding; a 1-process
+    torchrun run to its end and --resume; --compile's step. Each figure is written to `out` (JSON) as soon as it
+    is measured, so a part that fails loses no other. tiny: a tiny CLIP on the CPU, the suite's check of this code."""
+    begun = time.perf_counter()
+    device = torch.device("cpu" if tiny else "cuda")
+    sizes = TINY_COST_SIZES if tiny else CostSizes()
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
+              "python": sys.version.split()[0], "usable_cpus": data.usable_cpus(), "started": time.strftime("%F %T")}
+    path = Path(out)
+
+    def record(name, measure):
+        started = time.perf_counter()
+        try:
+            result[name] = measure()
+        except Exception as error:  # one failed part: said in the file, the others still measured
+            result[name] = {"error": f"{type(error).__name__}: {error}"[:500]}
+        print(f"{name} ({time.perf_counter() - started:.0f} s): {json.dumps(result[name])}", flush=True)
+        runtime.save_json(result, path)
+
+    bf16_peak, fp16_peak = gpu_peak(result["device"]) if device.type == "cuda" else (None, None)
+    result["peak_tflops"] = {"bfloat16": bf16_peak, "float16": fp16_peak}
+    if device.type == "cuda":
+        result["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        runtime.set_tf32(True)
+    result["dtype_auto"] = runtime.resolve_dtype("auto", device)
+    dtypes = ["bfloat16", "float16", "float32"] if result["dtype_auto"] != "float16" else ["float16", "float32"]
+    for stage, batch in GPU_STEP_BATCH.items():
+        for dtype in dtypes:
+            peak = {"bfloat16": bf16_peak, "float16": fp16_peak}.get(dtype)
+            record(f"{stage} {dtype}", lambda: {
+                **device_steps(stage, 2 if tiny else batch, sizes, device, dtype, 2 if tiny else steps, peak),
+                "estimate_float32_gb": None if tiny else COST_ESTIMATE_GB[stage]})
+    record("decoding", lambda: decoding_rate(sizes, device, result["dtype_auto"], 4 if tiny else 256,
+                                             4 if tiny else 32))
+    with tempfile.TemporaryDirectory() as folder:
+        workers = 1 if tiny else runtime.loader_workers(-1, device)
+        for source, cached in (("image cache", True), ("PNG", False)):
+            record(f"loader {source}", lambda: loader_rate(
+                loader_samples(Path(folder) / "synth", 40 if tiny else 200, cached), 8 if tiny else 128, workers,
+                device, 1 if tiny else 15))
+        if not tiny:  # the suite's torchrun tests run the same scripts on gloo
+            record("torchrun", lambda: torchrun_tiny(Path(folder), device))
+    if not tiny:  # compiling takes a minute or two; the suite's check of --compile is test_all's
+        record("stage1 compiled", lambda: compiled_step(sizes, device, result["dtype_auto"], steps))
+    result["seconds"] = round(time.perf_counter() - begun, 1)
+    runtime.save_json(result, path)
+    return result
+
+
+def compiled_step(sizes: CostSizes, device: torch.device, dtype: str, steps: int) -> dict:
+    """Stage 1's step with the encoder compiled (torch.compile, as --compile does), next to the eager step."""
+    eager = device_steps("stage1", GPU_STEP_BATCH["stage1"], sizes, device, dtype, steps, None)
+    model, run = cost_step("stage1", GPU_STEP_BATCH["stage1"], sizes, device=device, dtype=dtype)
+    model.forward = torch.compile(model.forward)  # what the step calls, compiled; the module stays as it was
+    start = time.perf_counter()
+    run()
+    synchronize(device)
+    compile_s = time.perf_counter() - start
+    run()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        run()
+    synchronize(device)
+    step_s = (time.perf_counter() - start) / steps
+    return {"dtype": dtype, "compile_s": round(compile_s, 1), "ms_per_step": round(step_s * 1000, 2),
+            "eager_ms_per_step": eager["ms_per_step"]}
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The command line: one subcommand per figure; its flags are the figure's arguments, its defaults BENCHMARKS.md's
 
 
@@ -1209,12 +1426,14 @@ def main(argv=None):
     p.set_defaults(run=lambda a: print(json.dumps(caption_costs(a.threads, a.pairs, a.batch, a.steps, a.train_batch),
                                                   indent=2)))
 
-    p = figure("load", "loading stage-1 training batches: PNG decoding against the uint8 cache, 0 and 2 workers")
-    p.add_argument("--data", default="synth", help="dataset name (data.py's SOURCES)")
-    p.add_argument("--root", "--data_root", default=None, help="dataset folder (default: data/<name>)")
-    p.add_argument("--batch-size", type=int, default=16, help="pairs per batch")
-    p.add_argument("--batches", type=int, default=20, help="timed batches after one warm-up")
-    p.set_defaults(run=lambda a: loading(a.data, a.root, a.batch_size, a.batches))
+    p = figure("load", "stage-1 training batches delivered to the training process by DataLoader workers, in "
+                       "pairs/s: from the uint8 image cache and from PNGs (JSON)")
+    p.add_argument("--root", default=None, help="a synthetic set's folder, drawn if missing (default: a temporary one)")
+    p.add_argument("--pairs", type=int, default=200, help="pairs of the synthetic set drawn")
+    p.add_argument("--workers", type=int, default=1, help="DataLoader worker processes")
+    p.add_argument("--batch-size", type=int, default=128, help="pairs per batch from the cache (32 from PNGs)")
+    p.add_argument("--seconds", type=float, default=10.0, help="how long each source is timed")
+    p.set_defaults(run=lambda a: loading(a.root, a.pairs, a.workers, a.batch_size, a.seconds))
 
     p = figure("draw", "drawing the synthetic dataset into a new folder")
     p.add_argument("folder", help="where to draw (must not exist)")
@@ -1248,6 +1467,14 @@ def main(argv=None):
     p.add_argument("--extra", default="", help="flags for both scripts, e.g. '--synth_pairs 40 --epochs 1' (a smoke run)")
     p.add_argument("--repo", default=None, help="the repository to clone (default: the one this file is in)")
     p.set_defaults(run=lambda a: report_first(first_command(a.folder, a.commit, a.avx2, a.extra, a.repo), a.folder))
+
+    p = figure("gpu", "the prepared GPU measurement, about 5 minutes on one GPU: the GPU and the dtype auto picks, "
+                      "each stage's step at the papers' sizes in bf16, fp16 and TF32 (MFU, peak memory), the loader, "
+                      "greedy decoding, a 1-process torchrun run and --resume, --compile (JSON, printed as measured)")
+    p.add_argument("--out", default="bench_gpu.json", help="the JSON file, rewritten after each figure")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per figure, after two warm-up steps")
+    p.add_argument("--tiny", action="store_true", help="a tiny CLIP on the CPU: the suite's check of this code")
+    p.set_defaults(run=lambda a: gpu_figures(a.out, a.tiny, a.steps))
 
     p = figure("cost", "each stage at the papers' sizes: FLOPs per training pair, peak memory per batch size (each "
                        "step in a fresh process), the datasets' disk caches, and from these the hours of a full run on "

@@ -96,11 +96,10 @@ class Config:
     max_words: int = 32            # caption length in tokens, start and end tokens included
     use_no_change_pair: bool = True  # also train on (before, distractor) with a no-change caption (CLEVR-Change)
     image_cache: bool = False      # keep preprocessed 224x224 pixels in .npy files (skips PNG decoding)
-    num_workers: int = 4           # DataLoader processes per training process that read the cached pair tokens, or the
-                                   # images with --finetune_encoder and when encoding pairs; 0: the training process
-                                   # reads them between steps. On a GPU, raise it until the GPU stays busy (decoding a
-                                   # pair's PNGs takes about 5 ms of CPU), or use --image_cache, which needs few workers
-                                   # or none
+    num_workers: int = -1          # DataLoader processes per training process that read the cached pair tokens, or the
+                                   # images (uint8) with --finetune_encoder and when encoding pairs; 0: the training
+                                   # process reads them between steps. -1 (auto): on a GPU every CPU this process may
+                                   # use but one (shared by torchrun's processes on a machine), on the CPU 4
     # model
     encoder_ckpt: str = ""         # stage 1: ours ("" = runs/adapt_<dataset>/ckpt_best.pt) or a CLIP4IDC release file
     intra_layers: int = 9          # a release's vision blocks that see each image alone (not in its file; ours record it)
@@ -131,12 +130,17 @@ class Config:
     device: str = "auto"           # where to train: auto (cuda when torch sees a GPU, else cpu), cpu or cuda; under
                                    # torchrun each process takes the GPU of its LOCAL_RANK. Choose GPUs with
                                    # CUDA_VISIBLE_DEVICES
-    dtype: str = "auto"            # precision of the products: auto is bfloat16 autocast on a GPU that has it (A100,
-                                   # H100), float16 autocast with a loss scaler on one that has not (V100), float32 on
-                                   # the CPU and for a release's weights; or float32, bfloat16, float16. The weights
-                                   # stay float32
+    dtype: str = "auto"            # precision of the products: auto is bfloat16 autocast on a GPU that computes it
+                                   # natively (compute capability >= 8.0: A100, H100), float16 autocast with a loss
+                                   # scaler on an older one (V100, T4), float32 on the CPU and for a release's weights;
+                                   # or float32, bfloat16, float16. The weights stay float32
+    tf32: bool = True              # float32 on a GPU (--dtype float32): matrix products and convolutions in
+                                   # TensorFloat-32 on A100/H100, about 8x IEEE float32's rate; --no-tf32 for IEEE
+                                   # float32, to compare a run with the CPU's numbers
     out_dir: str = ""              # checkpoints, features, predictions and scores ("" = runs/caption_<dataset>)
-    log_every: int = 50            # optimizer steps between progress lines
+    log_every: int = 50            # optimizer steps between progress lines; the check that the loss and gradient norm
+                                   # are finite runs then too (and before every save), not every step: reading a
+                                   # number from a GPU waits for it, so a diverged run stops at most this many steps late
     save_every: int = 500          # optimizer steps between ckpt_last.pt saves (and at every epoch end)
     eval_batch_size: int = 64      # pairs per batch when encoding and decoding
     resume: bool = False           # continue from out_dir/ckpt_last.pt
@@ -149,9 +153,10 @@ class Config:
         runtime.check_settings(self, positive=("max_words", "intra_layers", "decoder_layers", "decoder_heads",
                                                "decoder_ffn", "epochs", "batch_size", "grad_accum", "lr", "max_len",
                                                "log_every", "save_every", "eval_batch_size"),
-                               non_negative=("num_workers", "patience", "clip_lr_scale", "weight_decay", "grad_clip",
-                                             "dropout"),
+                               non_negative=("patience", "clip_lr_scale", "weight_decay", "grad_clip", "dropout"),
                                fraction=("warmup",))
+        if self.num_workers < -1:
+            raise runtime.ConfigError(f"--num_workers {self.num_workers}: it must be >= 0, or -1 for auto")
         # at least one word before the end token; the upper bounds are the decoder's positions (load_stage1)
         runtime.check_length("max_words", self.max_words, 2, clip.CLIPConfig.context_length,
                              "a word and the end token; CLIP's text positions, which the decoder uses, hold 77")
@@ -205,17 +210,17 @@ class Captioner(nn.Module):
             after = torch.cat([batch["after"], batch["distractor"]]) if both else batch["after"]
             visual = self.encoder.encode_pair(before, after)["pair_tokens"]  # (kB, M, E), pixels or intra tokens
         names = ("caption", "no_change_caption") if both else ("caption",)
+        # the captions come cut to the batch's longest one (data.collate_captions)
         caption_in = torch.cat([batch[f"{n}_in"] for n in names])  # (kB, T)
-        caption_out = torch.cat([batch[f"{n}_out"] for n in names])  # (kB, T)
-        # cut the batch to its longest caption: the columns after it are padding everywhere
-        length = int((caption_out != self.pad_id).sum(dim=1).max())
-        caption_in, caption_out = caption_in[:, :length], caption_out[:, :length]  # (kB, T')
-        states = self.decoder.caption_states(visual, caption_in, caption_in == self.pad_id)  # (kB, T', E)
-        keep = caption_out != self.pad_id  # (kB, T'): the output layer runs only where the loss looks
-        # the change loss and the no-change loss, each a mean over its own tokens, summed (as the reference)
-        return sum(caption_loss(self.decoder.to_logits(states[part][keep[part]]), caption_out[part][keep[part]],
-                                self.pad_id)
-                   for part in (slice(k * B, (k + 1) * B) for k in range(len(names))))
+        states = self.decoder.caption_states(visual, caption_in, caption_in == self.pad_id)  # (kB, T, E)
+        losses = []  # the change loss and the no-change loss, each a mean over its own tokens, summed (as the reference)
+        for k, name in enumerate(names):
+            targets = batch[f"{name}_targets"]  # (n,): where the targets are not padding, found by the collate
+            chosen = states[k * B:(k + 1) * B].flatten(0, 1).index_select(0, targets)  # (n, E)
+            # the output layer runs only where the loss looks
+            losses.append(caption_loss(self.decoder.to_logits(chosen),
+                                       batch[f"{name}_out"].flatten().index_select(0, targets), self.pad_id))
+        return sum(losses)
 
 
 def build_captioner(config: Config, encoder: PairEncoder, clip_config: dict, freeze_intra: bool = False) -> Captioner:
@@ -283,11 +288,11 @@ def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config,
     clipping (tensors, not synced)."""
     total = 0.0
     for i, batch in enumerate(micro_batches):
-        if ddp:  # all-reduce the gradients only after the last micro-batch
-            model.require_backward_grad_sync = i == len(micro_batches) - 1
-        with ctx:
-            loss = model(batch) / len(micro_batches)
-        scaler.scale(loss).backward()  # float16: the loss times the scale, so that small gradients do not underflow
+        # under DDP, the gradients are all-reduced only in the last micro-batch's backward
+        with model.no_sync() if ddp and i < len(micro_batches) - 1 else nullcontext():
+            with ctx:
+                loss = model(batch) / len(micro_batches)
+            scaler.scale(loss).backward()  # float16: the loss times the scale, so that small gradients do not underflow
         total = total + loss.detach()
     scaler.unscale_(optimizer)  # first: the norm is clipped on the true gradients, not on the scaled ones
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
@@ -307,12 +312,13 @@ def encode_pairs(encoder: PairEncoder, pairs, images, out: np.ndarray, config: C
     # a generator of its own: computing the cache (first run) or not (later runs) must not change the
     # global generator that training's random choices use
     loader = DataLoader(data.PairImages(pairs, images), batch_size=config.eval_batch_size,
-                        num_workers=config.num_workers, generator=torch.Generator())
+                        num_workers=config.num_workers, generator=torch.Generator(), pin_memory=device.type == "cuda")
     progress, done = runtime.Progress(len(loader)), 0
     with torch.no_grad():
         for step, batch in enumerate(loader, 1):
+            pixels = data.to_device(batch, device, ("before", "after"))  # (B, 3, R, R) each
             with ctx:
-                tokens = encoder.encode_pair(batch["before"].to(device), batch["after"].to(device))["pair_tokens"]
+                tokens = encoder.encode_pair(pixels["before"], pixels["after"])["pair_tokens"]
             out[done:done + len(tokens)] = tokens.float().cpu().numpy().astype(np.float16)  # (B, M, E)
             done += len(tokens)
             if master and (step % 20 == 0 or step == len(loader)):
@@ -344,7 +350,7 @@ def cached_features(encoder, encoder_sha: str, pairs, images, cache_dir: Path, n
 
 
 class FeatureItems(Dataset):
-    """data.CaptionItems with each pair's cached tokens in place of its images ("visual", "no_change_visual")."""
+    """data.CaptionItems with each pair's cached tokens (float16) in place of its images ("visual", "no_change_visual")."""
 
     def __init__(self, items: data.CaptionItems, features_path: Path):
         self.items, self.features_path, self.features = items, features_path, None
@@ -356,9 +362,10 @@ class FeatureItems(Dataset):
         if self.features is None:  # opened in each process (DataLoader workers too), memory-mapped
             self.features = np.load(self.features_path, mmap_mode="r")
         item = self.items[i]
-        item["visual"] = torch.from_numpy(self.features[item["row"]].astype(np.float32))  # (M, E)
+        # float16 as cached: half the bytes to hand over; data.to_device widens them to float32 on the device
+        item["visual"] = torch.from_numpy(np.array(self.features[item["row"]]))  # (M, E)
         if "no_change_row" in item:
-            item["no_change_visual"] = torch.from_numpy(self.features[item["no_change_row"]].astype(np.float32))
+            item["no_change_visual"] = torch.from_numpy(np.array(self.features[item["no_change_row"]]))
         return item
 
     def __getstate__(self):
@@ -460,11 +467,14 @@ def setup(config: Config) -> tuple[runtime.Distributed, str, object, torch.amp.G
     ddp = int(os.environ.get("RANK", -1)) != -1
     rank, local_rank, world_size = (int(os.environ.get(k, 0)) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     if ddp and device.startswith("cuda"):
-        torch.cuda.set_device(local_rank)
-        init_process_group("nccl")
         device = f"cuda:{local_rank}"
-    elif ddp:
-        init_process_group("gloo")
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)  # also for one process on cuda:1: its kernels and caches go to that GPU
+        runtime.set_tf32(config.tf32)
+    if ddp:  # device_id binds NCCL to this process's GPU at once; the timeout covers the master's work alone
+        init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=runtime.GROUP_TIMEOUT,
+                           device_id=torch.device(device) if device.startswith("cuda") else None)
+    if ddp and not device.startswith("cuda"):
         # torchrun sets OMP_NUM_THREADS=1: share this machine's cores between its local processes instead
         torch.set_num_threads(max(1, data.usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
     dist_ = runtime.Distributed(ddp, rank, local_rank, world_size if ddp else 1, torch.device(device), rank == 0)
@@ -573,7 +583,7 @@ def split_features(captioner: Captioner, feature_path: dict, split: str, pairs, 
 def caption_pair(config: Config, stage1: Stage1, captioner: Captioner, tokenizer, device, ctx) -> None:
     """Print the caption of the user's pair (--pair BEFORE AFTER); with --explain, write its attention maps."""
     images = data.ImageReader(stage1.encoder.clip.visual.input_resolution)
-    before, after = (images(Path(p)).unsqueeze(0).to(device) for p in config.pair)  # (1, 3, R, R) each
+    before, after = (clip.normalize(images(Path(p)).unsqueeze(0).to(device)) for p in config.pair)  # (1, 3, R, R) each
     with torch.no_grad(), ctx:
         visual = stage1.encoder.eval().encode_pair(before, after)["pair_tokens"]  # (1, M, E)
     pair = data.ImagePair(" -> ".join(Path(p).name for p in config.pair), *map(Path, config.pair), captions=[])
@@ -587,7 +597,11 @@ def caption_pair(config: Config, stage1: Stage1, captioner: Captioner, tokenizer
 def evaluate(config: Config, dist_, ctx, root: Path, stage1: Stage1, captioner: Captioner, tokenizer, out_dir: Path,
              read=None, feature_path=None) -> None:
     """Decode and score the test split (evaluate_test): --eval, and the end of training (which passes what it
-    has read already: read_splits's result and the feature files)."""
+    has read already: read_splits's result and the feature files). The master alone: under torchrun the other
+    processes wait for it."""
+    if not dist_.master:
+        return
+    dist_ = dataclasses.replace(dist_, ddp=False)  # what follows waits for no other process
     splits, images, eval_pairs = read or read_splits(config, dist_, root, stage1.encoder.clip.visual.input_resolution)
     if feature_path is None:
         cached = () if config.finetune_encoder else ("test",)
@@ -597,15 +611,15 @@ def evaluate(config: Config, dist_, ctx, root: Path, stage1: Stage1, captioner: 
                   config, dist_.device, ctx, out_dir)
 
 
-def training_set(config: Config, stage1: Stage1, pairs, images, tokenizer, feature_path: dict, device, ctx,
-                 say) -> Dataset:
+def training_set(config: Config, stage1: Stage1, pairs, images, tokenizer, feature_path: dict, dist_, ctx,
+                 say, out_dir: Path) -> Dataset:
     """The training items: pixels (finetuning), intra-image tokens computed once (finetuning on frozen intra-image
     blocks), or cached pair tokens (the decoder alone)."""
     train_images = images if config.finetune_encoder else None
     if config.finetune_encoder and stage1.freeze_intra:  # training reads each image's intra tokens, computed now
         started = time.time()
-        train_images = data.IntraTokens(stage1.encoder, pairs, images, config.eval_batch_size, device, ctx,
-                                   images.cache_dir)
+        train_images = data.IntraTokens(stage1.encoder, pairs, images, config.eval_batch_size, dist_.device, ctx,
+                                        images.cache_dir or out_dir, dist_)
         say(f"intra-image tokens of {len(train_images.row)} training images {train_images.origin} "
             f"({time.time() - started:.0f} s): the intra-image blocks stay frozen, as in stage 1")
     items = data.CaptionItems(pairs, tokenizer, config.use_no_change_pair, images=train_images,
@@ -659,7 +673,7 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, root: Path, stage1: St
     splits, images, eval_pairs = read_splits(config, dist_, root, stage1.encoder.clip.visual.input_resolution)
     feature_path = feature_paths(config, dist_, ctx, stage1, eval_pairs, images,
                                  () if config.finetune_encoder else data.SPLITS, out_dir)
-    train_set = training_set(config, stage1, splits["train"], images, tokenizer, feature_path, device, ctx, say)
+    train_set = training_set(config, stage1, splits["train"], images, tokenizer, feature_path, dist_, ctx, say, out_dir)
     optimizer = build_optimizer(captioner, config)
     step, best_cider, best_epoch, bad_epochs, history = 0, -1.0, -1, 0, []
     ckpt_path = out_dir / "ckpt_last.pt"
@@ -686,30 +700,34 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, root: Path, stage1: St
             captioner, optimizer, scaler, config, stage1, tokenizer, stage1_weights=path.name == "ckpt_best.pt",
             step=step, best_metric=best_cider, best_epoch=best_epoch, bad_epochs=bad_epochs, history=history), path)
 
+    loader = runtime.training_loader(train_set, sampler, micro, config.num_workers, device, data.collate_captions)
+    watch = runtime.DivergenceWatch(scaler, dist_.ddp)  # reads the losses on the log steps and before a save
     progress = runtime.Progress(total_steps, first_step=step)
     model.train()
     try:  # Ctrl-C: one line saying what ckpt_last.pt holds and the command that resumes, instead of a traceback
         while step < total_steps and bad_epochs <= config.patience:
             epoch = step // steps_per_epoch
             done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
-            batches = runtime.epoch_batches(train_set, sampler, epoch, done_in_epoch, micro, config.grad_accum,
-                                            config.num_workers, device)
+            batches = runtime.epoch_batches(loader, epoch, done_in_epoch, config.grad_accum)
             for _ in range(done_in_epoch, steps_per_epoch):
                 lr = get_lr(step, total_steps, config)
                 for group in optimizer.param_groups:
                     group["lr"] = lr * group["lr_scale"]
-                micro_batches = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()
-                                  if torch.is_tensor(v)} for _ in range(config.grad_accum)]
+                micro_batches = [data.to_device(next(batches), device) for _ in range(config.grad_accum)]
                 loss, grad_norm = train_step(model, optimizer, scaler, micro_batches, ctx, config, dist_.ddp)
                 step += 1
-                runtime.check_finite(loss, grad_norm, scaler, dist_.ddp, step, lr)  # stop where it diverges
+                watch.add(step, lr, loss, grad_norm)
+                saving = step % config.save_every == 0 and step % steps_per_epoch != 0
+                if step % config.log_every == 0 or step == total_steps or saving:
+                    watch.check()  # stops a diverged run (the one wait for the GPU, with the .item() below)
                 if master and (step % config.log_every == 0 or step == total_steps):
                     value = loss.item()
                     say(progress.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=value,
                                       lr=get_lr(step, total_steps, config)), flush=True)
                     log.write(step=step, epoch=epoch, loss=value, lr=get_lr(step, total_steps, config))
-                if master and step % config.save_every == 0 and step % steps_per_epoch:
+                if master and saving:
                     save(ckpt_path)
+            watch.check()
             if master:  # end of epoch: validation CIDEr-D, decoded by the master alone while the others wait
                 runtime.check_finite_model(captioner, step, lr)  # a non-finite model is never scored nor saved
                 cider, predictions = validate(captioner, feature_path, eval_pairs["val"], images, tokenizer, config,
@@ -754,6 +772,7 @@ def main(argv=None):
     if release and config.dtype == "auto":  # the reference decodes in float32 (its CLIP in fp16): bf16 autocast
         config = dataclasses.replace(config, dtype="float32")  # on a GPU would flip its near-ties (BENCHMARKS 11)
     dist_, dtype, ctx, scaler = setup(config)
+    config = dataclasses.replace(config, num_workers=runtime.loader_workers(config.num_workers, dist_.device))
     runtime.seed_everything(config.seed + dist_.rank)
     root = data.dataset_root(config.data, config.data_root or None)
     if config.data == "synth" and not config.pair:  # drawn first: the tokenizer reads its vocabulary file

@@ -734,9 +734,15 @@ def normalize(pixels: np.ndarray | torch.Tensor) -> torch.Tensor:
     assert pixels.dtype == torch.uint8 and pixels.shape[-1] == 3, \
         f"expected uint8 RGB pixels of shape (..., H, W, 3), got {pixels.dtype} {tuple(pixels.shape)}"
     x = pixels.movedim(-1, -3).float() / 255                           # (..., 3, H, W) in [0, 1]
-    mean = torch.tensor(CLIP_MEAN, device=x.device).view(3, 1, 1)
-    std = torch.tensor(CLIP_STD, device=x.device).view(3, 1, 1)
+    mean, std = _channel_stats(x.device)                                # (3, 1, 1) each
     return (x - mean) / std                                             # (..., 3, H, W)
+
+
+@lru_cache(maxsize=None)
+def _channel_stats(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """CLIP_MEAN and CLIP_STD as (3, 1, 1) tensors on device, made once: a tensor built from Python numbers is a
+    copy from the host, which on a GPU waits for the device, and normalize runs on every training batch."""
+    return (torch.tensor(CLIP_MEAN, device=device).view(3, 1, 1), torch.tensor(CLIP_STD, device=device).view(3, 1, 1))
 
 
 def transform(n_px: int):

@@ -76,7 +76,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw, ImageFont, UnidentifiedImageError
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 import clip
 
@@ -458,8 +458,8 @@ class ImageCache:
         self.pixels = None
 
     def __getitem__(self, path: Path) -> np.ndarray:
-        if self.pixels is None:
-            self.pixels = np.load(self.array_path, mmap_mode="r")  # (n, R, R, 3) uint8
+        if self.pixels is None:  # copy-on-write: writable views (as torch wants them) that nothing ever writes
+            self.pixels = np.load(self.array_path, mmap_mode="c")  # (n, R, R, 3) uint8
         if str(path) not in self.row:
             raise DataError(f"image {path} is not in the cache {self.array_path}; delete the cache to build it again")
         return self.pixels[self.row[str(path)]]  # (R, R, 3)
@@ -583,7 +583,11 @@ class Progress:
 
 
 class ImageReader:
-    """path -> normalised float32 (3, R, R): decoded and resized, or taken from an ImageCache."""
+    """path -> uint8 pixels (R, R, 3): decoded and resized, or taken from an ImageCache.
+
+    The pixels stay uint8 until they are on the training device, where to_device normalises them: a DataLoader
+    worker then hands over a quarter of the bytes of float32 images, and a cached image is a memory copy.
+    """
 
     def __init__(self, image_size: int = IMAGE_SIZE, cache: ImageCache | None = None):
         self.image_size, self.cache = image_size, cache
@@ -594,9 +598,26 @@ class ImageReader:
         return None if self.cache is None else Path(self.cache.array_path).parent
 
     def __call__(self, path: Path) -> torch.Tensor:
-        pixels = self.cache[path] if self.cache is not None else preprocess_uint8(path, self.image_size)
-        # differs from reference: float32 pixels; C4I's loader builds float64 arrays and casts them in the model
-        return clip.normalize(np.array(pixels))  # a writable copy: torch refuses to share read-only memory; (3, R, R)
+        if self.cache is not None:
+            return torch.from_numpy(self.cache[path])  # (R, R, 3), shares the memory map until a batch is stacked
+        return torch.from_numpy(preprocess_uint8(path, self.image_size))  # (R, R, 3)
+
+
+def to_device(batch: dict, device: torch.device, keys=None) -> dict:
+    """The tensors of a batch (those named in keys, default all) on the device, widened there: uint8 pixels
+    (B, R, R, 3) normalised to float32 (B, 3, R, R) by clip.normalize, float16 pair tokens to float32.
+
+    The DataLoader pins its batches when training on CUDA, so each copy is asynchronous: the host goes on to
+    queue the step while the pixels travel.
+    """
+    # differs from reference: its loader hands over float64 arrays, cast in the model; here uint8 travels
+    out = {}
+    for key, value in batch.items():
+        if torch.is_tensor(value) and (keys is None or key in keys):
+            value = value.to(device, non_blocking=True)
+            out[key] = clip.normalize(value) if value.dtype == torch.uint8 else \
+                value.float() if value.dtype == torch.float16 else value
+    return out
 
 
 def image_reader(splits: dict, root: Path, resolution: int, cached: bool, dist_) -> ImageReader:
@@ -620,34 +641,45 @@ class IntraTokens:
     caption.py --finetune_encoder on such a stage-1 checkpoint): they, and so their output, never change, and a
     training step then starts at the join (PairEncoder.intra_pair). Evaluation still encodes the
     pixels, all the way through. model is encoder.py's PairEncoder (its intra_image and intra_image_weights are
-    read); images is a function path -> normalised image (3, R, R), such as an ImageReader.
+    read); images is a function path -> uint8 pixels (R, R, 3), such as an ImageReader.
 
-    With cache_dir, the tokens are also kept in a file there, named by what they depend on (the weights that
-    compute them, each image file's size and modification time, the precision): stage 2 then reads the
-    tokens stage 1 computed instead of computing them again, and a changed image or weight gets a new file.
+    The tokens are kept in a file in cache_dir, named by what they depend on (the weights that compute them,
+    each image file's size and modification time, the precision): stage 2 then reads the tokens stage 1
+    computed instead of computing them again, and a changed image or weight gets a new file. Under DDP
+    (dist_) the master computes them while the other processes wait, and every process reads the file
+    memory-mapped: the processes of a machine share one copy in the page cache.
     """
 
     def __init__(self, model: torch.nn.Module, pairs: list, images, batch_size: int, device, ctx,
-                 cache_dir: Path | None = None):
+                 cache_dir: Path, dist_=None):
         paths = sorted({path for p in pairs for path in (p.before, p.after, p.distractor) if path is not None})
         self.row = {path: i for i, path in enumerate(paths)}
-        file = None if cache_dir is None else Path(cache_dir) / f"intra_tokens_{self.key(model, paths, ctx)}.pt"
-        self.read_from = file if file is not None and file.is_file() else None
-        if self.read_from is not None:
-            self.tokens = torch.load(file, weights_only=True)  # (images, N+1, D), a plain tensor
-            return
+        file = Path(cache_dir) / f"intra_tokens_{self.key(model, paths, ctx)}.pt"
+        if dist_ is not None and dist_.ddp:  # the master's file: its weights are those DDP gives every process
+            shared = [file]
+            dist.broadcast_object_list(shared, src=0)
+            file = shared[0]
+        self.read_from = file if file.is_file() else None
+        if self.read_from is None and (dist_ is None or dist_.master):
+            self.compute(model, paths, images, batch_size, device, ctx, file)
+        if dist_ is not None and dist_.ddp:
+            dist.barrier()
+        self.tokens = torch.load(file, weights_only=True, mmap=True)  # (images, N+1, D), a plain tensor
+
+    @staticmethod
+    def compute(model: torch.nn.Module, paths: list, images, batch_size: int, device, ctx, file: Path) -> None:
+        """Every image's intra-image tokens, written whole to file, then renamed: an interrupted run leaves no
+        half-written file."""
         chunks = []
         with torch.no_grad():
             for start in range(0, len(paths), batch_size):
-                pixels = torch.stack([images(path) for path in paths[start:start + batch_size]]).to(device)
+                pixels = torch.stack([images(path) for path in paths[start:start + batch_size]])  # (b, R, R, 3)
                 with ctx:
-                    chunks.append(model.intra_image(pixels).float().cpu())  # (b, N+1, D)
-        self.tokens = torch.cat(chunks)  # (images, N+1, D)
-        if file is not None:  # written whole, then renamed: an interrupted run leaves no half-written file
-            file.parent.mkdir(parents=True, exist_ok=True)
-            partial = file.with_suffix(f".partial-{os.getpid()}")
-            torch.save(self.tokens, partial)
-            os.replace(partial, file)
+                    chunks.append(model.intra_image(clip.normalize(pixels.to(device))).float().cpu())  # (b, N+1, D)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        partial = file.with_suffix(f".partial-{os.getpid()}")
+        torch.save(torch.cat(chunks), partial)  # (images, N+1, D)
+        os.replace(partial, file)
 
     @staticmethod
     def key(model: torch.nn.Module, paths: list, ctx) -> str:
@@ -726,6 +758,16 @@ class AdaptationSamples(Dataset):
                 "after": self.images(pair.after),
                 "caption": text_tokens(self.tokenizer, pair.captions[c], self.max_words),
                 "pair_index": p, "swapped": swapped}
+
+
+def collate_text(samples: list[dict]) -> dict:
+    """A stage-1 (or stage-0) batch, its captions (B, T) cut after the batch's last end-of-text token, the
+    largest id: the columns after it are padding in every row, and in the causal text tower no token sees the
+    ones after it. Cut here, on the host, from the token ids: the training step never waits for the device
+    to learn a length."""
+    batch = default_collate(samples)
+    batch["caption"] = batch["caption"][:, :int(batch["caption"].argmax(dim=-1).max()) + 1]  # (B, T')
+    return batch
 
 
 def evaluation_pairs(pairs: list[ImagePair], use_no_change_pair: bool) -> list[ImagePair]:
@@ -827,6 +869,21 @@ class CaptionItems(Dataset):
             if self.images is not None:
                 item["distractor"] = self.images(pair.distractor)
         return item
+
+
+def collate_captions(items: list[dict]) -> dict:
+    """A stage-2 batch of CaptionItems, cut to its longest caption, change and no-change captions alike (the
+    columns after it are padding in every row), with, for each kind of caption, the positions the loss reads:
+    "<kind>_targets", the flat indices into (B x T') of the targets that are not padding. Both come from the
+    token ids, here on the host: the training step never waits for the device to count a mask."""
+    batch = default_collate(items)
+    kinds = [kind for kind in ("caption", "no_change_caption") if f"{kind}_out" in batch]
+    length = max(int((batch[f"{kind}_out"] != clip.PAD_ID).sum(dim=1).max()) for kind in kinds)
+    for kind in kinds:
+        batch[f"{kind}_in"] = batch[f"{kind}_in"][:, :length]    # (B, T')
+        batch[f"{kind}_out"] = batch[f"{kind}_out"][:, :length]  # (B, T')
+        batch[f"{kind}_targets"] = (batch[f"{kind}_out"] != clip.PAD_ID).flatten().nonzero().squeeze(1)  # (n,)
+    return batch
 
 
 # ---------------------------------------------------------------------------------------------------

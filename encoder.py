@@ -63,11 +63,12 @@ def under(name: str, part: str) -> bool:
     return name == part or name.startswith(part + ".")
 
 
-def block_at_rows(block: clip.ResidualAttentionBlock, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+def block_at_rows(block: clip.ResidualAttentionBlock, x: torch.Tensor, rows: slice) -> torch.Tensor:
     """block(x)[:, rows], computed for those rows alone: (B, L, D) -> (B, len(rows), D), the same numbers up to
     float rounding. A position sees the others only through attention's keys and values, so every position
     still gives its key and value, while the rest of the block (the query, the residual, the MLP) runs on the
-    rows that are read. Stage 1 reads the two CLS rows of the last inter-image block (PairEncoder.embed_pair)."""
+    rows that are read. Stage 1 reads the two CLS rows of the last inter-image block (PairEncoder.embed_pair).
+    rows is a slice, so that picking them is a view: a list would be an index tensor copied to the GPU each call."""
     attn, D = block.attn, x.shape[-1]
     h = block.ln_1(x)                                                                      # (B, L, D)
     q = F.linear(h[:, rows], attn.in_proj_weight[:D], attn.in_proj_bias[:D])              # (B, Q, D): the rows ask
@@ -116,7 +117,7 @@ class PairEncoder(nn.Module):
         x = torch.cat([before + self.before_embedding.to(dtype), after + self.after_embedding.to(dtype)], dim=1)  # (B, L, D)
         return self.ln_mid(x + self.joint_positional_embedding.to(dtype))  # (B, L, D)
 
-    def inter_image(self, x: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+    def inter_image(self, x: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
         """CLIP's remaining blocks over the joint sequence, full attention: (B, L, D) -> (B, L, D).
 
         With rows, the last block computes its output at those positions only, (B, len(rows), D): the same
@@ -135,9 +136,10 @@ class PairEncoder(nn.Module):
         return self.clip.visual.ln_post(x) @ self.clip.visual.proj  # (B, L, E)
 
     @property
-    def cls_rows(self) -> list[int]:
-        """The positions of the before CLS (0) and the after CLS (N+1) in the joint sequence."""
-        return [0, self.n_patches + 1]
+    def cls_rows(self) -> slice:
+        """The positions of the before CLS (0) and the after CLS (N+1) in the joint sequence of L = 2(N+1): every
+        (N+1)-th row, as a slice, so that tokens[:, cls_rows] is a view."""
+        return slice(0, None, self.n_patches + 1)
 
     def pool(self, cls_tokens: torch.Tensor) -> torch.Tensor:
         """The pair embedding: the mean of the before and the after CLS token, not normalised: (B, 2, E) -> (B, E)."""

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFont
 
+import clip
 import data
 import runtime
 from decoder import CaptionDecoder, split_heads
@@ -54,14 +55,17 @@ def attention_weights(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tenso
                       causal: bool = False) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) as scaled_dot_product_attention computes it: (B, H, T, d), (B, H, S, d) -> (B, H, T, S).
 
-    mask (bool, True = may attend) and causal give a masked key the weight 0; each row sums to 1.
+    mask (bool, True = may attend) and causal give a masked key the weight 0; each row sums to 1. Computed in
+    float32 also under autocast, which would otherwise run the product in bf16/fp16 (and the pointing game's
+    argmax could flip between near-equal patches).
     """
-    scores = query.float() @ keys.float().transpose(-2, -1) / math.sqrt(query.shape[-1])  # (B, H, T, S)
-    if causal:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()  # (T, S)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return scores.softmax(dim=-1)  # (B, H, T, S)
+    with torch.autocast(query.device.type, enabled=False):
+        scores = query.float() @ keys.float().transpose(-2, -1) / math.sqrt(query.shape[-1])  # (B, H, T, S)
+        if causal:
+            mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()  # (T, S)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return scores.softmax(dim=-1)  # (B, H, T, S)
 
 
 @contextmanager
@@ -87,8 +91,8 @@ def encoder_attention(encoder: PairEncoder, before: torch.Tensor, after: torch.T
     seen = {}
 
     def record(attn, args):  # attn is clip.SelfAttention; args[0] its input ln_1(x), (B', T, D)
-        x = args[0].float()
-        q, k, _ = F.linear(x, attn.in_proj_weight.float(), attn.in_proj_bias.float()).chunk(3, dim=-1)
+        with torch.autocast(args[0].device.type, enabled=False):  # float32 queries and keys, also under autocast
+            q, k, _ = F.linear(args[0].float(), attn.in_proj_weight, attn.in_proj_bias).chunk(3, dim=-1)
         weights = attention_weights(split_heads(q, attn.n_head), split_heads(k, attn.n_head)).mean(dim=1)  # (B', T, T)
         seen.setdefault(attn, []).append(weights)
 
@@ -115,7 +119,8 @@ def decode_with_attention(decoder: CaptionDecoder, visual: torch.Tensor, sot_id:
     steps = {}
 
     def record(cross_attention, args):  # decoder.Attention; args (caption (B, 1, E), keys, values (B, H, M, E/H))
-        query = split_heads(cross_attention.query(args[0]), cross_attention.heads)  # (B, H, 1, E/H)
+        with torch.autocast(args[0].device.type, enabled=False):  # a float32 query, also under autocast
+            query = split_heads(cross_attention.query(args[0].float()), cross_attention.heads)  # (B, H, 1, E/H)
         steps.setdefault(cross_attention, []).append(attention_weights(query, args[1]).mean(dim=1))  # (B, 1, M)
 
     layers = [layer.cross_attention for layer in decoder.caption_layers]
@@ -277,8 +282,8 @@ def explain_pairs(encoder: PairEncoder, decoder: CaptionDecoder, pairs: list[dat
     visual (B, M, E): the pair tokens to decode from (the cached features, so the captions are the scored
     ones); None: the encoder's own tokens.
     """
-    before = torch.stack([images(p.before) for p in pairs]).to(device)  # (B, 3, R, R)
-    after = torch.stack([images(p.after) for p in pairs]).to(device)  # (B, 3, R, R)
+    before = clip.normalize(torch.stack([images(p.before) for p in pairs]).to(device))  # (B, 3, R, R)
+    after = clip.normalize(torch.stack([images(p.after) for p in pairs]).to(device))  # (B, 3, R, R)
     with ctx:
         attention = encoder_attention(encoder.eval(), before, after)
         tokens, cross = decode_with_attention(decoder.eval(), (attention["pair_tokens"] if visual is None
@@ -330,8 +335,8 @@ def localisation(encoder: PairEncoder, decoder: CaptionDecoder, pairs: list[data
     progress, batches = runtime.Progress(math.ceil(len(rows) / batch_size)), 0
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
-        before = torch.stack([images(pairs[i].before) for i in chunk]).to(device)  # (B, 3, R, R)
-        after = torch.stack([images(pairs[i].after) for i in chunk]).to(device)  # (B, 3, R, R)
+        before = clip.normalize(torch.stack([images(pairs[i].before) for i in chunk]).to(device))  # (B, 3, R, R)
+        after = clip.normalize(torch.stack([images(pairs[i].after) for i in chunk]).to(device))  # (B, 3, R, R)
         visual = torch.from_numpy(np.asarray(features[chunk], dtype=np.float32)).to(device)  # (B, M, E)
         with ctx:
             attention = encoder_attention(encoder.eval(), before, after)

@@ -25,7 +25,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed import destroy_process_group
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import adapt
 import clip
@@ -165,16 +164,11 @@ def pretrain_and_test(config: Config, dist_, dtype: str, ctx, scaler, out_dir: P
     state = runtime.start_or_resume(ckpt_path, config, adapt.MODEL_KEYS, dist_, model, optimizer, scaler)
     if state is not None and master:
         print(f"resumed {ckpt_path} at step {state['step']}")
-    raw_model = model  # for saving, evaluating and clamping logit_scale
-    if config.compile:
-        model = torch.compile(model)
-    if dist_.ddp:
-        model = DDP(model, device_ids=[dist_.local_rank] if device.type == "cuda" else None)
-    step = adapt.train(config, dist_, ctx, scaler, dtype, model, raw_model, optimizer, splits["train"], splits,
-                       tokenizer, None, clip_config, state, out_dir)
+    step = adapt.train(config, dist_, ctx, scaler, dtype, adapt.wrap(model, config, dist_), model, optimizer,
+                       splits["train"], splits, tokenizer, None, clip_config, state, out_dir)
     if master:
-        adapt.test(raw_model, splits, tokenizer, None, config, device, ctx, step, out_dir)
-        finish_stage0(raw_model, tokenizer, config, device, ctx, out_dir, print)
+        adapt.test(model, splits, tokenizer, None, config, device, ctx, step, out_dir)
+        finish_stage0(model, tokenizer, config, device, ctx, out_dir, print)
     if dist_.ddp:
         dist.barrier()  # every process done before any tears the group down (a gloo peer may abort otherwise)
         destroy_process_group()
@@ -187,6 +181,7 @@ def main(argv=None):
                                   "it ends")
     runtime.keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
     dist_, dtype, ctx, scaler = adapt.setup(config)
+    config = dataclasses.replace(config, num_workers=runtime.loader_workers(config.num_workers, dist_.device))
     runtime.seed_everything(config.seed + dist_.rank)
     out_dir = Path(config.out_dir or "runs/pretrain_scenes")
     pretrain_and_test(config, dist_, dtype, ctx, scaler, out_dir)

@@ -16,7 +16,7 @@ you can read top to bottom:
   bad data), a diverged run and Ctrl-C printed as one line; any other exception, a bug or an out-of-memory,
   keeps its traceback.
 - `check_settings`, `check_device`, `check_length`: a Config's values checked before any work, so a bad flag
-  fails at once; `check_config`: what --resume refuses to change; `check_finite`: a run stops where it diverges.
+  fails at once; `check_config`: what --resume refuses to change; `DivergenceWatch`: a run stops where it diverges.
 - `rng_state` / `set_rng_state`: Python, NumPy and torch generators as plain tensors and lists, so that a
   resumed run draws the same numbers it would have drawn.
 - `batch_plan`, `epoch_batches`, `SkipSampler`: the global batch split over processes and accumulation, and one
@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
+import datetime
 import functools
 import inspect
 import itertools
@@ -204,28 +205,56 @@ def check_image_path(name: str, path: str) -> None:
 
 
 class Diverged(RuntimeError):
-    """A training step whose loss or gradient norm is not finite: the run stops there, saving nothing more."""
+    """A training step whose loss or gradient norm is not finite: the run stops, saving nothing more."""
 
 
-def check_finite(loss: torch.Tensor, grad_norm: torch.Tensor, scaler, ddp: bool, step: int, lr: float) -> None:
-    """Stop the run at the first optimizer step whose loss or gradient norm is inf or NaN (Diverged, one line).
+class DivergenceWatch:
+    """Stop the run at the first optimizer step whose loss or gradient norm is inf or NaN (Diverged, one line),
+    without waiting for the device at every step.
+
+    add() keeps each step's loss and gradient norm as they are, tensors on the device; check() reads them, on the
+    log steps and before every save: reading a number from a GPU waits for every kernel queued before it, so a
+    check per step would stall the GPU once per step. A run that diverges thus stops at the next check, at most
+    --log_every steps later, naming the first bad step; a checkpoint written after it is impossible.
 
     float16: GradScaler skips a step whose scaled gradients overflowed and halves its scale; that is expected, so
     the gradient norm is not checked then. The loss is the model's own output in every precision: no scale mends
-    a non-finite one. Reading the flag waits for the device once per step; the arithmetic is untouched. Under DDP
-    the flag is all-reduced, so that every process stops at the same step (the losses differ between processes).
+    a non-finite one. Under DDP the first bad step is all-reduced, so that every process stops at the same check
+    (the losses differ between processes).
     """
-    bad = ~torch.isfinite(loss.detach())
-    if not scaler.is_enabled():
-        bad = bad | ~torch.isfinite(grad_norm)
-    if ddp:
-        bad = bad.to(torch.int32)
-        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-    if bool(bad):
-        raise Diverged(f"training diverged at step {step}: loss {float(loss):.4g}, gradient norm "
-                       f"{float(grad_norm):.4g}, learning rate {lr:.3g}; nothing of this step was saved. Try a lower "
-                       f"--lr (say {lr / 10:.1g}) or a longer --warmup, with a new --out_dir; in float16, "
-                       f"--dtype bfloat16 or float32")
+
+    def __init__(self, scaler, ddp: bool):
+        self.check_norm, self.ddp = not scaler.is_enabled(), ddp
+        self.steps = []  # (step, lr, loss, gradient norm) since the last check
+
+    def add(self, step: int, lr: float, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        self.steps.append((step, lr, loss.detach(), grad_norm.detach()))
+
+    def check(self) -> None:
+        steps, self.steps = self.steps, []
+        if not steps:
+            return
+        values = torch.stack([torch.stack([loss.float(), norm.float()]) for _, _, loss, norm in steps])  # (S, 2)
+        values = values.tolist()  # the one wait for the device
+        bad = [step for (step, _, _, _), (loss, norm) in zip(steps, values)
+               if not math.isfinite(loss) or (self.check_norm and not math.isfinite(norm))]
+        first = bad[0] if bad else NO_STEP
+        if self.ddp:  # every process stops at the same check, at the first bad step of any process
+            first_everywhere = torch.tensor([first], device=steps[0][2].device)
+            torch.distributed.all_reduce(first_everywhere, op=torch.distributed.ReduceOp.MIN)
+            first = int(first_everywhere)
+        if first == NO_STEP:
+            return
+        if first not in bad:
+            raise Diverged(f"training diverged at step {first} in another process; nothing after it was saved. Try a "
+                           f"lower --lr or a longer --warmup, with a new --out_dir")
+        (step, lr, _, _), (loss, norm) = next((s, v) for s, v in zip(steps, values) if s[0] == first)
+        raise Diverged(f"training diverged at step {step}: loss {loss:.4g}, gradient norm {norm:.4g}, learning rate "
+                       f"{lr:.3g}; nothing after it was saved. Try a lower --lr (say {lr / 10:.1g}) or a longer "
+                       f"--warmup, with a new --out_dir; in float16, --dtype bfloat16 or float32")
+
+
+NO_STEP = 2 ** 62  # DivergenceWatch: "no bad step" in the all-reduced minimum
 
 
 def check_finite_model(model: torch.nn.Module, step: int, lr: float) -> None:
@@ -283,18 +312,54 @@ class Distributed:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> str:
-    """'auto' is bf16 on a GPU that has it, fp16 on older GPUs, float32 on CPU.
+    """'auto' is bfloat16 on a GPU that computes it natively (compute capability 8.0 and up: A100, H100, L4, RTX
+    30xx), float16 with a GradScaler on older GPUs (V100, T4, P100), float32 on the CPU.
 
-    Any dtype may be asked for on any device: float16 on the CPU runs the GPU's fp16 path (autocast and a
-    GradScaler) slowly, which is how the tests exercise it without a GPU.
+    The capability is asked directly: torch.cuda.is_bf16_supported() also answers True where bfloat16 is only
+    emulated (a V100 can hold bf16 tensors but has no bf16 arithmetic: several times slower than float16).
+    Any dtype may be asked for on any device, and bfloat16 on an older GPU gets a one-line note: float16 on the
+    CPU runs the GPU's fp16 path (autocast and a GradScaler) slowly, which is how the tests exercise it.
     """
     if dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError(f"--dtype {dtype!r} is not one this project trains in: use auto, float32, bfloat16 or float16")
-    if dtype != "auto":
-        return dtype
-    if device.type == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    return "float32"
+    if device.type != "cuda":
+        return "float32" if dtype == "auto" else dtype
+    major, minor = torch.cuda.get_device_capability(device)
+    if dtype == "auto":
+        return "bfloat16" if major >= 8 else "float16"
+    if dtype == "bfloat16" and major < 8 and int(os.environ.get("RANK", 0)) == 0:
+        print(f"note: --dtype bfloat16 on {torch.cuda.get_device_name(device)} (compute capability {major}.{minor}), "
+              f"which has no bfloat16 arithmetic: torch emulates it, several times slower than float16; --dtype auto "
+              f"picks float16 here", file=sys.stderr)
+    return dtype
+
+
+def set_tf32(enabled: bool) -> None:
+    """float32 matrix products and convolutions on an NVIDIA GPU (Ampere and later: A100, H100) in TensorFloat-32:
+    float32's range with a 10-bit mantissa, about 8 times the IEEE float32 rate on the tensor cores. torch's defaults
+    are mixed (TF32 convolutions, IEEE matrix products); this sets both, to TF32 (--tf32, the default) or to IEEE
+    float32 (--no-tf32, to compare a run with the CPU's numbers). It changes nothing on the CPU."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled  # the settings torch 2.5 to 2.13 all read
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
+# How long a process waits in a collective (a barrier) for the others. The master alone draws the synthetic set,
+# builds the caches, validates after every epoch and scores the test split while the others wait at a barrier;
+# torch's default (10 minutes for NCCL) would end a run whose image cache (CLEVR-Change: 80,000 images decoded)
+# or stage 2's feature cache takes longer. A process that truly hangs is still stopped, after this long.
+GROUP_TIMEOUT = datetime.timedelta(hours=2)
+
+
+def loader_workers(num_workers: int, device: torch.device) -> int:
+    """--num_workers as the DataLoaders use it: -1 (auto) is, on a GPU, every CPU this process may use less one
+    (the training process's own), shared between the processes of this machine (LOCAL_WORLD_SIZE under torchrun):
+    a fast GPU eats thousands of pairs a second (BENCHMARKS.md section 8); on the CPU, 4 (a step takes seconds)."""
+    if num_workers >= 0:
+        return num_workers
+    if device.type != "cuda":
+        return 4
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return max(1, data.usable_cpus() // local_processes - 1)
 
 
 # -----------------------------------------------------------------------------
@@ -571,13 +636,21 @@ def batch_plan(dataset, batch_size: int, grad_accum: int, dist_, seed: int, what
     return micro, sampler, steps_per_epoch
 
 
-def epoch_batches(dataset, sampler, epoch: int, done_steps: int, micro: int, grad_accum: int, num_workers: int,
-                  device: torch.device):
-    """An iterator over one epoch's micro-batches, skipping the first `done_steps` optimizer steps (resuming)."""
-    sampler.set_epoch(epoch)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=micro, drop_last=True, num_workers=num_workers,
-                                         sampler=SkipSampler(sampler, done_steps * micro * grad_accum),
-                                         pin_memory=device.type == "cuda")
+def training_loader(dataset, sampler, micro: int, num_workers: int, device: torch.device, collate):
+    """The run's DataLoader of micro-batches, made once: its worker processes persist from epoch to epoch (each
+    epoch's epoch_batches sets the sampler's epoch and skip), and on CUDA its batches are pinned, so that
+    data.to_device copies them without the host waiting. collate: the stage's data.collate_* function."""
+    return torch.utils.data.DataLoader(dataset, batch_size=micro, drop_last=True, num_workers=num_workers,
+                                       sampler=SkipSampler(sampler), collate_fn=collate,
+                                       pin_memory=device.type == "cuda", persistent_workers=num_workers > 0,
+                                       prefetch_factor=4 if num_workers > 0 else None)
+
+
+def epoch_batches(loader, epoch: int, done_steps: int, grad_accum: int):
+    """An iterator over one epoch's micro-batches of a training_loader, skipping the first `done_steps` optimizer
+    steps (resuming)."""
+    loader.sampler.sampler.set_epoch(epoch)
+    loader.sampler.skip = done_steps * loader.batch_size * grad_accum
     return iter(loader)
 
 

@@ -60,6 +60,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
@@ -762,7 +763,7 @@ def ensure_scenes(root: str | os.PathLike, cfg: SynthConfig | None = None) -> Pa
         make_scenes(root, cfg, data.usable_cpus())
     return root
 class SceneSamples(Dataset):
-    """Stage 0: one sample per single scene of a split of make_scenes: {"image": (3, R, R), "caption": (T,)}.
+    """Stage 0: one sample per single scene of a split of make_scenes: {"image": (R, R, 3) uint8, "caption": (T,)}.
 
     In training each sample describes its scene anew, objects in a random order with random synonyms
     (torch's generator); otherwise the description is the canonical one (describe_scene's default).
@@ -787,7 +788,7 @@ class SceneSamples(Dataset):
     def __getitem__(self, i: int) -> dict:
         if self.pixels is None:  # opened in each DataLoader worker, memory-mapped
             self.pixels = np.load(self.array_path, mmap_mode="r")  # (n, R, R, 3) uint8
-        return {"image": clip.normalize(np.array(self.pixels[self.first + i])),
+        return {"image": torch.from_numpy(np.array(self.pixels[self.first + i])),  # (R, R, 3) uint8, as data.ImageReader
                 "caption": data.text_tokens(self.tokenizer, self.description(i), self.max_words)}
 
     def __getstate__(self):  # a worker opens its own memory map

@@ -38,6 +38,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from PIL import Image
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import adapt
 import bench
@@ -650,6 +651,11 @@ def _images(batch=2, seed=1):
     return torch.randn(batch, 3, 64, 64, generator=torch.Generator().manual_seed(seed))
 
 
+def _pixels(batch=2, seed=1):
+    """uint8 pixels (B, 64, 64, 3), as data.ImageReader hands them over."""
+    return torch.randint(0, 256, (batch, 64, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
 def test_with_every_block_intra_image_the_cls_output_is_clips_image_embedding():
     model = _tiny_encoder(intra_layers=4)  # split at the last block: no inter-image layers
     images = _images()
@@ -776,22 +782,26 @@ def test_freeze_stops_exactly_the_references_frozen_clip_parts():
     assert {name for name, p in model.named_parameters() if not p.requires_grad} == set(frozen)
 
 
-def test_frozen_intra_image_blocks_train_from_their_tokens_computed_once_as_from_the_images():
+def test_frozen_intra_image_blocks_train_from_their_tokens_computed_once_as_from_the_images(tmp_path):
     model = _tiny_encoder()
     model.freeze()
     model.freeze(model.intra_image_parts())  # what adapt.py --freeze_intra does
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert not any(name.startswith(f"clip.visual.transformer.resblocks.{i}.") for i in range(3) for name in trainable)
     assert "clip.visual.transformer.resblocks.3.attn.in_proj_weight" in trainable  # the inter-image block trains
-    pixels = dict(zip(["b0", "a0", "d0", "b1", "a1", "d1"], _images(batch=6)))
-    pairs = [data.ImagePair(id=str(i), before=f"b{i}", after=f"a{i}", captions=["x"], distractor=f"d{i}")
-             for i in range(2)]
+    names = ["b0", "a0", "d0", "b1", "a1", "d1"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"")  # the tokens' file is keyed on each image file's size and time
+    pixels = dict(zip([str(tmp_path / name) for name in names], _pixels(batch=6)))
+    pairs = [data.ImagePair(id=str(i), before=str(tmp_path / f"b{i}"), after=str(tmp_path / f"a{i}"), captions=["x"],
+                            distractor=str(tmp_path / f"d{i}")) for i in range(2)]
     cache = data.IntraTokens(model, pairs, pixels.__getitem__, batch_size=4, device=torch.device("cpu"),
-                        ctx=contextlib.nullcontext())
-    assert len(cache.row) == 6 and cache("d1").shape == (N + 1, D)
+                             ctx=contextlib.nullcontext(), cache_dir=tmp_path)
+    assert len(cache.row) == 6 and cache(str(tmp_path / "d1")).shape == (N + 1, D)
     text = torch.randint(1, 900, (2, 8))
     losses = []
-    for source in (pixels.__getitem__, cache):  # the same pairs, from the pixels and from the cached tokens
+    for read in (lambda path: clip.normalize(pixels[path]), cache):  # the same pairs: pixels, cached tokens
+        source = lambda name: read(str(tmp_path / name))
         model.zero_grad()
         out = model(torch.stack([source("d0"), source("b1")]), torch.stack([source("a0"), source("a1")]), text)
         loss = contrastive_loss(out["text_embedding"], out["pair_embedding"], out["logit_scale"])
@@ -806,7 +816,7 @@ def test_frozen_intra_image_blocks_train_from_their_tokens_computed_once_as_from
 def test_intra_tokens_kept_in_a_file_are_read_back_and_a_changed_image_or_intra_weight_computes_them_again(tmp_path):
     model = _tiny_encoder()  # 3 intra-image blocks, 1 inter-image block
     pixels = {}
-    for name, image in zip(["b0", "a0", "d0"], _images(batch=3)):
+    for name, image in zip(["b0", "a0", "d0"], _pixels(batch=3)):
         (tmp_path / f"{name}.png").write_bytes(name.encode())  # the key reads each file's size and time
         pixels[tmp_path / f"{name}.png"] = image
     pairs = [data.ImagePair(id="0", before=tmp_path / "b0.png", after=tmp_path / "a0.png", captions=["x"],
@@ -935,13 +945,6 @@ def test_padding_after_the_caption_does_not_change_logits_at_real_positions():
     logits = decoder(visual, padded, padding)
     assert logits.shape == (2, 9, TINY_DECODER_CONFIG.vocab_size)
     torch.testing.assert_close(logits[:, :5], decoder(visual, caption_in), rtol=0, atol=1e-5)
-
-
-def test_padding_may_not_cover_the_start_token():
-    decoder = tiny_decoder()
-    padding = torch.ones(1, 4, dtype=torch.bool)
-    with pytest.raises(ValueError, match="SOT"):
-        decoder(visual_tokens(1), torch.zeros(1, 4, dtype=torch.long), padding)
 
 
 def test_visual_tokens_of_the_wrong_shape_are_refused_with_the_expected_shape():
@@ -1653,10 +1656,14 @@ def test_stage_1_has_one_sample_per_caption_and_swaps_the_before_image_only_in_t
 def test_stage_1_batches_are_dicts_of_stacked_tensors(clevr_root, synth_tokenizer):
     samples = data.AdaptationSamples(data.read_clevr_change(clevr_root, "train"), synth_tokenizer, train=True,
                                      images=data.ImageReader(32), max_words=12)
-    batch = next(iter(torch.utils.data.DataLoader(samples, batch_size=4)))
+    batch = next(iter(torch.utils.data.DataLoader(samples, batch_size=4, collate_fn=data.collate_text)))
+    longest = max(int((c != clip.PAD_ID).sum()) for c in (samples[i]["caption"] for i in range(4)))
     assert (batch["before"].shape, batch["after"].shape, batch["caption"].shape) == \
-        ((4, 3, 32, 32), (4, 3, 32, 32), (4, 12))
-    assert batch["pair_index"].tolist() == [0, 0, 1, 1]
+        ((4, 32, 32, 3), (4, 32, 32, 3), (4, longest))  # uint8 pixels; captions cut after the last EOT
+    assert batch["before"].dtype == torch.uint8 and batch["pair_index"].tolist() == [0, 0, 1, 1]
+    on_device = data.to_device(batch, torch.device("cpu"), ("before", "after", "caption"))
+    assert set(on_device) == {"before", "after", "caption"} and on_device["before"].shape == (4, 3, 32, 32)
+    assert torch.equal(on_device["after"], clip.normalize(batch["after"]))
 
 
 def test_stage_2_has_one_item_per_pair_with_its_no_change_pair(clevr_root, synth_tokenizer):
@@ -1948,7 +1955,7 @@ def test_stage_0_samples_hold_the_scene_pixels_and_a_description_of_them(tmp_pat
     sample = val[1]
     cfg = synth.SynthConfig()
     expected = synth.scene_pixels([synth.pretrain_objects(7, cfg)], cfg)[0]  # val: after 6
-    torch.testing.assert_close(sample["image"], clip.normalize(expected))
+    assert torch.equal(sample["image"], torch.from_numpy(expected))  # uint8 (R, R, 3), normalised on the device
     assert synth_tokenizer.decode(sample["caption"][1:sample["caption"].argmax()].tolist()).strip() == \
         synth.describe_scene(synth.pretrain_objects(7, cfg))
     assert clip.read_merges(root / data.SYNTH_BPE_FILE) == synth.synth_vocabulary()
@@ -2506,6 +2513,22 @@ def test_a_flags_help_is_its_field_comment_with_the_comment_lines_below_it_in_th
                                                                                  "dtype"))
 
 
+@pytest.mark.parametrize("capability, expected", [((7, 0), "float16"), ((7, 5), "float16"), ((8, 0), "bfloat16"),
+                                                   ((9, 0), "bfloat16")])
+def test_dtype_auto_on_a_gpu_is_bfloat16_only_where_it_is_native(monkeypatch, capsys, capability, expected):
+    # torch.cuda.is_bf16_supported() says True on a V100 (7.0), where bfloat16 is emulated: the capability decides
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-32GB")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert runtime.resolve_dtype("auto", torch.device("cuda")) == expected
+    assert runtime.resolve_dtype("bfloat16", torch.device("cuda")) == "bfloat16"  # asked for: given, with a note
+    note = capsys.readouterr().err
+    if expected == "float16":
+        assert note.count("\n") == 1 and "no bfloat16 arithmetic" in note and "compute capability 7." in note
+    else:
+        assert note == ""
+
+
 def test_dtype_auto_is_float32_on_the_cpu_and_an_unknown_dtype_is_refused_with_the_choices():
     assert runtime.resolve_dtype("auto", torch.device("cpu")) == "float32"
     assert runtime.resolve_dtype("float16", torch.device("cpu")) == "float16"  # the GPU's fp16 path, emulated
@@ -2578,15 +2601,24 @@ def test_an_explain_path_pil_cannot_write_is_refused_before_the_work(capsys):
     assert runtime.parse_config(caption.Config, caption.PRESETS, ["--explain", "why.jpg"]).explain == "why.jpg"
 
 
-def test_a_non_finite_loss_stops_training_but_a_float16_step_gradscaler_skipped_does_not():
-    finite, inf = torch.tensor(2.0), torch.tensor(math.inf)
+def test_a_non_finite_loss_stops_training_at_the_next_check_naming_its_first_step_but_a_skipped_float16_step_does_not():
+    finite, inf, nan = torch.tensor(2.0), torch.tensor(math.inf), torch.tensor(math.nan)
     float32, float16 = (torch.amp.GradScaler("cpu", enabled=e) for e in (False, True))
-    runtime.check_finite(finite, torch.tensor(3.0), float32, False, step=7, lr=1e-3)
-    runtime.check_finite(finite, inf, float16, False, step=7, lr=1e-3)  # overflowed scaled gradients: expected
-    with pytest.raises(runtime.Diverged, match=r"at step 7: loss nan, gradient norm 3, learning rate 0.001.*--lr"):
-        runtime.check_finite(torch.tensor(math.nan), torch.tensor(3.0), float16, False, step=7, lr=1e-3)
+    watch = runtime.DivergenceWatch(float32, ddp=False)
+    watch.add(6, 1e-3, finite, torch.tensor(3.0))
+    watch.check()  # finite: nothing happens, and what was checked is forgotten
+    assert watch.steps == []
+    watch = runtime.DivergenceWatch(float16, ddp=False)
+    watch.add(7, 1e-3, finite, inf)  # overflowed scaled gradients: expected in float16, GradScaler skips the step
+    watch.check()
+    for step, loss in ((7, finite), (8, nan), (9, nan)):  # the loss turns NaN at step 8; the check comes at step 9
+        watch.add(step, 1e-3, loss, torch.tensor(3.0))
+    with pytest.raises(runtime.Diverged, match=r"at step 8: loss nan, gradient norm 3, learning rate 0.001.*--lr"):
+        watch.check()
+    watch = runtime.DivergenceWatch(float32, ddp=False)
+    watch.add(7, 1e-3, finite, inf)
     with pytest.raises(runtime.Diverged, match="at step 7: loss 2, gradient norm inf"):
-        runtime.check_finite(finite, inf, float32, False, step=7, lr=1e-3)
+        watch.check()
 
 
 def test_partial_files_of_killed_processes_are_removed_and_those_of_a_running_one_kept(tmp_path):
@@ -2694,13 +2726,16 @@ def test_a_mixed_precision_step_clips_the_true_gradients_not_the_loss_scaled_one
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # autocast: the weights stay float32
 
 
-def test_a_training_step_reads_the_captions_only_up_to_the_batchs_last_end_of_text_token():
+def test_a_training_batch_holds_the_captions_only_up_to_its_last_end_of_text_token():
     model, optimizer, scaler, step = tiny_adapt_step("float32")
     sot, eot = TINY["vocab_size"] - 2, TINY["vocab_size"] - 1
     caption = torch.zeros(4, 16, dtype=torch.long)  # padded to max_words 16; the longest caption has 5 tokens
     for row, words in enumerate([[5, 7], [9, 4, 3], [8], [6, 2, 11]]):
         caption[row, :len(words) + 2] = torch.tensor([sot, *words, eot])
-    batch = {"before": _images(4, seed=1), "after": _images(4, seed=2), "caption": caption}
+    samples = [{"before": before, "after": after, "caption": c}
+               for before, after, c in zip(_images(4, seed=1), _images(4, seed=2), caption)]
+    batch = data.collate_text(samples)  # what the training DataLoader hands over
+    assert batch["caption"].shape == (4, 5)
     with torch.no_grad():  # the loss of the full padded rows, before the step
         out = model(batch["before"], batch["after"], caption)
         full = contrastive_loss(out["text_embedding"], out["pair_embedding"], out["logit_scale"])
@@ -2815,6 +2850,22 @@ def test_torchrun_with_two_cpu_processes_trains_and_only_rank_0_writes(synth40_r
     assert sorted(p.name for p in out.iterdir()) == ["ckpt_best.pt", "ckpt_last.pt", "config.json", "log.jsonl",
                                                    "test_retrieval.json"]
     assert torch.load(out / "ckpt_last.pt", weights_only=True)["step"] > 0
+
+
+def test_a_compiled_model_trains_under_two_process_ddp_compiled_after_the_wrap(synth40_root, tmp_path):
+    # torch.compile on the CPU needs a C++ compiler (this machine's and CI's gcc); about 45 s on 2 cores
+    out = tmp_path / "compiled"
+    result = run_adapt("--data_root", synth40_root, "--out_dir", out, "--epochs", "1", "--compile", torchrun=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "8 = 4 x 2 processes" in result.stdout and (out / "test_retrieval.json").is_file()
+    assert torch.load(out / "ckpt_last.pt", weights_only=True)["step"] > 0
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:  # the order: DDP first, compiled over it, so that DDP's bucketed all-reduce overlaps the compiled backward
+        one = runtime.Distributed(True, 0, 0, 1, torch.device("cpu"), True)
+        wrapped = adapt.wrap(_tiny_encoder(), adapt.Config(compile=True), one)
+        assert isinstance(wrapped, torch._dynamo.eval_frame.OptimizedModule) and isinstance(wrapped._orig_mod, DDP)
+    finally:
+        dist.destroy_process_group()
 
 
 def pairs_without_distractors(synth_root: Path, folder: Path, per_split: int = 4) -> Path:
@@ -3060,9 +3111,10 @@ def tiny_caption_step(dtype, grad_clip=1.0):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, enabled=dtype == "float16")
     words = torch.randint(1, SOT_ID, (4, 6), generator=torch.Generator().manual_seed(2))
     padding = torch.zeros(4, 2, dtype=torch.long)
-    batch = {"visual": visual_tokens(4),
+    items = {"visual": visual_tokens(4),
              "caption_in": torch.cat([torch.full((4, 1), SOT_ID), words, padding], dim=1),  # (4, 9)
              "caption_out": torch.cat([words, torch.full((4, 1), EOT_ID), padding], dim=1)}  # (4, 9)
+    batch = data.collate_captions([{k: v[i] for k, v in items.items()} for i in range(4)])  # cut to 7 columns
     ctx = cpu_precision(dtype)
     step = lambda: caption.train_step(captioner, optimizer, scaler, [batch], ctx, config, False)
     return captioner, optimizer, scaler, step
@@ -3106,6 +3158,104 @@ def test_a_captioner_step_and_greedy_decoding_make_every_tensor_on_the_models_de
                                       cpu_precision(dtype))
     assert loss.device.type == "cpu" and torch.isfinite(loss)
     assert list(predictions) == ["pair0", "pair1", "pair2"]
+
+
+class HostWaits(TorchDispatchMode):
+    """Records the operations that, on CUDA, make the host wait for the device: a number read back
+    (_local_scalar_dense: .item(), bool(), int(), float()), nonzero and masked_select (their output's size is
+    data), indexing by a boolean mask (a nonzero inside), and a tensor made from host data (lift_fresh:
+    torch.tensor(list), indexing by a Python list), which is copied to the GPU and waited for. On the CPU the
+    same operations run, so they are seen here without a GPU."""
+    WAITS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::nonzero", "aten::masked_select",
+             "aten::lift_fresh", "aten::equal"}
+    INDEXING = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name in self.WAITS or name in self.INDEXING and any(
+                torch.is_tensor(i) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else [])):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def waits_in_a_second_step(step) -> list:
+    """The host waits (HostWaits) of a training step after the first (which makes the optimizer's state)."""
+    step()
+    with HostWaits() as waits:
+        step()
+    return waits.seen
+
+
+def test_attention_maps_are_computed_in_float32_under_autocast():
+    query, keys = torch.randn(2, 4, 3, 8), torch.randn(2, 4, 5, 8)  # (B, H, T, d), (B, H, S, d)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = explain.attention_weights(query, keys)
+    assert under_autocast.dtype == torch.float32
+    assert torch.equal(under_autocast, explain.attention_weights(query, keys))  # not the bf16 product's rounding
+    encoder = _tiny_encoder()
+    before, after = clip.normalize(_pixels(2, 1)), clip.normalize(_pixels(2, 2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        maps = explain.encoder_attention(encoder, before, after)
+    assert maps["intra"].dtype == maps["inter"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_training_step_that_is_not_a_log_step_never_makes_the_host_wait_for_the_device(dtype):
+    ctx, cpu = cpu_precision(dtype), torch.device("cpu")
+    pixels = lambda seed: _pixels(4, seed)  # uint8 (B, R, R, 3), as the DataLoader hands them over
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, enabled=dtype == "float16")
+    watch = runtime.DivergenceWatch(scaler, ddp=False)
+    # stage 1: the batch to the device (normalised there), the step, the divergence watch
+    encoder = _tiny_encoder().train()
+    config1 = adapt.Config(max_words=16)
+    optimizer1 = adapt.build_optimizer(encoder, config1, cpu)
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    ids[:, :4] = torch.tensor([TINY["vocab_size"] - 2, 5, 7, TINY["vocab_size"] - 1])
+    host1 = data.collate_text([{"before": b, "after": a, "caption": c} for b, a, c in zip(pixels(1), pixels(2), ids)])
+
+    def stage1():
+        batch = data.to_device(host1, cpu, (*adapt.IMAGE_KEYS, "caption"))
+        loss, norm = adapt.train_step(encoder, optimizer1, scaler, [batch], ctx, config1, False,
+                                      encoder.clip.logit_scale)
+        watch.add(1, 1e-3, loss, norm)
+    assert waits_in_a_second_step(stage1) == []
+    # stage 2, end to end from pixels (the change pair and the distractor pair), and on cached float16 tokens
+    words = torch.tensor([[5, 7, 9], [4, 3, 0], [8, 0, 0], [6, 2, 1]])  # 0: padding
+    caption_in = torch.cat([torch.full((4, 1), TINY["vocab_size"] - 2), words], 1)  # (4, 4)
+    caption_out = torch.cat([words, torch.zeros(4, 1, dtype=torch.long)], 1)
+    caption_out[torch.arange(4), (words != 0).sum(1)] = TINY["vocab_size"] - 1  # EOT after the last word
+    for finetune in (True, False):
+        config2 = caption.Config(finetune_encoder=finetune, decoder_layers=1, decoder_heads=2, decoder_ffn=64,
+                                 max_words=16)
+        tied = {**TINY, "transformer_width": E}  # the decoder's width is CLIP's text width and joint width
+        torch.manual_seed(0)
+        captioner = caption.build_captioner(config2, PairEncoder(clip.CLIP(clip.CLIPConfig(**tied)), EncoderConfig(3)),
+                                            tied).train()
+        optimizer2 = caption.build_optimizer(captioner, config2)
+        items = [{"caption_in": i, "caption_out": o, "no_change_caption_in": i, "no_change_caption_out": o}
+                 for i, o in zip(caption_in, caption_out)]
+        for k, item in enumerate(items):
+            if finetune:
+                item.update(before=pixels(3)[k], after=pixels(4)[k], distractor=pixels(5)[k])
+            else:
+                item.update(visual=torch.randn(2 * (N + 1), E).half(), no_change_visual=torch.randn(2 * (N + 1), E).half())
+        host2 = data.collate_captions(items)
+
+        def stage2():
+            loss, norm = caption.train_step(captioner, optimizer2, scaler, [data.to_device(host2, cpu)], ctx,
+                                            config2, False)
+            watch.add(1, 1e-3, loss, norm)
+        assert waits_in_a_second_step(stage2) == [], f"finetune_encoder={finetune}"
+    with HostWaits() as waits:  # what the steps did before: a length read back, rows picked by a list, a mask
+        int(ids.argmax(dim=-1).max())
+        host1["before"][:, [0, 5]]
+        ids[ids != 0]
+        bool(torch.isfinite(ids.float()).all())
+    assert waits.seen == ["aten::_local_scalar_dense", "aten::lift_fresh", "aten::index", "aten::_local_scalar_dense"]
 
 
 def test_training_on_cached_features_then_eval_writes_predictions_scores_and_grid(stage1, tmp_path):
@@ -3322,7 +3472,8 @@ def release_captions(path, root) -> dict[str, str]:
     captions = {}
     for pair in data.evaluation_pairs(data.load_split("clevr", "test", root), use_no_change_pair=True):
         with torch.no_grad():
-            visual = pair_encoder.encode_pair(images(pair.before)[None], images(pair.after)[None])["pair_tokens"]
+            before, after = (clip.normalize(images(path)[None]) for path in (pair.before, pair.after))  # (1, 3, R, R)
+            visual = pair_encoder.encode_pair(before, after)["pair_tokens"]
             ids = decoder.greedy_decode(visual, tokenizer.sot_id, tokenizer.eot_id, max_len=32)[0]
         captions[pair.id] = ids_to_text(ids, tokenizer.decode, tokenizer.eot_id)
     return captions
@@ -3465,6 +3616,20 @@ def test_bench_operator_clock_times_every_aten_operator_of_the_forward_and_the_b
     rows = bench.product_rates(clock).splitlines()[1:]  # by time, so in either order
     assert sorted(" ".join(row.split()[:6]) for row in rows) == ["mm (8, 3)ᵀ x (3, 4)ᵀ", "mm (8, 4) x (4, 3)"]
     assert all(float(row.split()[-1]) >= 0 and float(row.split()[-2]) >= 0 for row in rows)  # rates (tiny here)
+
+
+def test_bench_gpu_measures_every_figure_on_the_cpu_at_tiny_sizes_and_writes_them(tmp_path):
+    out = tmp_path / "gpu.json"
+    result = bench.gpu_figures(str(out), tiny=True)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert result["dtype_auto"] == "float32" and result["device"] == "cpu"
+    steps = [f"{stage} {dtype}" for stage in bench.GPU_STEP_BATCH for dtype in ("bfloat16", "float16", "float32")]
+    for name in [*steps, "decoding", "loader image cache", "loader PNG"]:
+        assert "error" not in result[name], (name, result[name])
+    assert all(result[name]["ms_per_step"] > 0 and result[name]["flops_per_step"] > 0 for name in steps)
+    assert result["loader image cache"]["pairs_per_s"] > 0 and result["decoding"]["captions_per_s"] > 0
+    assert bench.gpu_peak("NVIDIA H100 80GB HBM3") == (756, 756) and bench.gpu_peak("NVIDIA H100 SXM5") == (989, 989)
+    assert bench.gpu_peak("Tesla V100-SXM2-32GB") == (None, 125) and bench.gpu_peak("NVIDIA H200") == (989, 989)
 
 
 def test_bench_synth_counts_both_synth_steps_flops_and_their_fraction_of_the_matmul_rate():
