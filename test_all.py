@@ -244,6 +244,22 @@ def test_both_tiny_checkpoints_load_and_reproduce_openais_outputs(filename, expe
     torch.testing.assert_close(model.logit_scale.exp().detach(), expected["logit_scale_exp"])
 
 
+def test_an_archive_traced_from_openais_own_model_loads_and_reproduces_openais_outputs(expected, tiny_tokenizer):
+    path = vectors("clip_vectors", "tiny_openai_traced.pt")  # OpenAI's model, traced and saved by make_tiny_clip.py
+    stored = clip.load_state_dict(vectors("clip_vectors", "tiny_openai_state_dict.pt"), dtype=None)
+    tensors = clip.load_state_dict(path, dtype=None)  # read without running the archive's code
+    assert tensors.keys() == stored.keys()
+    assert all(tensors[k].dtype == stored[k].dtype and torch.equal(tensors[k], stored[k]) for k in stored)
+    model, _ = clip.load(path)
+    tokens = clip.tokenize(expected["texts"], truncate=True, tokenizer=tiny_tokenizer)
+    with torch.no_grad():
+        torch.testing.assert_close(model.encode_image(expected["images"]), expected["encode_image"], **EMBEDDING_TOL)
+        torch.testing.assert_close(model.encode_text(tokens), expected["encode_text"], **EMBEDDING_TOL)
+        logits_per_image, logits_per_text = model(expected["images"], tokens)
+    torch.testing.assert_close(logits_per_image, expected["logits_per_image"], **LOGITS_TOL)
+    torch.testing.assert_close(logits_per_text, expected["logits_per_text"], **LOGITS_TOL)
+
+
 def test_every_intermediate_activation_matches_openais(expected, tiny_archive):
     model, _ = clip.load(tiny_archive)
     images, tokens = expected["images"], expected["text_tokens"]

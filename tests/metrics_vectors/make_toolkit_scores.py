@@ -5,6 +5,10 @@ Run by hand, never by the tests (see README.md beside this file); it needs pycoc
     python tests/metrics_vectors/make_toolkit_scores.py                      # score the corpora kept here
     python tests/metrics_vectors/make_toolkit_scores.py --cut-from FOLDER    # first cut them from the full files
 
+FOLDER holds full <name>.json corpora; those it holds are cut, the others are scored as kept here. Of the
+three, only spot_public.json can be remade from the repository (make_spot.py writes it); README.md beside
+this file says why the other two cannot.
+
 The pipeline is the toolkit's own, as pycocoevalcap.eval.COCOEvalCap.evaluate runs it without SPICE:
 PTBTokenizer (references, then candidates), then Bleu(4), Meteor(), Rouge(), Cider(). Two extra runs of
 the toolkit's METEOR jar with fewer modules (its -m option) give the "exact" and "exact stem" corpus scores,
@@ -115,10 +119,11 @@ def score(items, with_modules=True):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cut-from", type=Path, help="a folder with the full <name>.json corpora to cut first")
+    parser.add_argument("--cut-from", type=Path,
+                        help="a folder with full <name>.json corpora to cut first (those it holds)")
     args = parser.parse_args(argv)
     for name, n in CUTS.items():
-        if args.cut_from:
+        if args.cut_from and (args.cut_from / f"{name}.json").exists():
             full = json.loads((args.cut_from / f"{name}.json").read_text(encoding="utf-8"))
             full["meta"] |= {"cut": f"the first {n or len(full['items'])} of {len(full['items'])} items"}
             write_gz_json(HERE / f"{name}.json.gz", {"meta": full["meta"], "items": full["items"][:n]})
