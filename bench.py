@@ -1200,6 +1200,57 @@ def run_costs(batch_sizes=(1, 2, 4, 8), stages=tuple(COST_STAGES), sizes: CostSi
 
 
 # ---------------------------------------------------------------------------------------------------------
+# residual: the vision tower's residual stream under autocast, bfloat16 or float32 (section 11)
+
+
+def embed_with_residual(dtype: torch.dtype | None):
+    """clip.VisionTransformer.embed with its output, the start of the residual stream, in `dtype` (None: in the
+    dtype of conv1's output, which autocast makes bfloat16; clip.py's own embed makes it float32). Every block
+    adds to the stream in its dtype: x + f(x) of a float32 x and a bfloat16 f(x) is float32."""
+    def embed(self, images):
+        x = self.conv1(images)                                               # (B, D, G, G)
+        x = x.flatten(2).transpose(1, 2).to(dtype or x.dtype)                # (B, N, D)
+        cls = self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)     # (B, 1, D)
+        x = torch.cat([cls, x], dim=1) + self.positional_embedding.to(x.dtype)  # (B, N+1, D)
+        return self.ln_pre(x)
+    return embed
+
+
+def residual_precision(checkpoint: str, data_root: str | None = None, threads: int = 2) -> dict:
+    """A stage-1 checkpoint of the synth preset on the synthetic test split in float32, and under bfloat16 autocast
+    with the vision residual stream in bfloat16 or in float32: each variant's pair embeddings against float32's
+    (relative error of the difference, 1 - cosine) and its test retrieval (adapt.evaluate)."""
+    torch.set_num_threads(threads)
+    model, _ = runtime.load_encoder(checkpoint)
+    config = adapt.Config(**{**adapt.PRESETS["synth"], "data": "synth", "data_root": data_root or "", "num_workers": 0})
+    one = runtime.Distributed(False, 0, 0, 1, torch.device("cpu"), True)
+    splits, tokenizer, images = adapt.read_pairs(config, one)
+    pixels = data.PairImages(splits["test"], images)
+    batch = next(iter(DataLoader(pixels, batch_size=len(pixels))))
+    before, after = clip.normalize(batch["before"]), clip.normalize(batch["after"])  # (B, 3, R, R) each
+    variants = {"float32": (contextlib.nullcontext, None),
+                "bfloat16, residual in bfloat16": (lambda: torch.autocast("cpu", dtype=torch.bfloat16), torch.bfloat16),
+                "bfloat16, residual in float32": (lambda: torch.autocast("cpu", dtype=torch.bfloat16), torch.float32)}
+    original, result, reference = clip.VisionTransformer.embed, {"test pairs": len(pixels)}, None
+    try:
+        for name, (ctx, residual) in variants.items():
+            clip.VisionTransformer.embed = embed_with_residual(residual)
+            with torch.no_grad(), ctx():
+                embedding = model.embed_pair(before, after).float()  # (B, E)
+            reference = embedding if reference is None else reference
+            error = (embedding - reference).norm(dim=-1) / reference.norm(dim=-1)  # (B,)
+            cosine = F.cosine_similarity(embedding, reference, dim=-1)  # (B,)
+            scores = adapt.evaluate(model, splits["test"], tokenizer, images, config, torch.device("cpu"), ctx())
+            result[name] = {"relative_error_median": float(error.median()), "relative_error_max": float(error.max()),
+                            "one_minus_cosine_max": float((1 - cosine).max()),
+                            **{k: round(v, 2) for k, v in scores.items() if k.endswith(("R1", "R5"))}}
+    finally:
+        clip.VisionTransformer.embed = original
+    print(json.dumps(result, indent=2))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------
 # gpu: the prepared GPU measurement (BENCHMARKS.md section 10)
 
 GPU_PEAKS = {  # dense tensor-core TFLOPS in the vendors' data sheets (no sparsity): (bf16, fp16); None: not native
@@ -1467,6 +1518,13 @@ def main(argv=None):
     p.add_argument("--extra", default="", help="flags for both scripts, e.g. '--synth_pairs 40 --epochs 1' (a smoke run)")
     p.add_argument("--repo", default=None, help="the repository to clone (default: the one this file is in)")
     p.set_defaults(run=lambda a: report_first(first_command(a.folder, a.commit, a.avx2, a.extra, a.repo), a.folder))
+
+    p = figure("residual", "bfloat16 autocast against float32 on the CPU, the vision residual stream in bfloat16 or "
+                           "float32: pair-embedding error and test retrieval of a synth stage-1 checkpoint (JSON)")
+    p.add_argument("checkpoint", help="a stage-1 checkpoint of the synth preset, e.g. runs/adapt_synth/ckpt_best.pt")
+    p.add_argument("--data_root", default=None, help="the synthetic set's folder (default: data/synth)")
+    p.add_argument("--threads", **threads)
+    p.set_defaults(run=lambda a: residual_precision(a.checkpoint, a.data_root, a.threads))
 
     p = figure("gpu", "the prepared GPU measurement, about 5 minutes on one GPU: the GPU and the dtype auto picks, "
                       "each stage's step at the papers' sizes in bf16, fp16 and TF32 (MFU, peak memory), the loader, "

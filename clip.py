@@ -19,7 +19,8 @@ What differs from the reference:
   - batch-first tensors (B, L, D) everywhere; OpenAI's blocks are sequence-first (L, B, D);
   - attention through torch.nn.functional.scaled_dot_product_attention (is_causal for the text tower)
     instead of nn.MultiheadAttention with an explicit -inf mask; the parameters keep its names;
-  - weights stay float32 (OpenAI converts them to fp16 on GPU); mixed precision is autocast's job;
+  - weights stay float32 (OpenAI converts them to fp16 on GPU); mixed precision is autocast's job, and both
+    towers' residual streams stay float32 under it (the blocks' products run in bf16/fp16);
   - a weights file is read without running it (see "What is trusted"); there is no jit=True mode;
   - the tokenizer reads any merges file in OpenAI's format, so a small dataset can bring a small
     vocabulary (the synthetic dataset does); with OpenAI's file it is OpenAI's tokenizer, id for id.
@@ -266,7 +267,10 @@ class VisionTransformer(nn.Module):
         R = self.input_resolution
         assert images.ndim == 4 and tuple(images.shape[1:]) == (3, R, R), \
             f"expected images of shape (B, 3, {R}, {R}), got {tuple(images.shape)}"
-        x = self.conv1(images)                                        # (B, D, G, G)
+        # differs from reference: the residual stream starts in float32 also under autocast (conv1 gives bf16 or
+        # fp16 there), as the text tower's does: each block adds its bf16 output to a float32 stream. On the
+        # synthetic test split this halves the bf16 pair embeddings' error (BENCHMARKS.md section 11)
+        x = self.conv1(images).float()                                # (B, D, G, G)
         x = x.flatten(2).transpose(1, 2)                              # (B, N, D), patches row-major
         cls = self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)  # (B, 1, D)
         x = torch.cat([cls, x], dim=1)                                # (B, N+1, D)

@@ -3206,6 +3206,15 @@ def waits_in_a_second_step(step) -> list:
     return waits.seen
 
 
+def test_under_autocast_the_vision_residual_stream_stays_float32_as_the_text_towers():
+    model = _tiny_encoder()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        embedded = model.clip.visual.embed(clip.normalize(_pixels(2, 1)))
+        intra = model.intra_image(clip.normalize(_pixels(2, 1)))
+        text = model.clip.transformer(model.clip.token_embedding(torch.tensor([[5, 7]])), causal=True)
+    assert embedded.dtype == intra.dtype == text.dtype == torch.float32
+
+
 def test_attention_maps_are_computed_in_float32_under_autocast():
     query, keys = torch.randn(2, 4, 3, 8), torch.randn(2, 4, 5, 8)  # (B, H, T, d), (B, H, S, d)
     with torch.autocast("cpu", dtype=torch.bfloat16):
