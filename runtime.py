@@ -6,8 +6,10 @@ you can read top to bottom:
 
 - `parse_config`: argparse built from the script's `Config` dataclass. Each field is a flag; the comment
   after the field is its --help text; a dataset preset is applied before the command-line flags.
-- `Distributed` and `resolve_dtype`: what a script's own DDP set-up fills in, and the precision 'auto' means
-  (the set-up itself, `init_process_group`, autocast and the GradScaler, is written out in each script).
+- `Distributed`, `resolve_dtype`, `set_tf32`, `GROUP_TIMEOUT`, `loader_workers`: what a script's own DDP set-up
+  fills in, the precision 'auto' means (by the GPU's compute capability), TF32, how long a process waits for the
+  master, how many loader processes 'auto' means (the set-up itself, `init_process_group`, autocast and the
+  GradScaler, is written out in each script).
 - `save_checkpoint` / `load_checkpoint`: one dict per checkpoint, written atomically (temporary file, fsync,
   rename), read back with `torch.load(weights_only=True)` so a checkpoint can never run code; `load_encoder`:
   a stage-1 pair encoder from adapt.py's checkpoint or from a CLIP4IDC release file (the reference's weights);
@@ -16,11 +18,13 @@ you can read top to bottom:
   bad data), a diverged run and Ctrl-C printed as one line; any other exception, a bug or an out-of-memory,
   keeps its traceback.
 - `check_settings`, `check_device`, `check_length`: a Config's values checked before any work, so a bad flag
-  fails at once; `check_config`: what --resume refuses to change; `DivergenceWatch`: a run stops where it diverges.
+  fails at once; `check_config`: what --resume refuses to change; `DivergenceWatch`: a diverged run stops at the
+  next log step, naming the step where it diverged, without a wait for the GPU in every step.
 - `rng_state` / `set_rng_state`: Python, NumPy and torch generators as plain tensors and lists, so that a
   resumed run draws the same numbers it would have drawn.
-- `batch_plan`, `epoch_batches`, `SkipSampler`: the global batch split over processes and accumulation, and one
-  epoch's micro-batches, resumed part-way through when a run was interrupted.
+- `batch_plan`, `training_loader`, `epoch_batches`, `SkipSampler`: the global batch split over processes and
+  accumulation, the run's one DataLoader (persistent workers, pinned batches), and one epoch's micro-batches,
+  resumed part-way through when a run was interrupted.
 - `Progress` and `JsonlLog`: one progress line with an ETA, and a JSON-lines log of every logged step.
 - `keep_freed_memory`: glibc keeps freed blocks for reuse, so a CPU training step does not page-fault.
 

@@ -2866,6 +2866,14 @@ def test_torchrun_with_two_cpu_processes_trains_and_only_rank_0_writes(synth40_r
     assert sorted(p.name for p in out.iterdir()) == ["ckpt_best.pt", "ckpt_last.pt", "config.json", "log.jsonl",
                                                    "test_retrieval.json"]
     assert torch.load(out / "ckpt_last.pt", weights_only=True)["step"] > 0
+    evaluated = run_adapt("--data_root", synth40_root, "--out_dir", out, "--eval", torchrun=True)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert evaluated.stdout.count("test retrieval of") == 1  # rank 0 alone scores the test split; rank 1 waits
+    rank1 = runtime.Distributed(True, 1, 1, 2, torch.device("cpu"), False)
+    missing = adapt.Config(checkpoint=str(tmp_path / "missing.pt"))  # read by rank 0 only: rank 1 opens nothing
+    adapt.evaluate_checkpoint(missing, rank1, contextlib.nullcontext(), tmp_path)
+    caption.evaluate(caption.Config(), rank1, contextlib.nullcontext(), tmp_path / "none", None, None, None, tmp_path)
+    assert not (tmp_path / "test_retrieval.json").exists() and not (tmp_path / "test_predictions.json").exists()
 
 
 def test_a_compiled_model_trains_under_two_process_ddp_compiled_after_the_wrap(synth40_root, tmp_path):
