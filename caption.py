@@ -770,7 +770,7 @@ def main(argv=None):
         config, best, best_path = load_trained(config, out_dir)
     release = best is not None and release_stage(best) == 2
     if release and config.dtype == "auto":  # the reference decodes in float32 (its CLIP in fp16): bf16 autocast
-        config = dataclasses.replace(config, dtype="float32")  # on a GPU would flip its near-ties (BENCHMARKS 11)
+        config = dataclasses.replace(config, dtype="float32")  # on a GPU would flip its near-ties (BENCHMARKS.md section 12)
     dist_, dtype, ctx, scaler = setup(config)
     config = dataclasses.replace(config, num_workers=runtime.loader_workers(config.num_workers, dist_.device))
     runtime.seed_everything(config.seed + dist_.rank)
