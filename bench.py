@@ -1,11 +1,11 @@
-"""Every timing that BENCHMARKS.md quotes, measured on the CPU: one function per figure, one subcommand each.
+"""The timings BENCHMARKS.md quotes but those of sections 9, 10 and 12: one function per figure, one subcommand each.
 
 A reader of the concept files should see the concept, not the stopwatch, so the timings live here, apart,
 as nanoGPT keeps its bench.py apart from model.py and train.py. This file imports the concept files (clip,
 decoder, encoder, adapt, caption, runtime) and none of them imports it. BENCHMARKS.md quotes the figures
 printed here, each section with the command that printed it.
 
-Every figure builds its model at full size, the shape of OpenAI's ViT-B/32 (vision width D = 768, 12 blocks)
+Each figure that times a model builds it at full size, the shape of OpenAI's ViT-B/32 (vision width D = 768, 12 blocks)
 and of the reference's caption decoder (E = 512, V = 49408, 3 + 3 layers), with random weights: how long a
 step takes does not depend on what the weights are. Each sets its number of torch threads (2, the cores of
 the machine BENCHMARKS.md was measured on) and, but for clip, its seed; it warms up, and reports the fastest of
@@ -23,7 +23,7 @@ figures in BENCHMARKS.md; smaller values (see each subcommand's --help) make a s
   caption   stage 2 through caption.py's captioner: encoding pairs, decoding (cached and recomputed),
             a training step on cached features, and what they make of CLEVR-Change's splits; JSON  section 4
   metrics   metrics.py on a CLEVR-Change-sized corpus, the whole process, next to the Java toolkit   section 6
-  load      stage-1 training batches: PNG decoding against the uint8 cache, 0 and 2 workers         section 7
+  load      stage-1 training batches through DataLoader workers: from PNGs and from the uint8 cache  section 7
   draw      drawing the synthetic dataset: pairs/s and pairs per CPU second                          section 7
   kinds     the kind of change each test caption of a caption.py run says, by keywords, per true kind
             (--confusion: true kind -> said kind), and the run's pointing game                      section 1
@@ -31,6 +31,10 @@ figures in BENCHMARKS.md; smaller values (see each subcommand's --help) make a s
             time and peak memory, the phases, the steps' ms, CPU flags, md5 of both outputs, kinds  section 1
   cost      each stage at the papers' sizes: FLOPs per training pair, activation memory per batch size,
             the datasets' disk caches, and the GPU hours that follow from them (estimates); JSON    section 8
+  gpu       on one GPU: the dtype auto picks, each stage's step at the papers' sizes in bf16, fp16
+            and TF32 (MFU, peak memory), the loader, decoding, torchrun, --resume, --compile; JSON  section 11
+  residual  bf16 autocast against float32, the vision residual stream in bf16 or float32: the pair
+            embeddings' error and the test retrieval of a synth stage-1 checkpoint; JSON            section 11
 
 Run:  python bench.py clip [--bpe-path FILE]       (the vocabulary from --bpe-path, CLIP_BPE_PATH or the cache)
       python bench.py decoder [--dtype bfloat16]   (about 2 minutes at the defaults)
@@ -38,12 +42,14 @@ Run:  python bench.py clip [--bpe-path FILE]       (the vocabulary from --bpe-pa
       python bench.py caption
       python bench.py synth [--profile 3]
       python bench.py metrics [--runs 3] [--variants "paraphrase index"] [--no-toolkit]
-      python bench.py load --root /tmp/bench_synth --batches 40
-      python bench.py draw /tmp/gen1 --pairs 2000 [--workers 2]
+      python bench.py load [--root DIR] [--workers 2]   (DIR: a synthetic set, drawn if missing)
+      python bench.py draw DIR --pairs 2000 [--workers 2]   (DIR must not exist)
       python bench.py kinds runs/caption_synth [--confusion] [--data synth] [--data_root DIR]
-      python bench.py first /tmp/first [--commit C] [--avx2]   (15-40 minutes; logs and summary.json in /tmp/first)
-      python bench.py first /tmp/smoke --extra "--synth_pairs 40 --epochs 1"   (flags for both scripts: a smoke run)
-      python bench.py cost [--batch-sizes 1 2 4 8]   (about 10 minutes; --tiny: a smoke run)
+      python bench.py first OUT_DIR [--commit C] [--avx2]   (10-20 minutes on 2 cores; logs and summary.json in OUT_DIR)
+      python bench.py first OUT_DIR --extra "--synth_pairs 40 --epochs 1"   (flags for both scripts: a smoke run)
+      python bench.py cost [--batch-sizes 1 2 4 8]   (about 20 minutes on 2 cores; --tiny: a smoke run)
+      python bench.py gpu [--out bench_gpu.json]   (about 5 minutes on one GPU; --tiny: a tiny CLIP on the CPU)
+      python bench.py residual runs/adapt_synth/ckpt_best.pt   (after the first command; about a minute)
       python bench.py decoder --batch-decode 2 --steps 2 --batch-train 2 --length 4 --repeats 1   (a smoke run)
       python bench.py FIGURE --help                (the flags of one figure)
 
@@ -1251,7 +1257,7 @@ def residual_precision(checkpoint: str, data_root: str | None = None, threads: i
 
 
 # ---------------------------------------------------------------------------------------------------------
-# gpu: the prepared GPU measurement (BENCHMARKS.md section 10)
+# gpu: the prepared GPU measurement (BENCHMARKS.md section 11)
 
 GPU_PEAKS = {  # dense tensor-core TFLOPS in the vendors' data sheets (no sparsity): (bf16, fp16); None: not native
     "H200": (989, 989), "H100 SXM": (989, 989), "H100 NVL": (835, 835), "H100 PCIe": (756, 756), "H100": (756, 756),
@@ -1348,7 +1354,7 @@ def torchrun_tiny(folder: Path, device: torch.device) -> dict:
 
 
 def gpu_figures(out: str, tiny: bool = False, steps: int = 10) -> dict:
-    """Everything BENCHMARKS.md section 10 needs from one GPU, in one command (about 5 minutes on one): the GPU,
+    """Everything BENCHMARKS.md section 11 needs from one GPU, in one command (about 5 minutes on one): the GPU,
     its peak and the dtype --dtype auto picks; each stage's step at the papers' sizes (random weights: the speed
     and memory do not depend on them) in bfloat16, float16 and TF32 float32, with MFU and peak memory against
     bench.py cost's estimate; the loader's pairs/s with this machine's cores; greedy decoding; a 1-process

@@ -132,7 +132,7 @@ class Config:
                                    # CUDA_VISIBLE_DEVICES
     dtype: str = "auto"            # precision of the products: auto is bfloat16 autocast on a GPU that computes it
                                    # natively (compute capability >= 8.0: A100, H100), float16 autocast with a loss
-                                   # scaler on an older one (V100, T4), float32 on the CPU and for a release's weights;
+                                   # scaler on an older one (V100, T4), float32 on the CPU and when a release decodes;
                                    # or float32, bfloat16, float16. The weights stay float32
     tf32: bool = True              # float32 on a GPU (--dtype float32): matrix products and convolutions in
                                    # TensorFloat-32 on A100/H100, about 8x IEEE float32's rate; --no-tf32 for IEEE
@@ -770,7 +770,7 @@ def main(argv=None):
         config, best, best_path = load_trained(config, out_dir)
     release = best is not None and release_stage(best) == 2
     if release and config.dtype == "auto":  # the reference decodes in float32 (its CLIP in fp16): bf16 autocast
-        config = dataclasses.replace(config, dtype="float32")  # on a GPU would flip its near-ties (BENCHMARKS 11)
+        config = dataclasses.replace(config, dtype="float32")  # on a GPU would flip its near-ties (BENCHMARKS.md section 12)
     dist_, dtype, ctx, scaler = setup(config)
     config = dataclasses.replace(config, num_workers=runtime.loader_workers(config.num_workers, dist_.device))
     runtime.seed_everything(config.seed + dist_.rank)

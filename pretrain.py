@@ -8,8 +8,10 @@ with CLIP itself (SceneCLIP) in place of the pair encoder and one image in place
 CLIP-style zero-shot classification of held-out objects and by writing the weights in OpenAI's names and
 format: the file assets/synth-ViT-32.pt that clip.MODELS names "synth-ViT/32" and adapt.py's synth preset adapts.
 
-Run:  python pretrain.py                      rebuild the synthetic CLIP (draws data/synth_scenes on first use;
-                                              about 20 minutes of training on one core: README, "The synthetic run")
+Run:  python pretrain.py                      train a synthetic CLIP (draws data/synth_scenes on first use; about
+                                              20 minutes of training on one core). The shipped file came from this
+                                              loop's earlier home, adapt.py --data scenes; pretrain.py wrote the same
+                                              file on a tiny preset, and has not been run at full size (BENCHMARKS 1)
       torchrun --standalone --nproc_per_node=2 pretrain.py
       python pretrain.py --resume             continue an interrupted run from out_dir/ckpt_last.pt
 
