@@ -1344,10 +1344,10 @@ def torchrun_tiny(folder: Path, device: torch.device) -> dict:
         start = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
                                *command], cwd=Path(__file__).resolve().parent, env=env, capture_output=True, text=True)
-        lines = (done.stdout + done.stderr).strip().splitlines()
+        lines = (done.stdout if done.returncode == 0 else done.stderr).strip().splitlines()
         results[name] = {"exit_status": done.returncode, "seconds": round(time.perf_counter() - start, 1),
                          "last_line": lines[-1] if lines else "",
-                         "resumed": any(line.startswith("resumed ") for line in lines)}
+                         "resumed": any(line.startswith("resumed ") for line in done.stdout.splitlines())}
     results["files"] = sorted(str(p.relative_to(folder)) for p in folder.glob("*/*")
                               if p.suffix in (".pt", ".json") and p.parent.name in ("adapt", "caption"))
     return results
