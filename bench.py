@@ -1259,10 +1259,11 @@ def residual_precision(checkpoint: str, data_root: str | None = None, threads: i
 # ---------------------------------------------------------------------------------------------------------
 # gpu: the prepared GPU measurement (BENCHMARKS.md section 11)
 
-GPU_PEAKS = {  # dense tensor-core TFLOPS in the vendors' data sheets (no sparsity): (bf16, fp16); None: not native
-    "H200": (989, 989), "H100 SXM": (989, 989), "H100 NVL": (835, 835), "H100 PCIe": (756, 756), "H100": (756, 756),
-    "A100": (312, 312), "A10": (125, 125), "L40S": (362, 362), "L4": (121, 121), "V100": (None, 125),
-    "T4": (None, 65)}
+GPU_PEAKS = {  # dense tensor-core TFLOPS in the vendors' data sheets (no sparsity): (bf16, fp16); None: not native.
+    # The first key whose words are all in torch.cuda.get_device_name() wins: the longer names come first
+    "H200": (989, 989), "H100 PCIe": (756, 756), "H100 NVL": (835, 835), "H100": (989, 989),  # H100: SXM (HBM3)
+    "A100": (312, 312), "A10": (125, 125), "L40S": (362, 362), "L40": (181, 181), "L4": (121, 121),
+    "V100": (None, 125), "T4": (None, 65)}
 GPU_STEP_BATCH = {"stage1": 128, "stage2_cached": 16, "stage2_finetune": 16}  # the clevr presets' global batches
 # bench.py cost's float32 estimate at those batches (BENCHMARKS.md section 8): activations, weights, gradients, AdamW
 COST_ESTIMATE_GB = {"stage1": 11.0, "stage2_cached": 1.4, "stage2_finetune": 5.0}
@@ -1270,7 +1271,7 @@ COST_ESTIMATE_GB = {"stage1": 11.0, "stage2_cached": 1.4, "stage2_finetune": 5.0
 
 def gpu_peak(name: str) -> tuple:
     """(bf16, fp16) peak TFLOPS of the GPU named `name` (torch.cuda.get_device_name), (None, None) if unknown."""
-    for key, peaks in GPU_PEAKS.items():  # longest names first in the table: "H100 SXM" before "H100"
+    for key, peaks in GPU_PEAKS.items():
         if all(word in name for word in key.split()):
             return peaks
     return None, None

@@ -3661,8 +3661,9 @@ def test_bench_gpu_measures_every_figure_on_the_cpu_at_tiny_sizes_and_writes_the
         assert "error" not in result[name], (name, result[name])
     assert all(result[name]["ms_per_step"] > 0 and result[name]["flops_per_step"] > 0 for name in steps)
     assert result["loader image cache"]["pairs_per_s"] > 0 and result["decoding"]["captions_per_s"] > 0
-    assert bench.gpu_peak("NVIDIA H100 80GB HBM3") == (756, 756) and bench.gpu_peak("NVIDIA H100 SXM5") == (989, 989)
+    assert bench.gpu_peak("NVIDIA H100 80GB HBM3") == (989, 989) and bench.gpu_peak("NVIDIA H100 PCIe") == (756, 756)
     assert bench.gpu_peak("Tesla V100-SXM2-32GB") == (None, 125) and bench.gpu_peak("NVIDIA H200") == (989, 989)
+    assert bench.gpu_peak("NVIDIA A100-SXM4-80GB") == (312, 312) and bench.gpu_peak("NVIDIA A10G") == (125, 125)
 
 
 def test_bench_synth_counts_both_synth_steps_flops_and_their_fraction_of_the_matmul_rate():
