@@ -194,7 +194,7 @@ def build_clip(config: Config, vocab_size: int) -> clip.CLIP:
     if clip_model.config.vocab_size != vocab_size:
         raise runtime.ConfigError(f"{config.clip_model} has a vocabulary of {clip_model.config.vocab_size} tokens "
                                   f"but the {config.data} dataset's tokenizer has {vocab_size}; use the model's "
-                                  f"vocabulary file")
+                                  f"vocabulary file" + runtime.vocabulary_hint())
     runtime.check_length("max_words", config.max_words, 3, clip_model.config.context_length,
                          f"{config.clip_model}'s text tower has {clip_model.config.context_length} positions")
     return clip_model
@@ -485,7 +485,8 @@ def evaluate_checkpoint(config: Config, dist_, ctx, out_dir: Path) -> None:
                                            model.clip.visual.input_resolution)
     if tokenizer.vocab_size != model.clip.config.vocab_size:
         raise runtime.ConfigError(f"{path} has a vocabulary of {model.clip.config.vocab_size} tokens but the "
-                                  f"{config.data} dataset's tokenizer has {tokenizer.vocab_size}")
+                                  f"{config.data} dataset's tokenizer has {tokenizer.vocab_size}"
+                                  + runtime.vocabulary_hint(tokenizer))
     scores = evaluate(model.to(dist_.device), splits["test"], tokenizer, images, config, dist_.device, ctx)
     runtime.save_json({"checkpoint": str(path), **scores}, out_dir / "test_retrieval.json")
     print(f"test retrieval of {path}:\n{retrieval_table(scores)}")

@@ -791,7 +791,7 @@ def main(argv=None):
     if tokenizer.vocab_size != stage1.encoder.clip.config.vocab_size:
         raise runtime.ConfigError(f"the tokenizer of {config.data} has {tokenizer.vocab_size} tokens but the stage-1 "
                                   f"model {stage1.path} has {stage1.encoder.clip.config.vocab_size}: it was trained "
-                                  f"on another dataset")
+                                  f"on another dataset" + runtime.vocabulary_hint(tokenizer))
     if release:  # the reference's decoder, sized from its tensors and loaded strictly
         captioner = Captioner(release_decoder(best, 2 * (stage1.encoder.n_patches + 1)), None, clip.PAD_ID)
     else:

@@ -60,10 +60,13 @@ H, W height and width of a stored image (320 x 480 for CLEVR-Change and the synt
 N+1 tokens per image and D vision width (encoder.py's intra-image tokens).
 """
 import argparse
+import errno
 import gzip
 import hashlib
 import json
+import multiprocessing
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -93,6 +96,45 @@ CHANGE_BOXES_FILE = "change_captions_with_bbox.json"  # RCC's file of the change
 
 class DataError(ValueError):
     """Bad or missing input data; the message says what, where and how to fix it."""
+
+
+class DiskFull(OSError):
+    """Not enough free space for a file this project writes; the message says how much it needs, and where."""
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a full quota
+
+
+def size_text(size: int) -> str:
+    """Bytes for a person: '18.1 GB', '340.0 MB', '12 bytes'."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} bytes"
+
+
+def no_space(what: Path, folder: Path, needed: int, fix: str) -> DiskFull:
+    """The DiskFull to raise when `what` (needed bytes) does not fit in `folder`."""
+    try:
+        free = f"{size_text(shutil.disk_usage(folder).free)} free"
+    except OSError:
+        free = "free space unknown"
+    return DiskFull(f"not enough space for {what}: it needs {size_text(needed)}, {folder} has {free}; {fix}")
+
+
+def reserve_space(file, size: int, what: Path, fix: str) -> None:
+    """Check that `size` bytes fit beside the open file `file` (its folder's free space), then reserve them
+    (os.posix_fallocate, where the system has it): a disk that fills later cannot take them. DiskFull otherwise."""
+    folder = Path(what).parent
+    if shutil.disk_usage(folder).free < size - os.fstat(file.fileno()).st_blocks * 512:
+        raise no_space(what, folder, size, fix)
+    if hasattr(os, "posix_fallocate"):
+        try:
+            os.posix_fallocate(file.fileno(), 0, size)
+        except OSError as error:
+            if error.errno in NO_SPACE:
+                raise no_space(what, folder, size, fix) from None
+            # EOPNOTSUPP, EINVAL: a file system without it; the free space was checked above
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -511,16 +553,34 @@ def image_cache(pairs: list[ImagePair], cache_dir: str | os.PathLike, name: str,
     array_path, index_path = cache_dir / f"{name}_{image_size}.npy", cache_dir / f"{name}_{image_size}.json"
     stamp = fingerprint(paths, image_size)
     if array_path.is_file() and index_path.is_file():
-        index = json.loads(index_path.read_text(encoding="utf-8"))
-        if index["fingerprint"] == stamp and index["paths"] == [str(p) for p in paths]:
-            return ImageCache(array_path, index["paths"])
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(cache_dir)
-    partial = array_path.with_suffix(f".partial-{os.getpid()}.npy")
+        problem = cache_problem(array_path, index_path, stamp, [str(p) for p in paths], image_size)
+        if problem is None:
+            return ImageCache(array_path, [str(p) for p in paths])
+        if problem:  # damaged, not merely out of date
+            print(f"image cache {array_path}: {problem}; building it again", file=sys.stderr)
+    fix = "free some space there, or train with --no-image_cache (every image is decoded instead)"
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_partials(cache_dir)
+        partial = array_path.with_suffix(f".partial-{os.getpid()}.npy")
+        partial.unlink(missing_ok=True)
+    except OSError as error:
+        raise unwritable_cache(cache_dir, error) from None
     pixels = loader = None
     try:  # an error or an interrupt (Ctrl-C) anywhere from here on leaves no partial file behind
-        pixels = np.lib.format.open_memmap(partial, mode="w+", dtype=np.uint8,
-                                           shape=(len(paths), image_size, image_size, 3))  # (n, R, R, 3)
+        try:
+            pixels = np.lib.format.open_memmap(partial, mode="w+", dtype=np.uint8,
+                                               shape=(len(paths), image_size, image_size, 3))  # (n, R, R, 3)
+            # the whole file's blocks, reserved before a byte is written: a disk that fills while the cache is
+            # built would otherwise end the process with SIGBUS ("Bus error") at the first page without a block
+            with open(partial, "r+b") as file:
+                reserve_space(file, os.fstat(file.fileno()).st_size, array_path, fix)
+        except DiskFull:
+            raise
+        except OSError as error:
+            if error.errno in NO_SPACE:
+                raise no_space(array_path, cache_dir, cache_bytes(len(paths), image_size), fix) from None
+            raise unwritable_cache(cache_dir, error) from None
         # a generator of its own: iterating a DataLoader draws a seed from the global generator, so building the
         # cache (first run) or not (later runs) would otherwise change every random number of the training after it
         workers = usable_cpus() if workers is None else workers
@@ -535,18 +595,69 @@ def image_cache(pairs: list[ImagePair], cache_dir: str | os.PathLike, name: str,
         pixels.flush()
         pixels = None
         os.replace(partial, array_path)
+        # the index last, atomically: an index beside an array always describes a whole array
+        index = json.dumps({"image_size": image_size, "fingerprint": stamp, "paths": [str(p) for p in paths]})
+        index_partial = index_path.with_suffix(f".partial-{os.getpid()}.json")
+        try:
+            index_partial.write_text(index, encoding="utf-8")
+            os.replace(index_partial, index_path)
+        except OSError as error:
+            index_partial.unlink(missing_ok=True)
+            if error.errno in NO_SPACE:
+                raise no_space(index_path, cache_dir, len(index), fix) from None
+            raise
     except BaseException:
         pixels = loader = None  # the memory map and the workers let go of the file first
         partial.unlink(missing_ok=True)
         raise
-    index_path.write_text(json.dumps({"image_size": image_size, "fingerprint": stamp,
-                                      "paths": [str(p) for p in paths]}), encoding="utf-8")
     return ImageCache(array_path, [str(p) for p in paths])
 
 
+def cache_bytes(n: int, image_size: int) -> int:
+    """The size of an image cache of n images without its header (a few hundred bytes)."""
+    return n * image_size * image_size * 3
+
+
+def unwritable_cache(cache_dir: Path, error: OSError) -> DataError:
+    """The one-line error of an image cache that cannot be written (a read-only data folder)."""
+    return DataError(f"cannot write the image cache in {cache_dir} ({error.strerror or error}); train with "
+                     f"--no-image_cache (every image is decoded instead), or copy the dataset to a writable "
+                     f"folder and pass --data_root")
+
+
+def cache_problem(array_path: Path, index_path: Path, stamp: str, paths: list[str], image_size: int) -> str | None:
+    """None when the cache at array_path with its index is whole and describes these files; "" when it describes
+    other files or sizes (out of date); else what is damaged: an index that does not parse, an array whose
+    header or size does not match (a copy cut short, a disk that filled)."""
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+        if not isinstance(index, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as error:
+        return f"its index {index_path} is damaged ({error})"
+    if index.get("fingerprint") != stamp or index.get("paths") != paths:
+        return ""
+    try:
+        with open(array_path, "rb") as file:
+            version = np.lib.format.read_magic(file)
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                np.lib.format.read_array_header_2_0
+            shape, _, dtype = read_header(file)
+            size = file.tell() + int(np.prod(shape)) * dtype.itemsize
+            actual = os.fstat(file.fileno()).st_size
+    except (OSError, ValueError) as error:
+        return f"its header is damaged ({error})"
+    if shape != (len(paths), image_size, image_size, 3) or dtype != np.uint8:
+        return f"it holds {shape} {dtype}, not {len(paths)} images of {image_size} x {image_size}"
+    if actual != size:
+        return f"it has {actual:,} bytes, its header says {size:,} (cut short?)"
+    return None
+
+
 def remove_stale_partials(cache_dir: Path) -> None:
-    """Remove the partial caches (*.partial-PID.npy) that a killed process left: their PID runs no more."""
-    for partial in cache_dir.glob("*.partial-*.npy"):
+    """Remove the partial caches and indexes (*.partial-PID.npy, .json) that a killed process left: their PID runs
+    no more."""
+    for partial in [*cache_dir.glob("*.partial-*.npy"), *cache_dir.glob("*.partial-*.json")]:
         pid = partial.suffixes[-2].removeprefix(".partial-")
         if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
             partial.unlink(missing_ok=True)
@@ -659,12 +770,28 @@ class IntraTokens:
             shared = [file]
             dist.broadcast_object_list(shared, src=0)
             file = shared[0]
-        self.read_from = file if file.is_file() else None
-        if self.read_from is None and (dist_ is None or dist_.master):
+        master = dist_ is None or dist_.master
+        self.read_from = file if file.is_file() and (not master or self.readable(file, len(paths))) else None
+        if self.read_from is None and master:
             self.compute(model, paths, images, batch_size, device, ctx, file)
         if dist_ is not None and dist_.ddp:
             dist.barrier()
         self.tokens = torch.load(file, weights_only=True, mmap=True)  # (images, N+1, D), a plain tensor
+
+    @staticmethod
+    def readable(file: Path, images: int) -> bool:
+        """Whether the tokens kept in file read back whole, one row per image; a damaged file (a copy cut short)
+        is said so on stderr, and computed again."""
+        try:
+            tokens = torch.load(file, weights_only=True, mmap=True)
+            if not torch.is_tensor(tokens) or tokens.dim() != 3 or len(tokens) != images:
+                raise ValueError(f"it holds {type(tokens).__name__} {tuple(getattr(tokens, 'shape', ()))}, "
+                                 f"not {images} images' tokens")
+            return True
+        except Exception as error:  # torch.load's errors of a damaged zip are RuntimeErrors
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:120]
+            print(f"intra-image tokens {file} are damaged ({reason}): computing them again", file=sys.stderr)
+            return False
 
     @staticmethod
     def compute(model: torch.nn.Module, paths: list, images, batch_size: int, device, ctx, file: Path) -> None:
@@ -933,33 +1060,51 @@ PUBLISHED = {  # (pairs, references) per split as the datasets publish them; Non
     "ier": {"train": (3_061, 3_061), "val": (383, 1_149), "test": (495, 1_485)},        # 5.3
 }
 CLEVR_IDS_IN_NO_SPLIT = 197     # CLEVR-Change's captioned ids that its splits.json leaves out (REFERENCE 5.1)
-IMAGE_ENDS = {"PNG": b"IEND\xaeB`\x82", "JPEG": b"\xff\xd9"}  # how a complete file of each format ends
 SHOWN = 5                       # problems named one by one before the rest are only counted
+EXIF_ORIENTATION = 0x0112       # the EXIF tag that tells a viewer to turn or mirror a photo; 1: as stored
+CHECK_PARALLEL_MIN = 256        # --check decodes at least this many images in several processes
 
 
 def image_problem(path: Path) -> str | None:
-    """What is wrong with an image file ("missing", or why it cannot be read), or None when it looks complete.
+    """What is wrong with an image file ("missing", or why it cannot be decoded), or None when every pixel decodes.
 
-    PNG and JPEG files are read as far as their header and their last bytes, where a complete file has its
-    end marker (a half-downloaded file has not); other formats, and files without the marker, are decoded.
-    """
+    The file is decoded whole, as training reads it: a file damaged in the middle fails here (PNG's zlib stream
+    carries a checksum), not only one cut short."""
+    return image_check(path)[0]
+
+
+def image_check(path: Path) -> tuple[str | None, bool]:
+    """image_problem's answer, and whether the image carries an EXIF orientation other than "as stored" (which
+    training ignores, as the reference does)."""
     try:
         with warnings.catch_warnings():  # past Pillow's size limit is a problem, as in load_image
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(path) as image:
-                end = IMAGE_ENDS.get(image.format)
-                if end is not None:
-                    with open(path, "rb") as file:
-                        file.seek(max(0, os.fstat(file.fileno()).st_size - 64))
-                        if file.read().rstrip(b"\0").endswith(end):  # some writers pad with zeros after the marker
-                            return None
                 image.load()
+                turned = image.getexif().get(EXIF_ORIENTATION, 1) not in (1, None)
     except FileNotFoundError:
-        return "missing"
+        return "missing", False
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError,
             Image.DecompressionBombWarning) as error:
-        return str(error) or type(error).__name__
-    return None
+        return str(error) or type(error).__name__, False
+    return None, turned
+
+
+def image_checks(images: list[Path], progress) -> list[tuple[str | None, bool]]:
+    """image_check of every image, in order; decoded by one process per usable CPU when there are many."""
+    workers = min(usable_cpus(), len(images) // CHECK_PARALLEL_MIN)
+    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        results = []
+        for path in images:
+            results.append(image_check(path))
+            progress.show(len(results))
+        return results
+    with multiprocessing.get_context("fork").Pool(workers) as pool:  # forked: Pillow's limits as set here
+        results = []
+        for result in pool.imap(image_check, images, chunksize=16):
+            results.append(result)
+            progress.show(len(results))
+        return results
 
 
 def named(problems: list[str]) -> str:
@@ -1012,13 +1157,9 @@ def check_dataset(data: str, root: Path, tokenizer: clip.SimpleTokenizer | None,
             print(f"  {split}: cannot be read: {error}")
     images = list(dict.fromkeys(path for pairs in splits.values() for pair in pairs
                                 for path in (pair.before, pair.after, pair.distractor) if path is not None))
-    bad = {}  # path -> what is wrong with it
-    progress = Progress("images", len(images))
-    for done, path in enumerate(images, 1):
-        problem = image_problem(path)
-        if problem:
-            bad[path] = problem
-        progress.show(done)
+    checks = image_checks(images, Progress("images (decoded whole)", len(images)))
+    bad = {path: problem for path, (problem, _) in zip(images, checks) if problem}  # path -> what is wrong with it
+    turned = [str(path) for path, (_, exif) in zip(images, checks) if exif]
     for split, pairs in splits.items():
         published = PUBLISHED.get(data, {}).get(split, (None, None))
         references = sum(len(pair.captions) for pair in pairs)
@@ -1049,6 +1190,9 @@ def check_dataset(data: str, root: Path, tokenizer: clip.SimpleTokenizer | None,
         unused = [n for n in numbers if not n.isdigit() or int(n) not in in_splits]
         expected = f" (the published files have {CLEVR_IDS_IN_NO_SPLIT})" if data == "clevr" else ""
         print(f"  {len(unused):,} captioned ids are in no split and never used{expected}")
+    if turned:
+        print(f"  {len(turned):,} image(s) carry an EXIF orientation, which is ignored, as in the reference: the model "
+              f"sees them as stored, not turned as a viewer shows them ({named(turned)})")
     if problems:
         print(f"INCOMPLETE: {'; '.join(problems)}")
     else:
@@ -1090,7 +1234,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--show", action="store_true", help="write a contact sheet of a few pairs")
     parser.add_argument("--check", action="store_true",
-                        help="after a download: read every split, open every image, compare with the published "
+                        help="after a download: read every split, decode every image whole, compare with the published "
                              "counts; exit status 1 when something is missing")
     parser.add_argument("--data", default="synth", choices=sorted(SOURCES))
     parser.add_argument("--root", "--data_root", help="dataset folder (default: data/<name>)")

@@ -34,7 +34,9 @@ import math
 import operator
 import os
 import re
+import shutil
 import sys
+import tempfile
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -821,12 +823,16 @@ def _build_paraphrase_index(gz, out):
     gather = np.repeat(starts[:-1][order] - new_starts[:-1], new_sizes) + np.arange(new_starts[-1])
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    np.save(tmp / "words.npy", words[gather].astype(np.uint16))
-    np.save(tmp / "starts.npy", new_starts)
-    np.save(tmp / "entry.npy", order.astype(np.int32))             # position in the file: the Java trie's order
-    np.save(tmp / "n_src.npy", n_src[order].astype(np.uint8))
-    np.save(tmp / "key_starts.npy", np.searchsorted(key[order], np.arange(len(vocab) + 1)))
-    (tmp / "vocab.txt").write_bytes(b"\n".join(vocab))
+    try:
+        np.save(tmp / "words.npy", words[gather].astype(np.uint16))
+        np.save(tmp / "starts.npy", new_starts)
+        np.save(tmp / "entry.npy", order.astype(np.int32))             # position in the file: the Java trie's order
+        np.save(tmp / "n_src.npy", n_src[order].astype(np.uint8))
+        np.save(tmp / "key_starts.npy", np.searchsorted(key[order], np.arange(len(vocab) + 1)))
+        (tmp / "vocab.txt").write_bytes(b"\n".join(vocab))
+    except BaseException:                         # a full disk, an interrupt: no half-written index left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         os.replace(tmp, out)                      # atomic: a concurrent run sees the whole index or none of it
     except OSError:                               # another process finished first
@@ -838,9 +844,23 @@ def _build_paraphrase_index(gz, out):
 def load_paraphrases(resources, vocabulary):
     """{phrase (tuple of words): [paraphrases in file order]} for the pairs whose words are all in `vocabulary`."""
     out = _paraphrase_cache_dir(resources.paraphrase_gz)
-    if not (out / "vocab.txt").is_file():
-        print(f"metrics.py: building the METEOR paraphrase index in {out} (once, 15-40 s)", file=sys.stderr)
+    if (out / "vocab.txt").is_file():
+        return _read_paraphrase_index(out, vocabulary)
+    print(f"metrics.py: building the METEOR paraphrase index in {out} (once, 15-40 s)", file=sys.stderr)
+    try:
         _build_paraphrase_index(resources.paraphrase_gz, out)
+    except OSError as error:  # an unwritable or full cache folder: the same index, built for this run only
+        print(f"metrics.py: note: cannot keep the METEOR paraphrase index in {out} ({error.strerror or error}); "
+              f"built for this run only (set {METEOR_CACHE_ENV} or XDG_CACHE_HOME to a writable folder to keep it)",
+              file=sys.stderr)
+        with tempfile.TemporaryDirectory() as folder:
+            _build_paraphrase_index(resources.paraphrase_gz, Path(folder) / out.name)
+            return _read_paraphrase_index(Path(folder) / out.name, vocabulary)
+    return _read_paraphrase_index(out, vocabulary)
+
+
+def _read_paraphrase_index(out, vocabulary):
+    """load_paraphrases' table, from the index in the folder out."""
     vocab = (out / "vocab.txt").read_bytes().decode("utf-8").split("\n")
     word_id = {word: i for i, word in enumerate(vocab)}
     ids = np.array(sorted(word_id[w] for w in vocabulary if w in word_id), np.int64)

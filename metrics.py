@@ -668,10 +668,26 @@ def load_json(path):
     except (OSError, EOFError, UnicodeDecodeError) as e:  # a missing file, a damaged gzip, bytes that are not UTF-8
         raise CaptionInputError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise CaptionInputError(f"{path}: duplicate key {e.args[0]!r} in one JSON object (JSON keeps only its last "
+                                f"value); ids must be unique") from None
     except json.JSONDecodeError as e:
         raise CaptionInputError(f"{path}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno} "
                                 f"(character {e.pos})") from None
+
+
+class _DuplicateKey(ValueError):
+    """A key seen twice in one JSON object (json.loads would keep the last value silently)."""
+
+
+def _unique_keys(pairs):
+    """json.loads' object_pairs_hook: the object as a dict, refused when a key repeats."""
+    out = dict(pairs)
+    if len(out) < len(pairs):
+        seen = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
 
 
 def _items_field(data, path, key):

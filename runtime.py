@@ -45,12 +45,14 @@ import os
 import random
 import re
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
 import threading
 import time
 import typing
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -75,7 +77,8 @@ class CheckpointError(RuntimeError):
 
 
 # The errors a user can fix, by the file, flag or data they name: the scripts print these as one line.
-USER_ERRORS = (FileNotFoundError, FileExistsError, ConfigError, CheckpointError, data.DataError, clip.FileError)
+USER_ERRORS = (FileNotFoundError, FileExistsError, ConfigError, CheckpointError, data.DataError, clip.FileError,
+               data.DiskFull)
 
 
 def _field_comments(cls) -> dict:
@@ -441,10 +444,17 @@ def save_checkpoint(state: dict, path) -> None:
 
     A reader, or a run killed at any instant, sees either the old complete file or the new complete file. A Ctrl-C
     during the save takes effect when it is done (torch.save interrupted half-way raises another error instead).
+    A full disk (checked before, or met while writing) is data.DiskFull, one line naming the file and the space it
+    needs; the temporary file is removed and the previous checkpoint at `path` kept.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    needed = state_bytes(state)
+    kept = f" ({path} keeps the previous checkpoint)" if path.exists() else ""
+    fix = f"free some space there, then continue with --resume{kept}"
+    if shutil.disk_usage(path.parent).free < needed:
+        raise data.no_space(path, path.parent, needed, fix)
     with sigint_deferred():
         try:
             with open(tmp, "wb") as f:
@@ -452,10 +462,42 @@ def save_checkpoint(state: dict, path) -> None:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+        except Exception as error:  # torch.save reports a failed write as a RuntimeError, the OSError its context
+            if any(isinstance(e, OSError) and e.errno in data.NO_SPACE for e in _chain(error)):
+                tmp.unlink(missing_ok=True)
+                raise data.no_space(path, path.parent, needed, fix) from None
+            raise
         finally:
             if tmp.exists():
                 tmp.unlink()
         _fsync_dir(path.parent)
+
+
+def _chain(error: BaseException):
+    """An exception and those it was raised from or while handling, newest first."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def state_bytes(state) -> int:
+    """The bytes of the tensors in a checkpoint's dict (each storage once: tied weights share one): about the size
+    of its file, which adds a few KB of pickled structure."""
+    storages = {}
+    def visit(value):
+        if torch.is_tensor(value):
+            storage = value.untyped_storage()
+            storages[(value.device, storage.data_ptr())] = storage.nbytes()
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+    visit(state)
+    return sum(storages.values())
 
 
 @contextlib.contextmanager
@@ -530,12 +572,31 @@ def load_checkpoint(path, required=("model", "config"), release: bool = False) -
         raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {reason}); expected "
                               f"{expected}. It may be truncated or corrupt: delete it, or point to another "
                               f"checkpoint.") from None
+    check_checksums(path)
     if release and release_stage(state) is not None:
         return state
     missing = [k for k in required if not isinstance(state, dict) or k not in state]
     if missing:
         raise CheckpointError(f"{path} lacks {missing}: expected {expected}")
     return state
+
+
+def check_checksums(path) -> None:
+    """Refuse a checkpoint whose bytes do not match the CRC-32 of its members (torch.save writes a zip archive, and
+    torch.load does not compare them: 8 KB overwritten inside a tensor loads, as other numbers). Reading the file
+    again costs about 0.3 s per GB from the page cache (BENCHMARKS.md section 9)."""
+    if not zipfile.is_zipfile(path):  # torch.save's legacy format (before torch 1.6) has no checksums
+        return
+    member = None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for member in archive.infolist():
+                with archive.open(member) as file:
+                    while file.read(1 << 24):  # the CRC-32 is compared at the member's end
+                        pass
+    except (zipfile.BadZipFile, OSError, EOFError) as error:
+        raise CheckpointError(f"{path} is damaged: {member.filename if member else 'its index'} does not match its "
+                              f"checksum ({error}); delete it, or point to another checkpoint") from None
 
 
 def load_encoder(path, intra_layers: int = 9) -> tuple[PairEncoder, dict]:
@@ -549,7 +610,14 @@ def load_encoder(path, intra_layers: int = 9) -> tuple[PairEncoder, dict]:
     if not path.is_file():
         raise FileNotFoundError(f"no stage-1 checkpoint at {path}: run adapt.py for this dataset first "
                                 f"(python adapt.py --data ...), or pass --encoder_ckpt")
-    state = load_checkpoint(path, required=("model", "clip_config", "encoder_config"), release=True)
+    state = load_checkpoint(path, required=("model",), release=True)
+    if release_stage(state) is None and "encoder_sha256" in state:
+        raise ConfigError(f"{path} is a captioner (caption.py's stage-2 checkpoint), not a stage-1 encoder: "
+                          f"--encoder_ckpt takes adapt.py's checkpoint (runs/adapt_<data>/ckpt_best.pt) or a CLIP4IDC "
+                          f"release; a captioner is given with --checkpoint")
+    missing = [k for k in ("clip_config", "encoder_config") if release_stage(state) is None and k not in state]
+    if missing:
+        raise CheckpointError(f"{path} lacks {missing}: expected a checkpoint of this project, or {RELEASE}")
     if release_stage(state) is not None:
         blocks = len({k.split(".")[4] for k in state if k.startswith("clip.visual.transformer.resblocks.")})
         if not 0 < intra_layers <= blocks:
@@ -574,6 +642,14 @@ def vocabulary_tensor(bpe_path) -> torch.Tensor:
     """A vocabulary file's bytes as a uint8 tensor: kept inside a checkpoint, so the checkpoint travels alone. Read
     once per process: a run saves it with every checkpoint, and the file does not change meanwhile."""
     return torch.frombuffer(bytearray(Path(bpe_path).read_bytes()), dtype=torch.uint8)
+
+
+def vocabulary_hint(tokenizer=None) -> str:
+    """What a vocabulary-mismatch error adds: which file the tokenizer read, and how to choose another."""
+    read = f"the tokenizer read {tokenizer.bpe_path}; " if tokenizer is not None else ""
+    env = os.environ.get("CLIP_BPE_PATH")
+    return (f" ({read}a dataset without its own vocabulary file reads CLIP_BPE_PATH's"
+            f"{f', now {env}' if env else ', not set'}, else OpenAI's: point CLIP_BPE_PATH at the model's)")
 
 
 def checkpoint_tokenizer(state: dict, data_vocabulary=None) -> clip.SimpleTokenizer:

@@ -7,11 +7,13 @@ them from tests/, where a README.md in each folder says how every file was made.
 """
 import collections
 import contextlib
+import errno
 import functools
 import gc
 import gzip
 import hashlib
 import http.server
+import io
 import itertools
 import json
 import math
@@ -1546,6 +1548,203 @@ def test_check_names_a_missing_and_a_corrupt_image_and_fails(clevr_root, synth_r
     assert out.endswith("INCOMPLETE: train: 1 image(s) missing; test: 1 image(s) unreadable\n")
 
 
+# --- issue 41: full disks, damaged files, unwritable folders (BENCHMARKS.md section 9) ---
+
+def _noisy_png(path, size=(480, 320), seed=0, **save):
+    """A PNG that does not compress (random pixels): 8 KB overwritten in its middle land in its pixel data."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(pixels).save(path, **save)
+
+
+def _overwrite_middle(path, size=8192):
+    raw = bytearray(path.read_bytes())
+    middle = len(raw) // 2
+    raw[middle:middle + size] = b"\xff" * size
+    path.write_bytes(bytes(raw))
+
+
+def test_check_decodes_every_image_whole_names_one_damaged_in_the_middle_and_notes_exif_orientation(
+        clevr_root, synth_root, monkeypatch, capsys):
+    shutil.copy(synth_root / data.SYNTH_BPE_FILE, clevr_root)
+    damaged = clevr_root / "images" / "CLEVR_default_000005.png"
+    _noisy_png(damaged)
+    _overwrite_middle(damaged)  # its header and end marker intact: the old check passed it
+    turned = clevr_root / "sc_images" / "CLEVR_semantic_000001.png"
+    exif = Image.Exif()
+    exif[data.EXIF_ORIENTATION] = 6  # "rotate 90 degrees to view"
+    write_png(turned)
+    Image.open(turned).save(turned, exif=exif)
+    monkeypatch.setattr(data, "CHECK_PARALLEL_MIN", 4)  # 15 images: decoded by 2 processes, as a large dataset is
+    monkeypatch.setattr(data, "usable_cpus", lambda: 2)
+    assert check_command(monkeypatch, "--data", "synth", "--data_root", str(clevr_root)) == 1
+    out = capsys.readouterr().out
+    assert f"      unreadable: {damaged} (" in out and "1 missing" not in out
+    assert f"  1 image(s) carry an EXIF orientation, which is ignored, as in the reference: the model sees them as " \
+           f"stored, not turned as a viewer shows them ({turned})\n" in out
+    assert out.endswith("INCOMPLETE: test: 1 image(s) unreadable\n")
+    monkeypatch.setattr(data, "CHECK_PARALLEL_MIN", 10_000)  # one process: the same answers
+    paths = sorted(clevr_root.glob("*/*.png"))
+    assert data.image_checks(paths, data.Progress("images", len(paths))) == [data.image_check(p) for p in paths]
+
+
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("full", ["posix_fallocate", "disk_usage"])
+def test_a_full_disk_while_the_image_cache_is_built_is_one_line_with_the_space_it_needs_and_leaves_no_file(
+        clevr_root, tmp_path, monkeypatch, full):
+    # a full disk simulated: os.posix_fallocate fails with ENOSPC, or shutil.disk_usage reports 1 KB free
+    if full == "posix_fallocate":
+        monkeypatch.setattr(os, "posix_fallocate", _no_space)
+    else:
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 ** 9, 10 ** 9, 1000))
+    pairs = data.read_clevr_change(clevr_root, "train")
+    with pytest.raises(data.DiskFull) as error:
+        data.image_cache(pairs, tmp_path / "cache", "all", image_size=32, workers=0)
+    assert isinstance(error.value, runtime.USER_ERRORS)  # the scripts print it as one line
+    assert str(error.value).startswith(f"not enough space for {tmp_path / 'cache' / 'all_32.npy'}: it needs 27.8 KB, "
+                                       f"{tmp_path / 'cache'} has ")
+    assert "--no-image_cache" in str(error.value) and list((tmp_path / "cache").iterdir()) == []
+
+
+def test_a_read_only_data_folder_while_the_image_cache_is_built_is_one_line_suggesting_no_image_cache(
+        clevr_root, tmp_path, monkeypatch):
+    def read_only(*args, **kwargs):  # what a read-only mount answers (the tests run as root: chmod would not stop it)
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(np.lib.format, "open_memmap", read_only)
+    with pytest.raises(data.DataError, match=f"cannot write the image cache in {tmp_path / 'cache'} \\(Read-only "
+                                             f"file system\\); train with --no-image_cache .*writable folder"):
+        data.image_cache(data.read_clevr_change(clevr_root, "train"), tmp_path / "cache", "all", 32, workers=0)
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_a_half_written_image_cache_index_or_a_truncated_array_is_built_again_with_the_same_pixels(
+        clevr_root, tmp_path, capsys):
+    pairs = data.read_clevr_change(clevr_root, "train")
+    build = lambda: data.image_cache(pairs, tmp_path / "cache", "all", image_size=32, workers=0)
+    build()
+    array, index = tmp_path / "cache" / "all_32.npy", tmp_path / "cache" / "all_32.json"
+    whole, whole_index = array.read_bytes(), index.read_text()
+    capsys.readouterr()
+    index.write_text(whole_index[:len(whole_index) // 2])  # a run killed while writing the index
+    build()
+    assert "its index" in capsys.readouterr().err and index.read_text() == whole_index and array.read_bytes() == whole
+    array.write_bytes(whole[:-3000])  # a copy cut short; its index still matches
+    build()
+    assert f"image cache {array}: it has {len(whole) - 3000:,} bytes, its header says {len(whole):,} (cut short?); " \
+           f"building it again" in capsys.readouterr().err
+    assert array.read_bytes() == whole and not list((tmp_path / "cache").glob("*partial*"))
+
+
+class _FillingFile(io.RawIOBase):
+    """A file on a disk that fills after `room` bytes: a write past them fails with ENOSPC, as the system's does."""
+
+    def __init__(self, file, room):
+        self.file, self.room = file, room
+
+    def writable(self):
+        return True
+
+    def write(self, chunk):
+        if len(chunk) > self.room:
+            self.file.write(bytes(chunk[:self.room]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(chunk)
+        return self.file.write(chunk)
+
+
+@pytest.mark.parametrize("full", ["while writing", "before"])
+def test_a_full_disk_during_a_checkpoint_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, full):
+    path = tmp_path / "run" / "ckpt_last.pt"
+    runtime.save_checkpoint({"model": {"w": torch.zeros(1000)}, "step": 1}, path)
+    last = path.read_bytes()
+    if full == "while writing":  # torch.save's own error: a RuntimeError from inline_container.cc, the OSError before
+        real_save = torch.save
+        monkeypatch.setattr(torch, "save", lambda state, file: real_save(state, _FillingFile(file, 3000)))
+    else:
+        monkeypatch.setattr(shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(10 ** 9, 10 ** 9, 1000))
+    with pytest.raises(data.DiskFull) as error:
+        runtime.save_checkpoint({"model": {"w": torch.ones(25_000)}, "step": 2}, path)
+    assert str(error.value).startswith(f"not enough space for {path}: it needs 100.0 KB, {path.parent} has ")
+    assert str(error.value).endswith(f"free some space there, then continue with --resume ({path} keeps the "
+                                     f"previous checkpoint)")
+    assert isinstance(error.value, runtime.USER_ERRORS) and path.read_bytes() == last
+    assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt_last.pt"]  # no temporary file left
+
+
+def test_a_checkpoint_damaged_inside_a_tensor_is_refused_naming_the_file_and_the_member(tmp_path):
+    path = tmp_path / "ckpt_best.pt"
+    runtime.save_checkpoint({"model": {"w": torch.arange(40_000, dtype=torch.float32)}, "config": {}}, path)
+    with zipfile.ZipFile(path) as archive:
+        member = next(m for m in archive.infolist() if m.file_size == 160_000)  # the tensor's bytes
+    raw = bytearray(path.read_bytes())
+    start = member.header_offset + 30 + len(member.filename) + len(member.extra) + 64_000  # inside its data
+    raw[start:start + 8192] = b"\xff" * 8192
+    path.write_bytes(bytes(raw))
+    assert torch.load(path, weights_only=True)["model"]["w"][16_000].isnan()  # torch.load alone takes it
+    with pytest.raises(runtime.CheckpointError, match=f"^{path} is damaged: {member.filename} does not match its "
+                                                      f"checksum .*delete it, or point to another checkpoint$"):
+        runtime.load_checkpoint(path)
+
+
+def test_an_unwritable_meteor_cache_still_gives_the_paraphrase_table_with_a_note_and_writes_nothing(
+        tmp_path, monkeypatch, capsys):
+    gz = tmp_path / "paraphrase-en.gz"  # METEOR's format: probability, phrase, paraphrase
+    gz.write_bytes(gzip.compress(b"0.5\nred cube\nscarlet block\n0.25\nturned\nbecame\n0.1\nnot here\nelsewhere\n"))
+    resources = types.SimpleNamespace(paraphrase_gz=gz)
+    vocabulary = {"red", "cube", "scarlet", "block", "turned", "became"}
+    monkeypatch.delenv(meteor.METEOR_CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    kept = meteor.load_paraphrases(resources, vocabulary)
+    assert kept == {("red", "cube"): [("scarlet", "block")], ("turned",): [("became",)]}
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a_file"))  # under a file: no folder can be made there
+    capsys.readouterr()
+    assert meteor.load_paraphrases(resources, vocabulary) == kept
+    err = capsys.readouterr().err
+    assert f"metrics.py: note: cannot keep the METEOR paraphrase index in {tmp_path / 'a_file'}" in err
+    assert "built for this run only" in err and (tmp_path / "a_file").read_text() == ""
+
+
+def test_a_truncated_intra_tokens_file_is_said_and_computed_again(tmp_path, capsys):
+    model = _tiny_encoder()
+    pixels = dict(zip([tmp_path / "b.png", tmp_path / "a.png"], _pixels(batch=2)))
+    for path in pixels:
+        path.write_bytes(path.name.encode())
+    pairs = [data.ImagePair(id="0", before=tmp_path / "b.png", after=tmp_path / "a.png", captions=["x"])]
+    tokens = lambda: data.IntraTokens(model, pairs, pixels.__getitem__, 4, torch.device("cpu"),
+                                      contextlib.nullcontext(), tmp_path / "cache")
+    first = tokens().tokens.clone()  # a copy: the file's memory map would fault once the file is cut short
+    file = next((tmp_path / "cache").iterdir())
+    file.write_bytes(file.read_bytes()[:5000])  # a copy cut short
+    again = tokens()
+    assert again.read_from is None and torch.equal(again.tokens, first)
+    assert f"intra-image tokens {file} are damaged (" in capsys.readouterr().err
+    assert tokens().read_from == file
+
+
+def test_a_repeated_id_in_the_id_caption_format_is_refused_as_in_the_list_format(tmp_path, capsys):
+    (tmp_path / "pred.json").write_text('{"1": "a cube moved", "2": "nothing changed", "1": "a cube turned red"}')
+    write_json(tmp_path / "refs.json", {"1": ["a cube moved"], "2": ["nothing changed"]})
+    assert metrics.main([str(tmp_path / "pred.json"), str(tmp_path / "refs.json")]) == 2
+    assert capsys.readouterr().err == (f"metrics.py: error: {tmp_path / 'pred.json'}: duplicate key '1' in one JSON "
+                                       f"object (JSON keeps only its last value); ids must be unique\n")
+
+
+def test_a_stage_2_checkpoint_given_as_the_encoder_is_named_a_captioner_and_a_vocabulary_mismatch_names_clip_bpe_path(
+        tmp_path, monkeypatch):
+    path = tmp_path / "ckpt_best.pt"  # what caption.py saves: its model, config, the encoder's sha256 and sizes
+    runtime.save_checkpoint({"model": {}, "config": {}, "encoder_sha256": "0" * 64, "stage1": {}}, path)
+    with pytest.raises(runtime.ConfigError, match=f"^{path} is a captioner \\(caption.py's stage-2 checkpoint\\), "
+                                                  f"not a stage-1 encoder: --encoder_ckpt takes adapt.py's"):
+        runtime.load_encoder(path)
+    monkeypatch.setenv("CLIP_BPE_PATH", "/data/bpe.txt.gz")
+    assert runtime.vocabulary_hint().endswith("reads CLIP_BPE_PATH's, now /data/bpe.txt.gz, else OpenAI's: point "
+                                              "CLIP_BPE_PATH at the model's)")
+
+
 def test_check_calls_a_split_without_pairs_incomplete(clevr_root, synth_root, monkeypatch, capsys):
     shutil.copy(synth_root / data.SYNTH_BPE_FILE, clevr_root)
     write_json(clevr_root / "splits.json", {"train": [3, 0, 1], "val": [], "test": [5]})
@@ -1554,7 +1753,7 @@ def test_check_calls_a_split_without_pairs_incomplete(clevr_root, synth_root, mo
     assert "  val: 0 pairs, 0 references\n    no pairs:" in out and out.endswith("INCOMPLETE: val: 0 pairs\n")
 
 
-def test_check_reads_a_complete_png_and_jpeg_from_their_ends_and_decodes_the_others(tmp_path):
+def test_check_decodes_a_png_a_jpeg_and_others_whole_and_passes_a_png_that_lost_only_its_end_marker(tmp_path):
     for name, kind, lost in (("a.png", "PNG", 12), ("b.jpg", "JPEG", 30), ("c.bmp", "BMP", 30)):
         Image.new("RGB", (40, 30), (200, 10, 10)).save(tmp_path / name, kind)
         assert data.image_problem(tmp_path / name) is None
