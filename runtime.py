@@ -362,11 +362,14 @@ class StopSignals:
 
 
 def ignore_stop_signals(worker_id: int = 0) -> None:
-    """A DataLoader worker's worker_init_fn: a terminal's Ctrl-C and Slurm's SIGTERM reach every process, and a
-    worker they ended would fail the step in progress; the training process ends its workers itself once it has
-    saved. A worker whose training process died still exits on its own (DataLoader's watchdog)."""
-    for number in StopSignals.NUMBERS:
-        signal.signal(number, signal.SIG_IGN)
+    """A DataLoader worker's worker_init_fn. A terminal's Ctrl-C reaches every process of the job: a worker ignores
+    it (the training process ends its workers itself, once it has saved). SIGTERM (Slurm's, which also reaches
+    every process; and the one DataLoader ends its workers with) ends a worker with exit status 0: killed by the
+    signal, it would make torch raise "DataLoader worker is killed by signal" in the training process at once,
+    inside the step that SIGTERM lets finish. A worker whose training process died exits on its own (DataLoader's
+    watchdog)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda number, frame: os._exit(0))
 
 
 def one_line(error: Exception) -> str:
