@@ -25,6 +25,11 @@ you can read top to bottom:
 - `batch_plan`, `training_loader`, `epoch_batches`, `SkipSampler`: the global batch split over processes and
   accumulation, the run's one DataLoader (persistent workers, pinned batches), and one epoch's micro-batches,
   resumed part-way through when a run was interrupted.
+- `StopSignals`, `stopped`, `data_error_stop`: Ctrl-C and SIGTERM end the step in progress, the master saves
+  ckpt_last.pt and the run stops in one line (130, 143), every process at the same check under torchrun; a damaged
+  image met in training saves the last step, then stops in one line naming it.
+- `check_out_dir`, `OutDirLock`: an --out_dir that is a file is refused before any work; one run at a time writes
+  into an --out_dir (a lock the kernel drops when its process dies), a second is refused naming the first.
 - `Progress` and `JsonlLog`: one progress line with an ETA, and a JSON-lines log of every logged step.
 - `keep_freed_memory`: glibc keeps freed blocks for reuse, so a CPU training step does not page-fault.
 
