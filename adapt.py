@@ -385,6 +385,15 @@ def checkpoint(model: nn.Module, optimizer, scaler, config: Config, clip_config:
             **progress, "rng": runtime.rng_state()}
 
 
+def describe(config: Config, samples: int, pairs: int, micro: int, dist_, steps_per_epoch: int, dtype: str,
+             model: nn.Module) -> str:
+    """The run in one line: how much it trains on, with which batch, where."""
+    return (f"{samples} training samples from {pairs} pairs; global batch {config.batch_size} = {micro} x "
+            f"{dist_.world_size} processes x {config.grad_accum} accumulation; {steps_per_epoch} steps per epoch, "
+            f"{config.epochs * steps_per_epoch} in all; {dtype} on {dist_.device}; "
+            f"{sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.1f}M trainable parameters")
+
+
 def train(config: Config, dist_, ctx, scaler, dtype: str, model: nn.Module, raw_model: nn.Module, optimizer,
           train_set, splits: dict, tokenizer, images, clip_config: dict, state: dict | None, out_dir: Path) -> int:
     """The training loop; after every epoch, validation retrieval on the master, which keeps the best epoch in
@@ -401,20 +410,19 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, model: nn.Module, raw_
     if master:
         runtime.save_json(dataclasses.asdict(config), out_dir / "config.json")
         say(json.dumps(dataclasses.asdict(config)))
-        say(f"{len(train_set)} training samples from {len(splits['train'])} pairs; global batch "
-            f"{config.batch_size} = {micro} x {dist_.world_size} processes x {config.grad_accum} accumulation; "
-            f"{steps_per_epoch} steps per epoch, {total_steps} in all; {dtype} on {device}; "
-            f"{sum(p.numel() for p in raw_model.parameters() if p.requires_grad) / 1e6:.1f}M trainable parameters")
+        say(describe(config, len(train_set), len(splits["train"]), micro, dist_, steps_per_epoch, dtype, raw_model))
 
     def save(path, epoch):
         runtime.save_checkpoint(checkpoint(raw_model, optimizer, scaler, config, clip_config, tokenizer, epoch=epoch,
                                            step=step, best_metric=best, best_epoch=best_epoch, history=history), path)
 
     loader = runtime.training_loader(train_set, sampler, micro, config.num_workers, device, data.collate_text)
-    watch = runtime.DivergenceWatch(scaler, dist_.ddp)  # reads the losses on the log steps and before a save
-    progress = runtime.Progress(total_steps, first_step=step)
-    model.train()
-    try:  # Ctrl-C: one line saying what ckpt_last.pt holds and the command that resumes, instead of a traceback
+    # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (StopSignals)
+    with runtime.StopSignals() as stop:
+        # reads the losses and the stop flag on the log steps and before a save
+        watch = runtime.DivergenceWatch(scaler, dist_.ddp, stop, device)
+        progress = runtime.Progress(total_steps, first_step=step)
+        model.train()
         while step < total_steps:
             epoch = step // steps_per_epoch
             done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
@@ -423,15 +431,22 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, model: nn.Module, raw_
                 lr = get_lr(step, total_steps, config)
                 for group in optimizer.param_groups:
                     group["lr"] = lr * group["lr_scale"]
-                micro_batches = [data.to_device(next(batches), device, (*IMAGE_KEYS, "caption"))
-                                 for _ in range(config.grad_accum)]
+                try:
+                    micro_batches = [data.to_device(next(batches), device, (*IMAGE_KEYS, "caption"))
+                                     for _ in range(config.grad_accum)]
+                except data.DataError as error:  # a damaged image: ckpt_last.pt at the last step, then one line
+                    raise runtime.data_error_stop(error, lambda: save(out_dir / "ckpt_last.pt", epoch), step, watch,
+                                                  out_dir / "ckpt_last.pt", dist_) from None
                 loss, grad_norm = train_step(model, optimizer, scaler, micro_batches, ctx, config, dist_.ddp,
                                              raw_model.clip.logit_scale)
                 step += 1
                 watch.add(step, lr, loss, grad_norm)
                 saving = step % config.save_every == 0 and step % steps_per_epoch != 0
-                if step % config.log_every == 0 or step == total_steps or saving:
-                    watch.check()  # stops a diverged run (the one wait for the GPU, with the .item()s below)
+                stopping = False
+                if step % config.log_every == 0 or step == total_steps or saving or stop.now(dist_.ddp):
+                    # stops a diverged run (the one wait for the GPU, with the .item()s below); a signal stops the
+                    # run here, or at the epoch's end when this is its last step
+                    stopping = watch.check() and step % steps_per_epoch != 0
                 if master and (step % config.log_every == 0 or step == total_steps):
                     loss_value, scale = loss.item(), raw_model.clip.logit_scale.exp().item()
                     say(progress.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=loss_value,
@@ -439,8 +454,10 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, model: nn.Module, raw_
                         flush=True)
                     log.write(step=step, epoch=epoch, loss=loss_value, lr=get_lr(step, total_steps, config),
                               logit_scale=scale)
-                if master and saving:
+                if master and (saving or stopping):
                     save(out_dir / "ckpt_last.pt", epoch)
+                if stopping:
+                    raise runtime.stopped(stop, out_dir / "ckpt_last.pt", dist_)
             watch.check()
             if master:  # end of epoch: validation retrieval on the master, the others wait
                 runtime.check_finite_model(raw_model, step, lr)  # a non-finite model is never scored nor saved
@@ -453,11 +470,10 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, model: nn.Module, raw_
                 if improved:
                     save(out_dir / "ckpt_best.pt", epoch)
                 save(out_dir / "ckpt_last.pt", epoch)
-            if dist_.ddp:
-                dist.barrier()
-    except KeyboardInterrupt:
-        raise runtime.interrupted(out_dir / "ckpt_last.pt") from None
+            if runtime.stop_everywhere(stop, dist_):  # under DDP also the epoch's barrier
+                raise runtime.stopped(stop, out_dir / "ckpt_last.pt", dist_)
     return step
+
 
 def test(model: nn.Module, splits: dict, tokenizer, images, config: Config, device, ctx, step: int,
          out_dir: Path) -> None:
@@ -521,15 +537,17 @@ def train_and_test(config: Config, dist_, dtype: str, ctx, scaler, out_dir: Path
 
 def main(argv=None):
     config = runtime.parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
+    out_dir = Path(config.out_dir or f"runs/adapt_{config.data}")
+    runtime.check_out_dir(out_dir)  # a file there is refused before any work
     runtime.keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
     dist_, dtype, ctx, scaler = setup(config)
     config = dataclasses.replace(config, num_workers=runtime.loader_workers(config.num_workers, dist_.device))
     runtime.seed_everything(config.seed + dist_.rank)
-    out_dir = Path(config.out_dir or f"runs/adapt_{config.data}")
-    if config.eval:
-        evaluate_checkpoint(config, dist_, ctx, out_dir)
-    else:
-        train_and_test(config, dist_, dtype, ctx, scaler, out_dir)
+    with runtime.OutDirLock(out_dir, dist_.master):  # one run at a time writes there; a second is refused
+        if config.eval:
+            evaluate_checkpoint(config, dist_, ctx, out_dir)
+        else:
+            train_and_test(config, dist_, dtype, ctx, scaler, out_dir)
     if dist_.ddp:
         dist.barrier()  # every process done before any tears the group down (a gloo peer may abort otherwise)
         destroy_process_group()

@@ -701,10 +701,12 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, root: Path, stage1: St
             step=step, best_metric=best_cider, best_epoch=best_epoch, bad_epochs=bad_epochs, history=history), path)
 
     loader = runtime.training_loader(train_set, sampler, micro, config.num_workers, device, data.collate_captions)
-    watch = runtime.DivergenceWatch(scaler, dist_.ddp)  # reads the losses on the log steps and before a save
-    progress = runtime.Progress(total_steps, first_step=step)
-    model.train()
-    try:  # Ctrl-C: one line saying what ckpt_last.pt holds and the command that resumes, instead of a traceback
+    # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (StopSignals)
+    with runtime.StopSignals() as stop:
+        # reads the losses and the stop flag on the log steps and before a save
+        watch = runtime.DivergenceWatch(scaler, dist_.ddp, stop, device)
+        progress = runtime.Progress(total_steps, first_step=step)
+        model.train()
         while step < total_steps and bad_epochs <= config.patience:
             epoch = step // steps_per_epoch
             done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
@@ -713,20 +715,29 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, root: Path, stage1: St
                 lr = get_lr(step, total_steps, config)
                 for group in optimizer.param_groups:
                     group["lr"] = lr * group["lr_scale"]
-                micro_batches = [data.to_device(next(batches), device) for _ in range(config.grad_accum)]
+                try:
+                    micro_batches = [data.to_device(next(batches), device) for _ in range(config.grad_accum)]
+                except data.DataError as error:  # a damaged image: ckpt_last.pt at the last step, then one line
+                    raise runtime.data_error_stop(error, lambda: save(ckpt_path), step, watch, ckpt_path,
+                                                  dist_) from None
                 loss, grad_norm = train_step(model, optimizer, scaler, micro_batches, ctx, config, dist_.ddp)
                 step += 1
                 watch.add(step, lr, loss, grad_norm)
                 saving = step % config.save_every == 0 and step % steps_per_epoch != 0
-                if step % config.log_every == 0 or step == total_steps or saving:
-                    watch.check()  # stops a diverged run (the one wait for the GPU, with the .item() below)
+                stopping = False
+                if step % config.log_every == 0 or step == total_steps or saving or stop.now(dist_.ddp):
+                    # stops a diverged run (the one wait for the GPU, with the .item() below); a signal stops the
+                    # run here, or at the epoch's end when this is its last step
+                    stopping = watch.check() and step % steps_per_epoch != 0
                 if master and (step % config.log_every == 0 or step == total_steps):
                     value = loss.item()
                     say(progress.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=value,
                                       lr=get_lr(step, total_steps, config)), flush=True)
                     log.write(step=step, epoch=epoch, loss=value, lr=get_lr(step, total_steps, config))
-                if master and saving:
+                if master and (saving or stopping):
                     save(ckpt_path)
+                if stopping:
+                    raise runtime.stopped(stop, ckpt_path, dist_)
             watch.check()
             if master:  # end of epoch: validation CIDEr-D, decoded by the master alone while the others wait
                 runtime.check_finite_model(captioner, step, lr)  # a non-finite model is never scored nor saved
@@ -747,8 +758,8 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, root: Path, stage1: St
                 flag = torch.tensor([bad_epochs], device=device)
                 dist.broadcast(flag, 0)
                 bad_epochs = int(flag)
-    except KeyboardInterrupt:
-        raise runtime.interrupted(ckpt_path) from None
+            if runtime.stop_everywhere(stop, dist_):
+                raise runtime.stopped(stop, ckpt_path, dist_)
     if bad_epochs > config.patience:
         say(f"stopped early: {bad_epochs} epochs without a better validation CIDEr-D")
     if master:  # the test split, scored once, with the epoch chosen on validation
@@ -765,6 +776,16 @@ def main(argv=None):
                                   "(--eval writes test_attention.png by itself)")
     runtime.keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
     out_dir = Path(config.out_dir or f"runs/caption_{config.data}")
+    if config.pair:  # writes nothing there, and reads ckpt_best.pt, which a run there replaces atomically
+        return job(config, out_dir)
+    runtime.check_out_dir(out_dir)  # a file there is refused before any work
+    # one run at a time writes there (under torchrun its master holds the lock): a second is refused at once
+    with runtime.OutDirLock(out_dir, master=int(os.environ.get("RANK", 0)) == 0):
+        job(config, out_dir)
+
+
+def job(config: Config, out_dir: Path) -> None:
+    """--pair, --eval or training, once the command line is read: the processes, stage 1, the captioner."""
     best = best_path = None
     if config.eval or config.pair:  # the trained captioner decides the model settings and holds stage 1's
         config, best, best_path = load_trained(config, out_dir)

@@ -186,7 +186,8 @@ def main(argv=None):
     config = dataclasses.replace(config, num_workers=runtime.loader_workers(config.num_workers, dist_.device))
     runtime.seed_everything(config.seed + dist_.rank)
     out_dir = Path(config.out_dir or "runs/pretrain_scenes")
-    pretrain_and_test(config, dist_, dtype, ctx, scaler, out_dir)
+    with runtime.OutDirLock(out_dir, dist_.master):  # one run at a time writes there; a second is refused
+        pretrain_and_test(config, dist_, dtype, ctx, scaler, out_dir)
 
 
 if __name__ == "__main__":

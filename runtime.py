@@ -25,6 +25,11 @@ you can read top to bottom:
 - `batch_plan`, `training_loader`, `epoch_batches`, `SkipSampler`: the global batch split over processes and
   accumulation, the run's one DataLoader (persistent workers, pinned batches), and one epoch's micro-batches,
   resumed part-way through when a run was interrupted.
+- `StopSignals`, `stopped`, `data_error_stop`: Ctrl-C and SIGTERM end the step in progress, the master saves
+  ckpt_last.pt and the run stops in one line (130, 143), every process at the same check under torchrun; a damaged
+  image met in training saves the last step, then stops in one line naming it.
+- `check_out_dir`, `OutDirLock`: an --out_dir that is a file is refused before any work; one run at a time writes
+  into an --out_dir (a lock the kernel drops when its process dies), a second is refused naming the first.
 - `Progress` and `JsonlLog`: one progress line with an ETA, and a JSON-lines log of every logged step.
 - `keep_freed_memory`: glibc keeps freed blocks for reuse, so a CPU training step does not page-fault.
 
@@ -34,6 +39,7 @@ Run `python runtime.py` for a demo of the config parser and the progress line.
 import argparse
 import contextlib
 import ctypes
+import fcntl
 import dataclasses
 import datetime
 import functools
@@ -228,30 +234,36 @@ class DivergenceWatch:
     the gradient norm is not checked then. The loss is the model's own output in every precision: no scale mends
     a non-finite one. Under DDP the first bad step is all-reduced, so that every process stops at the same check
     (the losses differ between processes).
+
+    The same check says when to stop for a signal (`stop`, a StopSignals): check() returns True when a process was
+    sent SIGINT or SIGTERM. Under DDP the flag travels in the same all-reduce as the first bad step (a rank that
+    stopped alone would wait for ever in the next collective), so every process stops at the same check; alone=True
+    skips the collective, for a process that stops while the others do not (a DataError on the master).
     """
 
-    def __init__(self, scaler, ddp: bool):
-        self.check_norm, self.ddp = not scaler.is_enabled(), ddp
+    def __init__(self, scaler, ddp: bool, stop=None, device="cpu"):
+        self.check_norm, self.ddp, self.stop, self.device = not scaler.is_enabled(), ddp, stop, torch.device(device)
         self.steps = []  # (step, lr, loss, gradient norm) since the last check
 
     def add(self, step: int, lr: float, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         self.steps.append((step, lr, loss.detach(), grad_norm.detach()))
 
-    def check(self) -> None:
+    def check(self, alone: bool = False) -> bool:
         steps, self.steps = self.steps, []
-        if not steps:
-            return
-        values = torch.stack([torch.stack([loss.float(), norm.float()]) for _, _, loss, norm in steps])  # (S, 2)
-        values = values.tolist()  # the one wait for the device
-        bad = [step for (step, _, _, _), (loss, norm) in zip(steps, values)
-               if not math.isfinite(loss) or (self.check_norm and not math.isfinite(norm))]
+        signalled = self.stop is not None and self.stop.signal is not None
+        bad, values = [], []
+        if steps:
+            values = torch.stack([torch.stack([loss.float(), norm.float()]) for _, _, loss, norm in steps])  # (S, 2)
+            values = values.tolist()  # the one wait for the device
+            bad = [step for (step, _, _, _), (loss, norm) in zip(steps, values)
+                   if not math.isfinite(loss) or (self.check_norm and not math.isfinite(norm))]
         first = bad[0] if bad else NO_STEP
-        if self.ddp:  # every process stops at the same check, at the first bad step of any process
-            first_everywhere = torch.tensor([first], device=steps[0][2].device)
-            torch.distributed.all_reduce(first_everywhere, op=torch.distributed.ReduceOp.MIN)
-            first = int(first_everywhere)
+        if self.ddp and not alone:  # every process stops at the same check: the first bad step, or a signal, anywhere
+            everywhere = torch.tensor([first, 0 if signalled else 1], device=self.device)
+            torch.distributed.all_reduce(everywhere, op=torch.distributed.ReduceOp.MIN)
+            first, signalled = int(everywhere[0]), int(everywhere[1]) == 0
         if first == NO_STEP:
-            return
+            return signalled
         if first not in bad:
             raise Diverged(f"training diverged at step {first} in another process; nothing after it was saved. Try a "
                            f"lower --lr or a longer --warmup, with a new --out_dir")
@@ -274,34 +286,147 @@ def check_finite_model(model: torch.nn.Module, step: int, lr: float) -> None:
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during training, with the one line to print: what was saved, and the command that resumes."""
+    """Ctrl-C or SIGTERM: the one line to print (what was saved, and the command that resumes; empty on the
+    processes that print nothing), and the exit status, the shell's for that signal (128 + its number)."""
+
+    def __init__(self, message: str = "", status: int = 128 + signal.SIGINT):
+        super().__init__(message)
+        self.status = status
 
 
-def interrupted(path) -> Interrupted:
-    """The Interrupted for a run whose last checkpoint is `path`. The step is read from the file itself: the
-    interrupt may have come between a save and any note of it. mmap reads the one number, not the weights."""
+SIGNAL_WORDS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)"}
+
+
+def resume_hint(path) -> str:
+    """What a stopped run's last checkpoint `path` holds and the command that continues it. The step is read from
+    the file itself: the stop may have come between a save and any note of it. mmap reads the one number, not the
+    weights."""
     path = Path(path)
     if not path.is_file():
-        return Interrupted(f"interrupted before the first checkpoint: nothing was saved; run the same command "
-                           f"again to start over")
+        return "before the first checkpoint: nothing was saved; run the same command again to start over"
     step = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"]
     argv = [a for a in sys.argv if a not in ("--resume", "--no-resume")]
-    command = shlex.join(["python", *argv, "--resume"])
-    return Interrupted(f"interrupted: {path} holds step {step}; continue with: {command}")
+    return f"{path} holds step {step}; continue with: {shlex.join(['python', *argv, '--resume'])}"
+
+
+def interrupted(path, number: int = signal.SIGINT) -> Interrupted:
+    """The Interrupted for a run stopped by signal `number` whose last checkpoint is `path`."""
+    hint = resume_hint(path)
+    return Interrupted(f"{SIGNAL_WORDS.get(number, 'interrupted')}{' ' if hint.startswith('before') else ': '}{hint}",
+                       128 + number)
+
+
+def stopped(stop, path, dist_) -> Interrupted:
+    """The end of a run stopped at a step boundary (StopSignals) once the master has saved `path`: every process
+    leaves together (under DDP a barrier first), and the master alone says so."""
+    if dist_.ddp:
+        torch.distributed.barrier()
+    number = stop.signal or signal.SIGTERM  # another process's signal: torchrun sends the same to every process
+    return interrupted(path, number) if dist_.master else Interrupted("", 128 + number)
+
+
+def stop_everywhere(stop, dist_) -> bool:
+    """Whether some process was sent SIGINT or SIGTERM (StopSignals): under DDP an all-reduce, which every process
+    calls at the same point (it serves as the epoch's barrier too)."""
+    signalled = stop.signal is not None
+    if dist_.ddp:
+        flag = torch.tensor([int(signalled)], device=dist_.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        signalled = bool(flag)
+    return signalled
+
+
+class StopSignals:
+    """Within the block, SIGINT (Ctrl-C) and SIGTERM (what Slurm sends before preemption; torchrun forwards it to
+    every process) are noted in .signal instead of ending the process: the training loop ends the step in progress,
+    saves ckpt_last.pt at that step boundary and stops (Interrupted, exit status 130 or 143). Ctrl-\\ (SIGQUIT)
+    still ends a process at once. A signal that this process ignores (a background job's SIGINT) stays ignored;
+    outside the main thread Python gives no signals, and the block runs as it is."""
+
+    NUMBERS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signal, self.previous = None, {}
+
+    def note(self, number, frame) -> None:
+        self.signal = self.signal or number
+
+    def now(self, ddp: bool) -> bool:
+        """Whether to check at this step boundary for the signal alone: at once in a single process; under DDP it
+        waits for the next check (a log step or a save), where all the processes agree without an extra wait."""
+        return self.signal is not None and not ddp
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for number in self.NUMBERS:
+                if signal.getsignal(number) is not signal.SIG_IGN:
+                    self.previous[number] = signal.signal(number, self.note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+        self.previous = {}
+
+
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """A DataLoader worker's worker_init_fn. A terminal's Ctrl-C reaches every process of the job: a worker ignores
+    it (the training process ends its workers itself, once it has saved). SIGTERM (Slurm's, which also reaches
+    every process; and the one DataLoader ends its workers with) ends a worker with exit status 0: killed by the
+    signal, it would make torch raise "DataLoader worker is killed by signal" in the training process at once,
+    inside the step that SIGTERM lets finish. A worker whose training process died exits on its own (DataLoader's
+    watchdog)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda number, frame: os._exit(0))
+
+
+def one_line(error: Exception) -> str:
+    """An error's message as one line: a DataError raised in a DataLoader worker arrives wrapped ("Caught DataError
+    in DataLoader worker process 0. Original Traceback ..."): its last line holds the original message."""
+    text = str(error).strip()
+    if "Original Traceback" in text:
+        last = text.splitlines()[-1]
+        text = last.split(": ", 1)[1] if ": " in last else last
+    return " ".join(text.split("\n"))
+
+
+def data_error_stop(error: Exception, save, step: int, watch, path, dist_) -> "data.DataError":
+    """A damaged file met by the training loop's DataLoader, before step `step` + 1: the master saves ckpt_last.pt
+    (save(), at the last completed step, once the steps since the last check are known to be finite: checked by
+    this process alone, the others being inside the step), and the error becomes one line that names the file and
+    says what was saved. Under torchrun a process other than the master saves nothing: its line names the file,
+    and torchrun ends the others."""
+    if dist_.master and step > 0:
+        watch.check(alone=True)
+        save()
+        saved = resume_hint(path)
+        saved = f"stopped: {saved}" if not saved.startswith("before") else f"stopped {saved}"
+    else:
+        saved = "stopped: nothing was saved by this process" if step > 0 else "stopped before the first step"
+    return data.DataError(f"{one_line(error)}; {saved}")
+
+
+def _terminated(number, frame):
+    raise Interrupted(SIGNAL_WORDS[signal.SIGTERM], 128 + number)
 
 
 def run(main, program: str) -> None:
     """Call a script's main(). A USER_ERRORS error ends the process with one line on stderr and exit status 1;
-    any other exception (a bug, a shape mismatch inside torch, CUDA out of memory) keeps its traceback."""
+    any other exception (a bug, a shape mismatch inside torch, CUDA out of memory) keeps its traceback. Ctrl-C and
+    SIGTERM end it with one line and the shell's status for the signal, 130 or 143 (in the training loop, after a
+    save at the step boundary: StopSignals)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminated)  # outside the training loop SIGTERM ends the run as Ctrl-C does
     try:
         main()
     except USER_ERRORS + (Diverged,) as error:
-        print(f"{program}: error: {error}", file=sys.stderr)
+        print(f"{program}: error: {one_line(error)}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt as interrupt:  # Ctrl-C: one line, no traceback, and the shell's status for SIGINT
-        print(f"{program}: {interrupt}" if isinstance(interrupt, Interrupted) else f"{program}: interrupted",
-              file=sys.stderr)
-        sys.exit(130)
+        message = str(interrupt) if isinstance(interrupt, Interrupted) else "interrupted"
+        if message:
+            print(f"{program}: {message}", file=sys.stderr)
+        sys.exit(getattr(interrupt, "status", 128 + signal.SIGINT))
 
 
 # -----------------------------------------------------------------------------
@@ -455,7 +580,7 @@ def save_checkpoint(state: dict, path) -> None:
     fix = f"free some space there, then continue with --resume{kept}"
     if shutil.disk_usage(path.parent).free < needed:
         raise data.no_space(path, path.parent, needed, fix)
-    with sigint_deferred():
+    with signals_deferred():
         try:
             with open(tmp, "wb") as f:
                 torch.save(state, f)
@@ -501,20 +626,26 @@ def state_bytes(state) -> int:
 
 
 @contextlib.contextmanager
-def sigint_deferred():
-    """Ctrl-C inside the block is noted and raised as KeyboardInterrupt when the block ends (main thread only:
-    elsewhere Python gives no signals, and the block runs as it is)."""
+def signals_deferred(numbers=StopSignals.NUMBERS):
+    """Ctrl-C or SIGTERM inside the block is noted and handed, when the block ends, to the handler that was there
+    before it (KeyboardInterrupt, StopSignals' note, the default action); main thread only: elsewhere Python gives
+    no signals, and the block runs as it is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     came = []
-    previous = signal.signal(signal.SIGINT, lambda number, frame: came.append(number))
+    previous = {number: signal.signal(number, lambda number, frame: came.append(number)) for number in numbers}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-    if came:
-        raise KeyboardInterrupt
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    for number in dict.fromkeys(came):
+        handler = previous[number]
+        if callable(handler):
+            handler(number, None)
+        elif handler == signal.SIG_DFL:
+            signal.raise_signal(number)
 
 
 def remove_partial_files(folder) -> None:
@@ -525,6 +656,68 @@ def remove_partial_files(folder) -> None:
         if pid.isdigit() and int(pid) != os.getpid() and data.process_alive(int(pid)):
             continue
         partial.unlink(missing_ok=True)
+
+
+def check_out_dir(out_dir) -> None:
+    """--out_dir must be a folder or not exist yet: an existing file, or a path under one, is refused before any
+    work (one line), not after a whole evaluation when its first file is written."""
+    out_dir = Path(out_dir)
+    for folder in (out_dir, *out_dir.parents):
+        if folder.exists() and not folder.is_dir():
+            where = "is a file" if folder == out_dir else f"lies under {folder}, which is a file"
+            raise ConfigError(f"--out_dir {out_dir} {where}, not a folder: choose another --out_dir")
+
+
+class OutDirLock:
+    """One process at a time writes into an --out_dir: the master of a training run or of an --eval holds an
+    exclusive lock on out_dir/.lock, which names it (PID and command); a second run there is refused at once with
+    one line naming the first, which goes on untouched (FileExistsError).
+
+    The lock is fcntl's (a POSIX record lock): the kernel drops it when its process ends however it ends, so a
+    killed run's lock holds nobody back; and, unlike flock's, it is not inherited by forked processes (DataLoader
+    workers, which may outlive a killed master for a few seconds). The file is removed when the run ends; a taker
+    that locked a file removed meanwhile takes the new one instead. Under torchrun only the master takes it: the
+    others write nothing there. A process not the master (master=False) takes nothing.
+    """
+
+    NAME = ".lock"
+
+    def __init__(self, out_dir, master: bool = True):
+        self.path, self.master, self.fd = Path(out_dir) / self.NAME, master, None
+
+    def __enter__(self):
+        if not self.master:
+            return self
+        check_out_dir(self.path.parent)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while self.fd is None:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                raise FileExistsError(f"--out_dir {self.path.parent} is in use by {holder}: wait for it to end, or "
+                                      f"choose another --out_dir") from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                self.fd = fd
+            else:  # the file was removed by the process that held it, after this one opened it: try again
+                os.close(fd)
+        os.ftruncate(self.fd, 0)
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.pwrite(self.fd, f"process {os.getpid()} ({shlex.join(['python', *sys.argv])}), since {started}\n"
+                  .encode(), 0)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)  # while still locked: a waiting taker sees another file, and retries
+            os.close(self.fd)
+            self.fd = None
 
 
 def start_or_resume(path, config, model_keys, dist_, model, optimizer, scaler) -> dict | None:
@@ -540,9 +733,13 @@ def start_or_resume(path, config, model_keys, dist_, model, optimizer, scaler) -
     if not config.resume:
         if dist_.master and path.exists():
             raise FileExistsError(f"{path} exists: pass --resume to continue that run, or choose another --out_dir")
+        if dist_.master:  # a run stopped before its first checkpoint left a log of steps that this run repeats
+            (path.parent / LOG_NAME).unlink(missing_ok=True)
         return None
     state = load_checkpoint(path)
     check_config(state["config"], dataclasses.asdict(config), model_keys, path)
+    if dist_.master:
+        trim_log(path.parent / LOG_NAME, state["step"])
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     # float16: the loss scale and its growth count go on where they were. A float32 or bfloat16 run's checkpoint
@@ -723,15 +920,36 @@ def training_loader(dataset, sampler, micro: int, num_workers: int, device: torc
     return torch.utils.data.DataLoader(dataset, batch_size=micro, drop_last=True, num_workers=num_workers,
                                        sampler=SkipSampler(sampler), collate_fn=collate,
                                        pin_memory=device.type == "cuda", persistent_workers=num_workers > 0,
-                                       prefetch_factor=4 if num_workers > 0 else None)
+                                       prefetch_factor=4 if num_workers > 0 else None,
+                                       worker_init_fn=ignore_stop_signals if num_workers > 0 else None)
 
 
 def epoch_batches(loader, epoch: int, done_steps: int, grad_accum: int):
     """An iterator over one epoch's micro-batches of a training_loader, skipping the first `done_steps` optimizer
-    steps (resuming)."""
-    loader.sampler.sampler.set_epoch(epoch)
+    steps (resuming).
+
+    A new iterator draws a number from its DataLoader's generator, the global one (the base seed of its workers):
+    an uninterrupted run draws it at the start of every epoch with num_workers 0, and once, at its first epoch,
+    with persistent workers. A resumed run draws it from the global generator exactly there too, and elsewhere
+    (part-way through an epoch, whose draw came before the checkpoint) from a generator of its own, seeded by the
+    sampler's seed, the epoch and the step: the global generator, restored from the checkpoint, then goes on as in
+    the uninterrupted run. With num_workers 0 the samples' random choices (stage 1's distractor swap, stage 2's
+    caption) and dropout draw from it, in the training process, and a resumed run is the uninterrupted run to the
+    byte. With num_workers > 0 each worker draws from a generator seeded when it starts: a resumed run's workers
+    start afresh, so its swaps and captions differ from the uninterrupted run's after the checkpoint (making them
+    the same would need a generator per sample, which would change the numbers of every num_workers 0 run).
+    """
+    sampler = loader.sampler.sampler
+    sampler.set_epoch(epoch)
     loader.sampler.skip = done_steps * loader.batch_size * grad_accum
-    return iter(loader)
+    if done_steps == 0 and (loader.num_workers == 0 or epoch == 0):
+        return iter(loader)  # the draw of an uninterrupted run
+    own = torch.Generator().manual_seed(((sampler.seed * 1_000_003 + epoch) * 1_000_003 + done_steps) % 2 ** 63)
+    loader.generator = own
+    try:
+        return iter(loader)
+    finally:
+        loader.generator = None
 
 
 # -----------------------------------------------------------------------------
@@ -764,8 +982,28 @@ class Progress:
         return " | ".join(parts)
 
 
+LOG_NAME = "log.jsonl"  # a run's JsonlLog, beside its checkpoints
+
+
+def trim_log(path, step: int) -> None:
+    """Keep the records of a log up to `step`, the step of the checkpoint a run resumes from: the steps after it
+    and the test scores are written again by the resumed run (atomically, as save_json)."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and json.loads(line).get("step", 0) <= step and json.loads(line).get("split") != "test"]
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 class JsonlLog:
-    """Appends one JSON object per line (the master process only); appending keeps a resumed run's history."""
+    """Appends one JSON object per line (the master process only); appending keeps a resumed run's history, which
+    start_or_resume first cuts at its checkpoint's step (trim_log), so that the log holds each step once."""
 
     def __init__(self, path, enabled: bool = True):
         self.path, self.enabled = Path(path), enabled

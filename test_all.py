@@ -3014,6 +3014,166 @@ def test_an_existing_run_is_not_overwritten_without_resume(synth40_root, tmp_pat
     assert again.returncode == 1 and "--resume" in again.stderr
 
 
+def same_run_files(first: Path, second: Path, result: str) -> None:
+    """Two runs' folders hold the same result file byte for byte, checkpoints whose tensors are equal byte for
+    byte, and logs with the same records, each step once (their times aside)."""
+    assert (first / result).read_bytes() == (second / result).read_bytes()
+    for name in ("ckpt_last.pt", "ckpt_best.pt"):
+        a, b = (torch.load(folder / name, weights_only=True) for folder in (first, second))
+        assert a["step"] == b["step"] and a["history"] == b["history"], name
+        for key, tensor in a["model"].items():
+            assert tensor.numpy().tobytes() == b["model"][key].numpy().tobytes(), (name, key)
+        for index, moments in a["optimizer"]["state"].items():
+            for key, tensor in moments.items():
+                assert torch.equal(tensor, b["optimizer"]["state"][index][key]), (name, index, key)
+    logs = [[{k: v for k, v in json.loads(line).items() if k != "time"} for line in (folder / "log.jsonl").open()]
+            for folder in (first, second)]
+    assert logs[0] == logs[1]
+    steps = [r["step"] for r in logs[1] if "split" not in r]
+    assert steps == sorted(set(steps))
+
+
+def wait_for_log_step(process, out: Path, step: int, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and process.poll() is None:
+        log = out / "log.jsonl"
+        steps = [json.loads(line)["step"] for line in log.read_text().splitlines()] if log.exists() else []
+        if steps and steps[-1] >= step:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the run never logged step {step}")
+
+
+def test_a_second_run_in_a_busy_out_dir_is_refused_in_one_line_naming_the_first_which_finishes_untouched(
+        synth40_root, tmp_path):
+    out = tmp_path / "run"
+    args = ["--data_root", synth40_root, "--out_dir", out]
+    command = [sys.executable, str(HERE / "adapt.py"), *TINY_ADAPT, *map(str, args), "--epochs", "12"]
+    first = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    wait_for_log_step(first, out, 1)
+    seconds = [subprocess.Popen([sys.executable, str(HERE / "adapt.py"), *TINY_ADAPT, *map(str, args), *extra],
+                                cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for extra in (["--seed", "7"], ["--seed", "7", "--resume"], ["--eval"])]
+    for second in seconds:  # another training run, a resume, and an --eval that would write test_retrieval.json
+        _, stderr = second.communicate(timeout=120)
+        assert second.returncode == 1 and stderr.count("\n") == 1, stderr
+        assert f"--out_dir {out} is in use by process {first.pid} (python {HERE / 'adapt.py'} --data synth" in stderr
+    stdout, stderr = first.communicate(timeout=240)
+    assert first.returncode == 0, stderr
+    assert json.loads((out / "config.json").read_text())["seed"] == 42  # the first run's files, its own scores
+    printed = re.search(r"test retrieval of the best epoch.*\n +text_to_pair_R1 +([\d.]+)", stdout).group(1)
+    assert f'{json.loads((out / "test_retrieval.json").read_text())["text_to_pair_R1"]:.2f}' == printed
+    assert not (out / ".lock").exists()  # removed at the end of the run
+    (out / ".lock").write_text("process 1 (a run killed long ago)\n")  # a dead process holds no lock
+    assert run_adapt(*args, "--eval").returncode == 0
+
+
+def test_an_out_dir_that_is_a_file_or_lies_under_one_is_refused_before_any_work(synth40_root, tmp_path, stage1):
+    file = tmp_path / "file"
+    file.write_text("")
+    for out in (file, file / "run"):
+        result = run_adapt("--data_root", synth40_root, "--out_dir", out)
+        assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+        assert f"--out_dir {out} " in result.stderr and "not a folder" in result.stderr
+        started = time.time()  # caption.py --eval decoded the whole test split before it found out
+        result = stage2(stage1, out, "--eval", "--checkpoint", stage1["encoder"])
+        assert result.returncode == 1 and "not a folder" in result.stderr and "Traceback" not in result.stderr
+        assert time.time() - started < 30
+
+
+def test_a_new_run_after_one_stopped_before_its_first_checkpoint_starts_a_fresh_log(synth40_root, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "log.jsonl").write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")  # the stopped run's step
+    assert run_adapt("--data_root", synth40_root, "--out_dir", out, "--epochs", "1").returncode == 0
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "split" not in r]
+    assert steps == list(range(1, len(steps) + 1)) and 9.0 not in [r.get("loss") for r in records]
+
+
+def test_a_stage_1_run_killed_at_a_step_and_resumed_writes_the_uninterrupted_runs_files(synth40_root, tmp_path):
+    args = ["--data_root", synth40_root, "--epochs", "2", "--save_every", "3"]
+    assert run_adapt(*args, "--out_dir", tmp_path / "whole").returncode == 0
+    out = tmp_path / "killed"
+    command = [sys.executable, str(HERE / "adapt.py"), *TINY_ADAPT, *map(str, args), "--out_dir", str(out)]
+    process = subprocess.Popen(command, cwd=HERE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    wait_for_log_step(process, out, 8)  # past the mid-epoch saves at steps 3 and 6, and logged beyond them
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    killed_at = torch.load(out / "ckpt_last.pt", weights_only=True)["step"]
+    assert killed_at % 3 == 0 and killed_at < 22  # a mid-epoch checkpoint (22 steps per epoch)
+    resumed = run_adapt(*args, "--out_dir", out, "--resume")
+    assert resumed.returncode == 0 and f"at step {killed_at}" in resumed.stdout, resumed.stderr
+    same_run_files(tmp_path / "whole", out, "test_retrieval.json")
+
+
+def test_sigterm_saves_stage_2_at_the_step_boundary_exits_143_and_the_resumed_run_is_the_uninterrupted_one(
+        stage1, tmp_path):
+    args = ["--epochs", "2", "--batch_size", "4", "--save_every", "100"]
+    assert stage2(stage1, tmp_path / "whole", *args).returncode == 0
+    out = tmp_path / "stopped"
+    command = [sys.executable, str(HERE / "caption.py"), "--data", "synth", *TINY_DECODER, "--data_root",
+               str(stage1["root"]), "--encoder_ckpt", str(stage1["encoder"]), "--out_dir", str(out), *args]
+    process = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_log_step(process, out, 2)
+    process.send_signal(signal.SIGTERM)  # what Slurm sends before preemption
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143 and "Traceback" not in stderr, stderr
+    state = torch.load(out / "ckpt_last.pt", weights_only=True)  # saved at the step the signal let finish
+    logged = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
+    assert state["step"] == logged[-1] >= 2
+    line = stderr.strip().splitlines()[-1]
+    assert line == (f"caption.py: terminated (SIGTERM): {out / 'ckpt_last.pt'} holds step {state['step']}; continue "
+                    f"with: {shlex.join(['python', *command[1:], '--resume'])}")
+    resumed = stage2(stage1, out, *args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    same_run_files(tmp_path / "whole", out, "test_predictions.json")
+
+
+def test_sigterm_under_torchrun_stops_every_process_at_the_same_step_after_the_master_saves(synth40_root, tmp_path):
+    out = tmp_path / "ddp"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(HERE / "adapt.py"), *TINY_ADAPT, "--data_root", str(synth40_root), "--out_dir", str(out),
+               "--epochs", "20", "--log_every", "3"]
+    process = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    wait_for_log_step(process, out, 4)
+    started = time.time()
+    process.send_signal(signal.SIGTERM)  # torchrun sends it on to both processes
+    _, stderr = process.communicate(timeout=120)
+    assert time.time() - started < 25  # no process waits for the other (torchrun kills them after 30 s)
+    step = torch.load(out / "ckpt_last.pt", weights_only=True)["step"]
+    assert step % 3 == 0 or step % 11 == 0  # a check step (log steps, or an epoch's end: 11 steps per epoch)
+    assert f"adapt.py: terminated (SIGTERM): {out / 'ckpt_last.pt'} holds step {step}; continue with:" in stderr
+    assert stderr.count("adapt.py: terminated") == 1 and "Traceback" not in stderr.split("adapt.py: terminated")[0]
+
+
+def test_a_damaged_image_met_in_training_stops_in_one_line_naming_it_after_saving_the_last_step(synth40_root,
+                                                                                                 tmp_path):
+    root = tmp_path / "synth"
+    shutil.copytree(synth40_root, root, ignore=shutil.ignore_patterns(".cache"))
+    pairs = data.load_split("synth", "train", root)
+    samples = data.AdaptationSamples(pairs, clip.get_tokenizer(data.bpe_path("synth", root)), train=True)
+    sampler = torch.utils.data.DistributedSampler(samples, num_replicas=1, rank=0, shuffle=True, seed=42)
+    order = [samples.samples[i][0] for i in sampler]  # pair of each sample of epoch 1, in the training order
+    first_use = {p: order.index(p) for p in set(order)}
+    pair = max(first_use, key=first_use.get)  # its after image is read first by the latest step
+    damaged = pairs[pair].after
+    raw = bytearray(damaged.read_bytes())
+    raw[len(raw) // 2:len(raw) // 2 + 64] = bytes(64)  # the middle of the image data
+    damaged.write_bytes(bytes(raw))
+    out = tmp_path / "run"
+    result = run_adapt("--data_root", root, "--out_dir", out, "--no-image_cache", "--no-freeze_intra", "--num_workers",
+                       "1")  # a worker reads the images, decoded at each step
+    assert result.returncode == 1 and result.stderr.count("\n") == 1 and "Caught" not in result.stderr, result.stderr
+    step = first_use[pair] // 8  # the steps completed before the batch that holds it (8 samples a step)
+    assert result.stderr.startswith(f"adapt.py: error: image {damaged} is corrupt")
+    assert f"stopped: {out / 'ckpt_last.pt'} holds step {step}; continue with: " in result.stderr
+    assert torch.load(out / "ckpt_last.pt", weights_only=True)["step"] == step > 0
+
+
 def test_resume_refuses_a_checkpoint_of_another_model_config(synth40_root, tmp_path):
     out = tmp_path / "run"
     assert run_adapt("--data_root", synth40_root, "--out_dir", out, "--epochs", "1").returncode == 0
