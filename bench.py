@@ -47,7 +47,7 @@ Run:  python bench.py clip [--bpe-path FILE]       (the vocabulary from --bpe-pa
       python bench.py kinds runs/caption_synth [--confusion] [--data synth] [--data_root DIR]
       python bench.py first OUT_DIR [--commit C] [--avx2]   (10-20 minutes on 2 cores; logs and summary.json in OUT_DIR)
       python bench.py first OUT_DIR --extra "--synth_pairs 40 --epochs 1"   (flags for both scripts: a smoke run)
-      python bench.py cost [--batch-sizes 1 2 4 8]   (about 20 minutes on 2 cores; --tiny: a smoke run)
+      python bench.py cost [--batch-sizes 1 2 4 8]   (about 12 minutes on 2 busy cores; --tiny: a smoke run)
       python bench.py gpu [--out bench_gpu.json]   (about 5 minutes on one GPU; --tiny: a tiny CLIP on the CPU)
       python bench.py residual runs/adapt_synth/ckpt_best.pt   (after the first command; about a minute)
       python bench.py decoder --batch-decode 2 --steps 2 --batch-train 2 --length 4 --repeats 1   (a smoke run)
