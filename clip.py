@@ -142,6 +142,8 @@ class QuickGELU(nn.Module):
     """x * sigmoid(1.702 x), the GELU approximation CLIP was trained with."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # compiled code fuses the formula itself (and torch 2.5's compiled DDP
+            return x * torch.sigmoid(QUICK_GELU_SCALE * x)  # refuses a custom autograd Function inside the graph)
         # = x * torch.sigmoid(QUICK_GELU_SCALE * x), computed with fewer passes over memory (below)
         return _QuickGELUFunction.apply(x)
 

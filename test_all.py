@@ -237,13 +237,18 @@ def test_both_tiny_checkpoints_load_and_reproduce_openais_outputs(filename, expe
     assert model.config.image_resolution == 32 and model.visual.input_resolution == 32
     tokens = clip.tokenize(expected["texts"], truncate=True, tokenizer=tiny_tokenizer)
     assert torch.equal(tokens, expected["text_tokens"])
+    assert_openais_outputs(model, tokens, expected)
+    torch.testing.assert_close(model.logit_scale.exp().detach(), expected["logit_scale_exp"])
+
+
+def assert_openais_outputs(model, tokens, expected):
+    """The model's image and text embeddings and logits are OpenAI's (tiny_expected.pt), to the tolerances."""
     with torch.no_grad():
         torch.testing.assert_close(model.encode_image(expected["images"]), expected["encode_image"], **EMBEDDING_TOL)
         torch.testing.assert_close(model.encode_text(tokens), expected["encode_text"], **EMBEDDING_TOL)
         logits_per_image, logits_per_text = model(expected["images"], tokens)
     torch.testing.assert_close(logits_per_image, expected["logits_per_image"], **LOGITS_TOL)
     torch.testing.assert_close(logits_per_text, expected["logits_per_text"], **LOGITS_TOL)
-    torch.testing.assert_close(model.logit_scale.exp().detach(), expected["logit_scale_exp"])
 
 
 def test_an_archive_traced_from_openais_own_model_loads_and_reproduces_openais_outputs(expected, tiny_tokenizer):
@@ -253,13 +258,7 @@ def test_an_archive_traced_from_openais_own_model_loads_and_reproduces_openais_o
     assert tensors.keys() == stored.keys()
     assert all(tensors[k].dtype == stored[k].dtype and torch.equal(tensors[k], stored[k]) for k in stored)
     model, _ = clip.load(path)
-    tokens = clip.tokenize(expected["texts"], truncate=True, tokenizer=tiny_tokenizer)
-    with torch.no_grad():
-        torch.testing.assert_close(model.encode_image(expected["images"]), expected["encode_image"], **EMBEDDING_TOL)
-        torch.testing.assert_close(model.encode_text(tokens), expected["encode_text"], **EMBEDDING_TOL)
-        logits_per_image, logits_per_text = model(expected["images"], tokens)
-    torch.testing.assert_close(logits_per_image, expected["logits_per_image"], **LOGITS_TOL)
-    torch.testing.assert_close(logits_per_text, expected["logits_per_text"], **LOGITS_TOL)
+    assert_openais_outputs(model, clip.tokenize(expected["texts"], truncate=True, tokenizer=tiny_tokenizer), expected)
 
 
 def test_every_intermediate_activation_matches_openais(expected, tiny_archive):
@@ -3239,6 +3238,9 @@ def test_a_compiled_model_trains_under_two_process_ddp_compiled_after_the_wrap(s
     # torch.compile on the CPU needs a C++ compiler (this machine's and CI's gcc); about 45 s on 2 cores
     out = tmp_path / "compiled"
     result = run_adapt("--data_root", synth40_root, "--out_dir", out, "--epochs", "1", "--compile", torchrun=True)
+    if adapt.torch_version() < adapt.COMPILED_DDP_TORCH:  # torch 2.5.1: refused in one line, before any step
+        assert result.returncode != 0 and "--compile under torchrun needs torch 2.11 or newer" in result.stderr
+        return
     assert result.returncode == 0, result.stderr[-3000:]
     assert "8 = 4 x 2 processes" in result.stdout and (out / "test_retrieval.json").is_file()
     assert torch.load(out / "ckpt_last.pt", weights_only=True)["step"] > 0
