@@ -5,9 +5,9 @@ Run by hand, never by the tests (see README.md beside this file); it needs pycoc
     python tests/metrics_vectors/make_toolkit_scores.py                      # score the corpora kept here
     python tests/metrics_vectors/make_toolkit_scores.py --cut-from FOLDER    # first cut them from the full files
 
-FOLDER holds full <name>.json corpora; those it holds are cut, the others are scored as kept here. Of the
-three, only spot_public.json can be remade from the repository (make_spot.py writes it); README.md beside
-this file says why the other two cannot.
+FOLDER holds full <name>.json corpora; those it holds are cut, the others are scored as kept here. Two are
+remade by builders beside this file (make_clevr_style.py writes clevr_style_public.json, make_spot.py
+spot_public.json); edge_cases.json.gz is hand-written, its own source (README.md beside this file).
 
 The pipeline is the toolkit's own, as pycocoevalcap.eval.COCOEvalCap.evaluate runs it without SPICE:
 PTBTokenizer (references, then candidates), then Bleu(4), Meteor(), Rouge(), Cider(). Two extra runs of
