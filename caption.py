@@ -22,8 +22,9 @@ localisation, a pointing game on the encoder's and the decoder's attention (expl
 test_attention.png: the attention maps of the first pairs of the grid, word by word.
 
 The file reads in that order: the Config and presets; the captioner (the stage-1 encoder, the decoder, the
-optimizer and one training step); pair features; decoding and scoring; the process set-up (DDP, autocast,
-GradScaler); what every job reads; the three jobs (caption one pair, evaluate, train) and main.
+optimizer and one training step); pair features; decoding and scoring; what every job reads; the three jobs
+(caption one pair, evaluate, train) and main. The process set-up (DDP, autocast, GradScaler) is stage 1's,
+adapt.setup.
 
 Differs from reference (REFERENCE.md section 3):
   - the best epoch is chosen on the validation split (the reference uses the test split);
@@ -63,10 +64,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed import destroy_process_group, init_process_group
+from torch.distributed import destroy_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
+import adapt
 import clip
 import data
 import explain
@@ -458,35 +460,6 @@ def evaluate_test(encoder, decoder, features: np.ndarray, pairs, test_pairs, ima
 
 
 # -----------------------------------------------------------------------------
-# Processes and precision, the nanoGPT way
-
-
-def setup(config: Config) -> tuple[runtime.Distributed, str, object, torch.amp.GradScaler]:
-    """This process: one of torchrun's (RANK is set: DDP) or the only one; its device; the precision context."""
-    device = runtime.check_device(config.device)  # auto: cuda when torch sees a GPU; a missing GPU is refused
-    ddp = int(os.environ.get("RANK", -1)) != -1
-    rank, local_rank, world_size = (int(os.environ.get(k, 0)) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    if ddp and device.startswith("cuda"):
-        device = f"cuda:{local_rank}"
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)  # also for one process on cuda:1: its kernels and caches go to that GPU
-        runtime.set_tf32(config.tf32)
-    if ddp:  # device_id binds NCCL to this process's GPU at once; the timeout covers the master's work alone
-        init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=runtime.GROUP_TIMEOUT,
-                           device_id=torch.device(device) if device.startswith("cuda") else None)
-    if ddp and not device.startswith("cuda"):
-        # torchrun sets OMP_NUM_THREADS=1: share this machine's cores between its local processes instead
-        torch.set_num_threads(max(1, data.usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
-    dist_ = runtime.Distributed(ddp, rank, local_rank, world_size if ddp else 1, torch.device(device), rank == 0)
-    dtype = runtime.resolve_dtype(config.dtype, dist_.device)  # "auto": bf16 (or fp16) on a GPU, float32 on CPU
-    # weights stay float32; autocast runs the matrix products in bf16 or fp16
-    ctx = nullcontext() if dtype == "float32" else torch.autocast(dist_.device.type, dtype=getattr(torch, dtype))
-    # fp16 only: the loss is scaled up before backward so that small gradients do not underflow
-    scaler = torch.amp.GradScaler(dist_.device.type, enabled=(dtype == "float16"))
-    return dist_, dtype, ctx, scaler
-
-
-# -----------------------------------------------------------------------------
 # What every job reads: the stage-1 encoder, the tokenizer, the splits and their pair tokens
 
 
@@ -792,7 +765,7 @@ def job(config: Config, out_dir: Path) -> None:
     release = best is not None and release_stage(best) == 2
     if release and config.dtype == "auto":  # the reference decodes in float32 (its CLIP in fp16): bf16 autocast
         config = dataclasses.replace(config, dtype="float32")  # on a GPU would flip its near-ties (BENCHMARKS.md section 12)
-    dist_, dtype, ctx, scaler = setup(config)
+    dist_, dtype, ctx, scaler = adapt.setup(config)  # DDP from torchrun's environment, autocast, GradScaler
     config = dataclasses.replace(config, num_workers=runtime.loader_workers(config.num_workers, dist_.device))
     runtime.seed_everything(config.seed + dist_.rank)
     root = data.dataset_root(config.data, config.data_root or None)
