@@ -32,17 +32,15 @@ Items are {"id": "pub-00000", "candidate", "references", "kind", "change"}; meta
 seed and the item count. The same seed gives the same file, byte for byte.
 """
 import argparse
-import gzip
-import json
 import random
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from corpus_files import check_or_write
+
 NAME = "clevr_style_public"
 SEED = 11
 N = 2000
-CUT = 1200  # make_toolkit_scores.CUTS["clevr_style_public"]: the .json.gz here holds the first 1,200 items
 
 SIZES = {"small": ("small", "tiny"), "large": ("large", "big")}
 COLORS = ("gray", "red", "blue", "green", "brown", "purple", "cyan", "yellow")
@@ -218,13 +216,6 @@ def build(seed: int = SEED, n: int = N) -> dict:
     return {"meta": {"generator": "make_clevr_style.py", "seed": seed, "n": n}, "items": items}
 
 
-def shipped_form(full: dict) -> bytes:
-    """clevr_style_public.json.gz as make_toolkit_scores.py --cut-from writes it (its cut and its write_gz_json)."""
-    meta = full["meta"] | {"cut": f"the first {CUT} of {len(full['items'])} items"}
-    text = json.dumps({"meta": meta, "items": full["items"][:CUT]}, ensure_ascii=False, separators=(",", ":"))
-    return gzip.compress(text.encode("utf-8"), mtime=0)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out_dir", type=Path, nargs="?", help=f"where to write {NAME}.json")
@@ -233,19 +224,7 @@ def main(argv=None):
     parser.add_argument("--check", action="store_true", help=f"compare with {NAME}.json.gz here; write nothing")
     args = parser.parse_args(argv)
     full = build(args.seed, args.n)
-    if args.check:
-        shipped = (HERE / f"{NAME}.json.gz").read_bytes()
-        same_bytes = shipped_form(full) == shipped
-        same_content = json.loads(gzip.decompress(shipped)) == json.loads(gzip.decompress(shipped_form(full)))
-        print(f"{NAME}.json.gz: {'the same bytes' if same_bytes else 'DIFFERENT bytes'}, "
-              f"{'the same content' if same_content else 'DIFFERENT content'}")
-        return 0 if same_content else 1
-    if args.out_dir is None:
-        parser.error("give OUT_DIR, or --check")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{NAME}.json").write_text(json.dumps(full, indent=1) + "\n", encoding="utf-8")
-    print(f"{args.out_dir / f'{NAME}.json'}: {len(full['items'])} items", full["meta"])
-    return 0
+    return check_or_write(NAME, full, args.out_dir, args.check, parser)
 
 
 if __name__ == "__main__":

@@ -19,17 +19,16 @@ pair, in their order, being its references; then the kept pairs are shuffled (`r
 half, 3,280 pairs, is the public part. It needs nothing but the Python standard library.
 """
 import argparse
-import gzip
 import json
 import random
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from corpus_files import check_or_write
+
 SOURCE_COMMIT = "d26bdcd4f2d33246355a503c3f8f1def9295dda2"
 SEED = 7
 SPLITS = ("train", "val", "test")
-CUT = 600  # make_toolkit_scores.CUTS["spot_public"]: spot_public.json.gz holds the first 600 items
 
 
 def build(spot_dir: Path) -> dict:
@@ -61,14 +60,6 @@ def build(spot_dir: Path) -> dict:
     return {"meta": meta, "items": items}
 
 
-def shipped_form(full: dict) -> bytes:
-    """spot_public.json.gz as make_toolkit_scores.py --cut-from writes it (its cut and its write_gz_json)."""
-    n = CUT
-    meta = full["meta"] | {"cut": f"the first {n} of {len(full['items'])} items"}
-    text = json.dumps({"meta": meta, "items": full["items"][:n]}, ensure_ascii=False, separators=(",", ":"))
-    return gzip.compress(text.encode("utf-8"), mtime=0)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("spot_dir", type=Path, help=f"a checkout of harsh19/spot-the-diff at {SOURCE_COMMIT[:8]}")
@@ -76,19 +67,7 @@ def main(argv=None):
     parser.add_argument("--check", action="store_true", help="compare with spot_public.json.gz here; write nothing")
     args = parser.parse_args(argv)
     full = build(args.spot_dir)
-    if args.check:
-        shipped = (HERE / "spot_public.json.gz").read_bytes()
-        same_bytes = shipped_form(full) == shipped
-        same_content = json.loads(gzip.decompress(shipped)) == json.loads(gzip.decompress(shipped_form(full)))
-        print(f"spot_public.json.gz: {'the same bytes' if same_bytes else 'DIFFERENT bytes'}, "
-              f"{'the same content' if same_content else 'DIFFERENT content'}")
-        return 0 if same_content else 1
-    if args.out_dir is None:
-        parser.error("give OUT_DIR, or --check")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "spot_public.json").write_text(json.dumps(full, indent=1) + "\n", encoding="utf-8")
-    print(f"{args.out_dir / 'spot_public.json'}: {len(full['items'])} items", full["meta"])
-    return 0
+    return check_or_write('spot_public', full, args.out_dir, args.check, parser)
 
 
 if __name__ == "__main__":

@@ -24,14 +24,14 @@ import sys
 import threading
 from pathlib import Path
 
+from corpus_files import CUTS, HERE, cut, gz_json_bytes
+
 from pycocoevalcap.bleu.bleu_scorer import BleuScorer
 from pycocoevalcap.cider.cider import Cider
 from pycocoevalcap.meteor.meteor import Meteor
 from pycocoevalcap.rouge.rouge import Rouge
 from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
-HERE = Path(__file__).resolve().parent
-CUTS = {"edge_cases": None, "clevr_style_public": 1200, "spot_public": 600}  # the first n items (None: all)
 LINE_BREAKS = re.compile("[\r\x0b\x0c\u2028\u2029]")  # PTBTokenizer ends a line at these; the wrapper only maps \n
 
 
@@ -40,8 +40,7 @@ def read_gz_json(path: Path):
 
 
 def write_gz_json(path: Path, data):
-    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    path.write_bytes(gzip.compress(text.encode("utf-8"), mtime=0))
+    path.write_bytes(gz_json_bytes(data))
 
 
 def tokenize(items):
@@ -122,11 +121,10 @@ def main(argv=None):
     parser.add_argument("--cut-from", type=Path,
                         help="a folder with full <name>.json corpora to cut first (those it holds)")
     args = parser.parse_args(argv)
-    for name, n in CUTS.items():
+    for name in CUTS:
         if args.cut_from and (args.cut_from / f"{name}.json").exists():
             full = json.loads((args.cut_from / f"{name}.json").read_text(encoding="utf-8"))
-            full["meta"] |= {"cut": f"the first {n or len(full['items'])} of {len(full['items'])} items"}
-            write_gz_json(HERE / f"{name}.json.gz", {"meta": full["meta"], "items": full["items"][:n]})
+            write_gz_json(HERE / f"{name}.json.gz", cut(name, full))
         items = read_gz_json(HERE / f"{name}.json.gz")["items"]
         out = score(items)
         if name == "clevr_style_public":  # CIDEr depends on the corpus: the first 100 scored as a corpus of their own
