@@ -808,14 +808,15 @@ def load_encoder(path, intra_layers: int = 9) -> tuple[PairEncoder, dict]:
         raise FileNotFoundError(f"no stage-1 checkpoint at {path}: run adapt.py for this dataset first "
                                 f"(python adapt.py --data ...), or pass --encoder_ckpt")
     state = load_checkpoint(path, required=("model",), release=True)
-    if release_stage(state) is None and "encoder_sha256" in state:
+    release = release_stage(state) is not None
+    if not release and "encoder_sha256" in state:
         raise ConfigError(f"{path} is a captioner (caption.py's stage-2 checkpoint), not a stage-1 encoder: "
                           f"--encoder_ckpt takes adapt.py's checkpoint (runs/adapt_<data>/ckpt_best.pt) or a CLIP4IDC "
                           f"release; a captioner is given with --checkpoint")
-    missing = [k for k in ("clip_config", "encoder_config") if release_stage(state) is None and k not in state]
+    missing = [k for k in ("clip_config", "encoder_config") if not release and k not in state]
     if missing:
         raise CheckpointError(f"{path} lacks {missing}: expected a checkpoint of this project, or {RELEASE}")
-    if release_stage(state) is not None:
+    if release:
         blocks = len({k.split(".")[4] for k in state if k.startswith("clip.visual.transformer.resblocks.")})
         if not 0 < intra_layers <= blocks:
             raise ConfigError(f"--intra_layers {intra_layers}: {path} has {blocks} vision blocks, so it must be in "
@@ -866,11 +867,16 @@ def checkpoint_tokenizer(state: dict, data_vocabulary=None) -> clip.SimpleTokeni
 
 def save_json(obj, path) -> None:
     """Atomic JSON write (the resolved config, predictions, score tables)."""
+    write_text_atomically(json.dumps(obj, indent=2) + "\n", path)
+
+
+def write_text_atomically(text: str, path) -> None:
+    """text to a temporary file beside path, then renamed over it: a reader sees the old file or the new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(obj, indent=2) + "\n")
+        tmp.write_text(text)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -991,14 +997,10 @@ def trim_log(path, step: int) -> None:
     path = Path(path)
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines(keepends=True)
-            if line.strip() and json.loads(line).get("step", 0) <= step and json.loads(line).get("split") != "test"]
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text("".join(kept))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    lines = [line for line in path.read_text().splitlines(keepends=True) if line.strip()]
+    records = [json.loads(line) for line in lines]
+    write_text_atomically("".join(line for line, record in zip(lines, records)
+                                  if record.get("step", 0) <= step and record.get("split") != "test"), path)
 
 
 class JsonlLog:
