@@ -765,12 +765,13 @@ class IntraTokens:
                  cache_dir: Path, dist_=None):
         paths = sorted({path for p in pairs for path in (p.before, p.after, p.distractor) if path is not None})
         self.row = {path: i for i, path in enumerate(paths)}
-        file = Path(cache_dir) / f"intra_tokens_{self.key(model, paths, ctx)}.pt"
+        master = dist_ is None or dist_.master
+        # named by the master alone (the key reads every intra-image weight and stats every image file)
+        file = Path(cache_dir) / f"intra_tokens_{self.key(model, paths, ctx)}.pt" if master else None
         if dist_ is not None and dist_.ddp:  # the master's file: its weights are those DDP gives every process
             shared = [file]
             dist.broadcast_object_list(shared, src=0)
             file = shared[0]
-        master = dist_ is None or dist_.master
         self.read_from = file if file.is_file() and (not master or self.readable(file, len(paths))) else None
         if self.read_from is None and master:
             self.compute(model, paths, images, batch_size, device, ctx, file)
