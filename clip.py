@@ -142,31 +142,7 @@ class QuickGELU(nn.Module):
     """x * sigmoid(1.702 x), the GELU approximation CLIP was trained with."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # compiled code fuses the formula itself (and torch 2.5's compiled DDP
-            return x * torch.sigmoid(QUICK_GELU_SCALE * x)  # refuses a custom autograd Function inside the graph)
-        # = x * torch.sigmoid(QUICK_GELU_SCALE * x), computed with fewer passes over memory (below)
-        return _QuickGELUFunction.apply(x)
-
-
-class _QuickGELUFunction(torch.autograd.Function):
-    """Speed variant of QuickGELU's x * sigmoid(1.702 x), through torch's fused silu kernels: y = silu(z) / 1.702
-    with z = 1.702 x (tested equal to the formula, values and gradients).
-
-    The same function as OpenAI's, with fewer passes over memory: written out, x * sigmoid(1.702 x) costs
-    about 8 element-wise passes forward and backward, a quarter of a training step on the CPU; here the
-    forward is 3 passes and the backward one, since dy/dx = silu'(z) * 1.702 / 1.702 = silu'(z).
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        z = x * QUICK_GELU_SCALE
-        ctx.save_for_backward(z)
-        return F.silu(z).div_(QUICK_GELU_SCALE)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        (z,) = ctx.saved_tensors
-        return torch.ops.aten.silu_backward(grad, z)
+        return x * torch.sigmoid(QUICK_GELU_SCALE * x)
 
 
 class SelfAttention(nn.Module):

@@ -112,10 +112,8 @@ def save_as_openai_archive(state_dict: dict, path: Path) -> Path:
     images = torch.zeros(1, 3, model.visual.input_resolution, model.visual.input_resolution)
     tokens = torch.zeros(1, model.context_length, dtype=torch.int32)
     tokens[0, :2] = torch.tensor([model.config.vocab_size - 2, model.config.vocab_size - 1])  # SOT, EOT
-    with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the tracer's warnings about our shape asserts; torch.jit's deprecation
-        # the tracer cannot save our fused autograd.Function: trace QuickGELU's plain formula (OpenAI's own)
-        patch.setattr(clip.QuickGELU, "forward", lambda self, x: x * torch.sigmoid(clip.QUICK_GELU_SCALE * x))
         traced = torch.jit.trace_module(model, {"forward": (images, tokens), "encode_image": images,
                                                 "encode_text": tokens})
         for name, parameter in traced.named_parameters():
@@ -498,16 +496,12 @@ def test_initialize_parameters_follows_openais_recipe():
     assert model.transformer.resblocks[0].mlp.c_proj.weight.std().item() == pytest.approx(proj_std, rel=0.05)
 
 
-def test_quick_gelu_is_x_times_sigmoid_of_1_702_x_in_values_and_gradients():
-    x = torch.linspace(-8, 8, 1001, dtype=torch.float64, requires_grad=True)
-    plain = x * torch.sigmoid(1.702 * x)  # OpenAI's formula
-    fast = clip.QuickGELU()(x)  # the fused speed variant
-    assert torch.allclose(fast, plain, rtol=1e-12, atol=1e-14)
-    grad = torch.randn(1001, dtype=torch.float64)
-    assert torch.allclose(torch.autograd.grad(fast, x, grad)[0], torch.autograd.grad(plain, x, grad)[0],
-                          rtol=1e-12, atol=1e-14)
-
-
+def test_quick_gelu_is_x_times_sigmoid_of_1_702_x_and_close_to_gelu():
+    x = torch.tensor([-1.0, 0.0, 1.0, 3.0])
+    # 1 / (1 + e^-1.702) = 0.845796...; QuickGELU(-x) = QuickGELU(x) - x, as GELU's
+    assert clip.QuickGELU()(x).tolist() == pytest.approx([-0.154204, 0.0, 0.845796, 2.981929], abs=1e-6)
+    x = torch.linspace(-6, 6, 1001)
+    assert (clip.QuickGELU()(x) - torch.nn.functional.gelu(x)).abs().max().item() < 0.03  # an approximation of GELU, not GELU
 def test_layer_norm_computes_in_float32_and_returns_the_input_dtype():
     norm = clip.LayerNorm(8)
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0)) * 1000
