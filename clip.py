@@ -1,40 +1,35 @@
-"""CLIP, the backbone CLIP4IDC adapts: image and text towers, BPE tokenizer, weight files, preprocessing.
+"""CLIP, the backbone CLIP4IDC adapts: the image and text towers and their tokenizer, then the plumbing that
+brings OpenAI's weights and vocabulary to the machine.
 
-CLIP (Radford et al., 2021, "Learning Transferable Visual Models From Natural Language Supervision",
-section 2.4) embeds an image with a vision transformer and a caption with a causal text transformer into
-one space where matching pairs have a high cosine similarity. CLIP4IDC (Guo et al., 2022)
-starts from OpenAI's ViT-B/32 and re-uses both towers: encoder.py runs this file's vision blocks over an
-image pair, adapt.py compares the result with this file's text embedding.
+CLIP (Contrastive Language-Image Pre-training; Radford et al., 2021, "Learning Transferable Visual Models From
+Natural Language Supervision", section 2.4) embeds an image with a vision transformer (ViT) and a caption with a
+causal text transformer into one space where matching pairs have a high cosine similarity. CLIP4IDC (CLIP for
+Image Difference Captioning; Guo et al., 2022) starts from OpenAI's ViT-B/32 and re-uses both towers: encoder.py
+runs this file's vision blocks over an image pair, adapt.py compares the result with this file's text embedding.
 
 This file rebuilds OpenAI's CLIP from scratch in plain PyTorch (github.com/openai/CLIP, clip/model.py,
 clip/clip.py, clip/simple_tokenizer.py) with OpenAI's parameter names, so that OpenAI's state dict
 loads with strict=True. It holds, top to bottom:
-  1. the model: pre-LN residual attention blocks, the vision transformer, CLIP, build_model;
-  2. weight files: the download cache, reading OpenAI's TorchScript archives without running them;
-  3. the byte-level BPE tokenizer and tokenize();
-  4. image preprocessing, OpenAI's (resize + centre crop) and CLIP4IDC's (resize to a square);
-  5. load(), which puts 1, 2 and 4 together, as openai/CLIP's clip.load does.
+  the lesson
+    1. the model: pre-LN residual attention blocks (LayerNorm before each sub-layer), the vision transformer,
+       CLIP, build_model;
+    2. the byte-level BPE (byte-pair encoding) tokenizer and tokenize();
+    3. image preprocessing, OpenAI's (resize + centre crop) and CLIP4IDC's (resize to a square);
+  the plumbing, which a first reading skips (it starts at "4. The download cache"):
+    4. the checksummed download cache of the weights and the vocabulary;
+    5. reading OpenAI's TorchScript archives without running them ("What is trusted" says why);
+    6. load(), which puts 1, 3, 4 and 5 together, as openai/CLIP's clip.load does;
+  and a demo.
 
-What differs from the reference:
+What differs from the reference (here: openai/CLIP):
   - batch-first tensors (B, L, D) everywhere; OpenAI's blocks are sequence-first (L, B, D);
   - attention through torch.nn.functional.scaled_dot_product_attention (is_causal for the text tower)
     instead of nn.MultiheadAttention with an explicit -inf mask; the parameters keep its names;
-  - weights stay float32 (OpenAI converts them to fp16 on GPU); mixed precision is autocast's job, and both
-    towers' residual streams stay float32 under it (the blocks' products run in bf16/fp16);
-  - a weights file is read without running it (see "What is trusted"); there is no jit=True mode;
+  - weights stay float32 (OpenAI converts them to float16 on a GPU); mixed precision is autocast's job, and both
+    towers' residual streams stay float32 under it (the blocks' products run in bfloat16/float16);
+  - a weights file is read without running it (section 5); there is no jit=True mode;
   - the tokenizer reads any merges file in OpenAI's format, so a small dataset can bring a small
     vocabulary (the synthetic dataset does); with OpenAI's file it is OpenAI's tokenizer, id for id.
-
-What is trusted. Loading never runs code from a weights file. OpenAI's released `.pt` files are
-TorchScript archives: a zip holding Python-like code and a pickle of the module tree. We never read the
-code, and we read the pickle with an unpickler that accepts only what rebuilding tensors needs (tensor
-rebuilding, storage types, OrderedDict) plus an inert stand-in for TorchScript's module classes; any
-other name is refused. Every other weights file goes through torch.load(weights_only=True). A named model
-(MODELS) is downloaded into the cache and kept only if its sha256 matches (OpenAI's URL embeds it); it is
-checked again on every load. The synthetic CLIP, "synth-ViT/32", takes the same path from a file URL into
-this repository's assets/, so the default run exercises the loading of OpenAI's weights. The BPE vocabulary
-is downloaded with its pinned sha256. Files you name yourself (a path, CLIP_BPE_PATH) and a vocabulary
-already in the cache are used as found: they are read as data, never executed, but their contents are trusted.
 
 Environment: CLIP_CACHE (cache folder, default ~/.cache/clip), CLIP_BPE_PATH (vocabulary file).
 
@@ -70,41 +65,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 from PIL import Image
 
-# The named models: where each weights file comes from, and its sha256, checked on download and on every load.
-# OpenAI's published weights: the folder name in the URL is the file's sha256 (openai/CLIP clip/clip.py).
-# "synth-ViT/32" is this project's CLIP of the synthetic world (width 128, 6 + 2 blocks, 32-pixel patches),
-# pretrained like OpenAI's but on single synthetic scenes (`python pretrain.py`, stage 0) and
-# shipped in assets/; it reaches the cache through the same download-and-check path as OpenAI's file.
-MODELS = {
-    "ViT-B/32": ("https://openaipublic.azureedge.net/clip/models/"
-                 "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
-                 "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af"),
-    "synth-ViT/32": ((Path(__file__).resolve().parent / "assets" / "synth-ViT-32.pt").as_uri(),
-                     "01de576b323b67d2a93cc2170aec12946f92c4ac5af322d3c17dd61bd1a4ec37"),
-}
-BPE_URL = "https://raw.githubusercontent.com/openai/CLIP/main/clip/bpe_simple_vocab_16e6.txt.gz"
-BPE_SHA256 = "924691ac288e54409236115652ad4aa250f48203de50a9e4722a6ecd48d6804a"
-DEFAULT_CACHE = "~/.cache/clip"
-METADATA_KEYS = ("input_resolution", "context_length", "vocab_size")  # non-weight tensors in OpenAI's archives
-
-HEAD_WIDTH = 64          # OpenAI's rule: heads = width // 64
-MLP_RATIO = 4            # the MLP is 4x the width
-QUICK_GELU_SCALE = 1.702  # QuickGELU: x * sigmoid(1.702 x), the GELU approximation CLIP was trained with
-
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # per-channel mean of CLIP's training images (RGB)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)  # and their standard deviation
-
-PAD_ID = 0               # tokenize() pads with id 0, which is also the token "!" (CLIP has no pad token)
-SOT, EOT = "<|startoftext|>", "<|endoftext|>"
-MAX_MERGES = 48_894      # CLIP's 49,408 ids = 256 bytes + 256 bytes-with-</w> + 48,894 merges + 2 specials
-
-DOWNLOAD_CHUNK = 1 << 20  # bytes per read while downloading
-DOWNLOAD_TIMEOUT_S = 30   # give up on a silent connection instead of hanging
-
 
 class FileError(RuntimeError):
     """A weights or vocabulary file that cannot be used: corrupt, truncated, of the wrong kind, or not the
     download its checksum names. The fix is to get the file again, so the scripts print it as one line."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# 1. The model
+# ---------------------------------------------------------------------------------------------------
+
+HEAD_WIDTH = 64          # OpenAI's rule: heads = width // 64
+MLP_RATIO = 4            # the MLP is 4x the width
+QUICK_GELU_SCALE = 1.702  # QuickGELU: x * sigmoid(1.702 x), the GELU approximation CLIP was trained with
+METADATA_KEYS = ("input_resolution", "context_length", "vocab_size")  # non-weight tensors in OpenAI's archives
 
 
 @dataclass
@@ -126,10 +100,6 @@ class CLIPConfig:
         # differs from reference: at least one head, so widths below 64 (tiny test models) work
         return max(1, self.vision_width // HEAD_WIDTH)
 
-
-# ---------------------------------------------------------------------------------------------------
-# 1. The model
-# ---------------------------------------------------------------------------------------------------
 
 class LayerNorm(nn.LayerNorm):
     """LayerNorm computed in float32 and cast back, so it stays accurate under fp16/bf16 autocast."""
@@ -349,8 +319,263 @@ def build_model(state_dict: dict[str, torch.Tensor]) -> CLIP:
 
 
 # ---------------------------------------------------------------------------------------------------
-# 2. Weight files: the download cache and OpenAI's TorchScript archives
+# 2. The byte-level BPE tokenizer (openai/CLIP clip/simple_tokenizer.py)
 # ---------------------------------------------------------------------------------------------------
+
+PAD_ID = 0               # tokenize() pads with id 0, which is also the token "!" (CLIP has no pad token)
+SOT, EOT = "<|startoftext|>", "<|endoftext|>"
+MAX_MERGES = 48_894      # CLIP's 49,408 ids = 256 bytes + 256 bytes-with-</w> + 48,894 merges + 2 specials
+
+
+@lru_cache
+def bytes_to_unicode() -> dict[int, str]:
+    """A printable character for each of the 256 byte values, so BPE can work on strings.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 (controls, space, ...) get the
+    characters from U+0100 on, in byte order. The vocabulary starts with these 256, in this order.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+# The pre-tokenizer cuts cleaned text into words before BPE; merges never cross these boundaries.
+PRE_TOKENIZER = regex.compile("|".join([
+    r"<\|startoftext\|>|<\|endoftext\|>",  # the special tokens, kept whole
+    r"'s|'t|'re|'ve|'m|'ll|'d",            # English contractions split off their word
+    r"[\p{L}]+",                           # a run of letters, in any script
+    r"[\p{N}]",                            # one digit: numbers are spelt digit by digit
+    r"[^\s\p{L}\p{N}]+",                   # a run of anything else that is not white space
+]), regex.IGNORECASE)
+
+
+def basic_clean(text: str) -> str:
+    # ftfy repairs mojibake and normalises quotes and widths; two more HTML unescapes as OpenAI does
+    return html.unescape(html.unescape(ftfy.fix_text(text))).strip()
+
+
+def whitespace_clean(text: str) -> str:
+    return regex.sub(r"\s+", " ", text).strip()
+
+
+def read_merges(path: str | os.PathLike) -> list[tuple[str, str]]:
+    """The BPE merges of a gzip file in OpenAI's format: a #version header line, then one "a b" per line."""
+    try:
+        with gzip.open(path, "rb") as f:
+            lines = f.read().decode("utf-8").split("\n")
+    except (OSError, EOFError, UnicodeDecodeError) as error:
+        raise FileError(f"{path} is not a gzip-compressed BPE merges file ({error})") from error
+    if "#version" not in lines[0]:
+        raise FileError(f"{path} does not start with a #version line, so it is not a BPE merges file in "
+                        f"OpenAI's format; its first line is {lines[0][:80]!r}")
+    # differs from reference: any merges file, up to CLIP's 48,894 merges (OpenAI slices lines 1..48,894 of
+    # its own file); a smaller file gives a smaller vocabulary, as the synthetic dataset's does
+    merges = []
+    for number, line in enumerate(lines[1:], start=2):
+        if not line:
+            continue
+        pair = tuple(line.split())
+        if len(pair) != 2:
+            raise FileError(f"{path}, line {number}: expected a merge 'a b', got {line!r}")
+        merges.append(pair)
+        if len(merges) == MAX_MERGES:  # OpenAI's file holds more; CLIP uses the first 48,894
+            break
+    return merges
+
+
+def merge_pair(symbols, pair: tuple[str, str]) -> list[str]:
+    """symbols with every occurrence of the adjacent pair merged into one symbol, left to right."""
+    merged, i = [], 0
+    while i < len(symbols):
+        if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == pair:
+            merged.append(symbols[i] + symbols[i + 1])
+            i += 2
+        else:
+            merged.append(symbols[i])
+            i += 1
+    return merged
+
+
+class SimpleTokenizer:
+    """CLIP's byte-level BPE: clean, lower-case, pre-tokenize, turn bytes into symbols, merge, look up ids."""
+
+    def __init__(self, bpe_path: str | os.PathLike | None = None):
+        self.bpe_path = find_bpe_vocabulary(bpe_path)
+        merges = read_merges(self.bpe_path)
+        self.byte_encoder = bytes_to_unicode()
+        self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
+        symbols = list(self.byte_encoder.values())
+        # ids: 256 byte symbols, the same with "</w>" (end of word), one per merge, then the two specials
+        vocab = symbols + [s + "</w>" for s in symbols] + ["".join(m) for m in merges] + [SOT, EOT]
+        self.encoder = {s: i for i, s in enumerate(vocab)}
+        self.decoder = dict(enumerate(vocab))
+        self.bpe_ranks = {m: rank for rank, m in enumerate(merges)}  # a lower rank merges first
+        self.vocab_size = len(vocab)
+        self.sot_id = self.encoder[SOT]
+        self.eot_id = self.encoder[EOT]
+        self.cache = {SOT: [self.sot_id], EOT: [self.eot_id]}  # pre-token -> its ids; the specials are pre-filled
+
+    def bpe(self, token: str) -> list[int]:
+        """The ids of one pre-token (already mapped to byte symbols)."""
+        if token in self.cache:
+            return self.cache[token]
+        word = [*token[:-1], token[-1] + "</w>"]  # symbols; the last one marks the end of the word
+        while len(word) > 1:
+            pairs = set(zip(word, word[1:]))
+            best = min(pairs, key=lambda pair: self.bpe_ranks.get(pair, math.inf))
+            if best not in self.bpe_ranks:
+                break
+            word = merge_pair(word, best)
+        self.cache[token] = ids = [self.encoder[symbol] for symbol in word]
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of text, without SOT and EOT."""
+        text = whitespace_clean(basic_clean(text)).lower()
+        ids = []
+        for pre_token in PRE_TOKENIZER.findall(text):
+            ids.extend(self.bpe("".join(self.byte_encoder[b] for b in pre_token.encode("utf-8"))))
+        return ids
+
+    def decode(self, ids) -> str:
+        """Text of token ids; each end of word becomes a space, so "hello world!" decodes as "hello world ! "."""
+        ids = [int(i) for i in ids]
+        unknown = [i for i in ids if i not in self.decoder]
+        if unknown:
+            raise ValueError(f"token ids {unknown[:5]} are outside the vocabulary of {self.vocab_size} ids "
+                             f"read from {self.bpe_path}")
+        symbols = "".join(self.decoder[i] for i in ids)
+        return bytearray(self.byte_decoder[c] for c in symbols).decode("utf-8", errors="replace").replace("</w>", " ")
+
+
+@lru_cache
+def _tokenizer_for(path: Path) -> SimpleTokenizer:
+    return SimpleTokenizer(path)
+
+
+def get_tokenizer(bpe_path: str | os.PathLike | None = None) -> SimpleTokenizer:
+    """The tokenizer of a vocabulary file, built once per resolved path (see find_bpe_vocabulary)."""
+    return _tokenizer_for(find_bpe_vocabulary(bpe_path).resolve())
+
+
+def tokenize(texts: str | list[str], context_length: int = 77, truncate: bool = False,
+             tokenizer: SimpleTokenizer | None = None) -> torch.IntTensor:
+    """Rows [SOT, ids..., EOT, PAD_ID...] of length context_length, one per text, int32 (as openai/CLIP).
+
+    A text that does not fit raises, unless truncate: then it is cut and its last token becomes EOT.
+    """
+    tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
+    texts = [texts] if isinstance(texts, str) else list(texts)
+    result = torch.full((len(texts), context_length), PAD_ID, dtype=torch.int32)  # (n, T)
+    for row, text in enumerate(texts):
+        ids = [tokenizer.sot_id, *tokenizer.encode(text), tokenizer.eot_id]
+        if len(ids) > context_length:
+            if not truncate:
+                raise RuntimeError(f"text {row} ({text[:60]!r}...) is {len(ids)} tokens long, more than the context "
+                                   f"length {context_length}; shorten it or pass truncate=True")
+            ids = ids[:context_length - 1] + [tokenizer.eot_id]
+        result[row, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. Image preprocessing (PIL + numpy; the same arithmetic as torchvision's transforms)
+# ---------------------------------------------------------------------------------------------------
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # per-channel mean of CLIP's training images (RGB)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)  # and their standard deviation
+
+
+def center_crop_to_uint8(image: Image.Image, n_px: int) -> np.ndarray:
+    """OpenAI's preprocessing up to the pixels: shorter side to n_px (bicubic), centre crop -> (n_px, n_px, 3) uint8."""
+    width, height = image.size
+    short, long = min(width, height), max(width, height)
+    new_long = int(n_px * long / short)  # truncated, as torchvision does
+    size = (n_px, new_long) if width <= height else (new_long, n_px)
+    if size != image.size:  # an image already at size is left alone (resizing RGBA would still change it)
+        # Pillow resizes RGBA with premultiplied alpha and palette images with NEAREST; converting to RGB
+        # first would change the pixels, so, as OpenAI does, convert after resize and crop
+        image = image.resize(size, Image.Resampling.BICUBIC)
+    left = int(round((size[0] - n_px) / 2))  # Python's round: half to even
+    top = int(round((size[1] - n_px) / 2))
+    image = image.crop((left, top, left + n_px, top + n_px)).convert("RGB")
+    return np.array(image, dtype=np.uint8)  # (n_px, n_px, 3)
+
+
+def resize_to_uint8(image: Image.Image, n_px: int = 224) -> np.ndarray:
+    """CLIP4IDC's preprocessing up to the pixels: RGB, bicubic resize straight to n_px x n_px (aspect not kept)."""
+    image = image.convert("RGB")
+    if image.size != (n_px, n_px):
+        image = image.resize((n_px, n_px), Image.Resampling.BICUBIC)
+    return np.array(image, dtype=np.uint8)  # (n_px, n_px, 3)
+
+
+def normalize(pixels: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """uint8 RGB pixels (..., H, W, 3) -> float32 (..., 3, H, W): /255, then CLIP's mean and std per channel."""
+    if isinstance(pixels, np.ndarray):
+        pixels = torch.from_numpy(np.require(pixels, requirements=["C", "W"]))  # copies only if read-only
+    assert pixels.dtype == torch.uint8 and pixels.shape[-1] == 3, \
+        f"expected uint8 RGB pixels of shape (..., H, W, 3), got {pixels.dtype} {tuple(pixels.shape)}"
+    x = pixels.movedim(-1, -3).float() / 255                           # (..., 3, H, W) in [0, 1]
+    mean, std = _channel_stats(x.device)                                # (3, 1, 1) each
+    return (x - mean) / std                                             # (..., 3, H, W)
+
+
+@lru_cache(maxsize=None)
+def _channel_stats(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """CLIP_MEAN and CLIP_STD as (3, 1, 1) tensors on device, made once: a tensor built from Python numbers is a
+    copy from the host, which on a GPU waits for the device, and normalize runs on every training batch."""
+    return (torch.tensor(CLIP_MEAN, device=device).view(3, 1, 1), torch.tensor(CLIP_STD, device=device).view(3, 1, 1))
+
+
+def transform(n_px: int):
+    """OpenAI's preprocess: PIL image -> (3, n_px, n_px) float32. load() returns it."""
+    def preprocess(image: Image.Image) -> torch.Tensor:
+        return normalize(center_crop_to_uint8(image, n_px))
+    return preprocess
+
+
+def pair_transform(n_px: int = 224):
+    """CLIP4IDC's preprocess for the before and after images: PIL image -> (3, n_px, n_px) float32."""
+    # differs from reference: float32 throughout; CLIP4IDC's loader makes float64 arrays and casts them later
+    def preprocess(image: Image.Image) -> torch.Tensor:
+        return normalize(resize_to_uint8(image, n_px))
+    return preprocess
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4. The download cache: weights and vocabulary, checked by sha256 (plumbing from here on)
+# ---------------------------------------------------------------------------------------------------
+
+# What is trusted. Loading never runs code from a weights file. OpenAI's released `.pt` files are
+# TorchScript archives: a zip holding Python-like code and a pickle of the module tree. We never read the
+# code, and we read the pickle with an unpickler that accepts only what rebuilding tensors needs (tensor
+# rebuilding, storage types, OrderedDict) plus an inert stand-in for TorchScript's module classes; any
+# other name is refused. Every other weights file goes through torch.load(weights_only=True). A named model
+# (MODELS) is downloaded into the cache and kept only if its sha256 matches (OpenAI's URL embeds it); it is
+# checked again on every load. The synthetic CLIP, "synth-ViT/32", takes the same path from a file URL into
+# this repository's assets/, so the default run exercises the loading of OpenAI's weights. The BPE vocabulary
+# is downloaded with its pinned sha256. Files you name yourself (a path, CLIP_BPE_PATH) and a vocabulary
+# already in the cache are used as found: they are read as data, never executed, but their contents are trusted.
+
+# The named models: where each weights file comes from, and its sha256, checked on download and on every load.
+# OpenAI's published weights: the folder name in the URL is the file's sha256 (openai/CLIP clip/clip.py).
+# "synth-ViT/32" is this project's CLIP of the synthetic world (width 128, 6 + 2 blocks, 32-pixel patches),
+# pretrained like OpenAI's but on single synthetic scenes (`python pretrain.py`, stage 0) and
+# shipped in assets/; it reaches the cache through the same download-and-check path as OpenAI's file.
+MODELS = {
+    "ViT-B/32": ("https://openaipublic.azureedge.net/clip/models/"
+                 "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
+                 "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af"),
+    "synth-ViT/32": ((Path(__file__).resolve().parent / "assets" / "synth-ViT-32.pt").as_uri(),
+                     "01de576b323b67d2a93cc2170aec12946f92c4ac5af322d3c17dd61bd1a4ec37"),
+}
+BPE_URL = "https://raw.githubusercontent.com/openai/CLIP/main/clip/bpe_simple_vocab_16e6.txt.gz"
+BPE_SHA256 = "924691ac288e54409236115652ad4aa250f48203de50a9e4722a6ecd48d6804a"
+DEFAULT_CACHE = "~/.cache/clip"
+DOWNLOAD_CHUNK = 1 << 20  # bytes per read while downloading
+DOWNLOAD_TIMEOUT_S = 30   # give up on a silent connection instead of hanging
+
 
 def cache_dir(download_root: str | os.PathLike | None = None) -> Path:
     """The folder for downloaded weights and vocabulary: the argument, else $CLIP_CACHE, else ~/.cache/clip."""
@@ -396,6 +621,32 @@ def download(url: str, root: str | os.PathLike, expected_sha256: str) -> Path:
         Path(partial).unlink(missing_ok=True)  # a no-op after the rename; deletes a partial or bad download
     return target
 
+
+
+def find_bpe_vocabulary(bpe_path: str | os.PathLike | None = None) -> Path:
+    """The vocabulary file: bpe_path, else $CLIP_BPE_PATH, else the cache (downloaded there when missing)."""
+    for given, where in ((bpe_path, "the bpe_path argument"), (os.environ.get("CLIP_BPE_PATH"), "CLIP_BPE_PATH")):
+        if given:
+            if not Path(given).is_file():
+                raise FileNotFoundError(f"BPE vocabulary {given} (from {where}) does not exist")
+            return Path(given)
+    root = cache_dir()
+    cached = root / Path(urllib.parse.urlparse(BPE_URL).path).name
+    if cached.is_file():  # only a verified download gets this name (see download), so it is used as found
+        return cached
+    try:
+        return download(BPE_URL, root, BPE_SHA256)
+    except OSError as error:
+        raise FileNotFoundError(
+            f"CLIP's BPE vocabulary {cached.name} is not in {root} and could not be downloaded from {BPE_URL} "
+            f"({error}). Get it on a machine with internet access:\n  curl -L -o {cached.name} {BPE_URL}\n"
+            f"  sha256sum {cached.name}   # must print {BPE_SHA256}\nthen put it in {root} (or set CLIP_CACHE to "
+            f"its folder), or point CLIP_BPE_PATH at it") from error
+
+
+# ---------------------------------------------------------------------------------------------------
+# 5. Weight files: OpenAI's TorchScript archives, read without running them
+# ---------------------------------------------------------------------------------------------------
 
 # TorchScript archives are read by unpickling their data.pkl with a whitelist (see "What is trusted").
 STORAGE_DTYPES = {
@@ -506,244 +757,7 @@ def load_state_dict(path: str | os.PathLike, dtype: torch.dtype | None = torch.f
 
 
 # ---------------------------------------------------------------------------------------------------
-# 3. The byte-level BPE tokenizer (openai/CLIP clip/simple_tokenizer.py)
-# ---------------------------------------------------------------------------------------------------
-
-@lru_cache
-def bytes_to_unicode() -> dict[int, str]:
-    """A printable character for each of the 256 byte values, so BPE can work on strings.
-
-    Printable Latin-1 bytes stand for themselves; the other 68 (controls, space, ...) get the
-    characters from U+0100 on, in byte order. The vocabulary starts with these 256, in this order.
-    """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
-
-
-# The pre-tokenizer cuts cleaned text into words before BPE; merges never cross these boundaries.
-PRE_TOKENIZER = regex.compile("|".join([
-    r"<\|startoftext\|>|<\|endoftext\|>",  # the special tokens, kept whole
-    r"'s|'t|'re|'ve|'m|'ll|'d",            # English contractions split off their word
-    r"[\p{L}]+",                           # a run of letters, in any script
-    r"[\p{N}]",                            # one digit: numbers are spelt digit by digit
-    r"[^\s\p{L}\p{N}]+",                   # a run of anything else that is not white space
-]), regex.IGNORECASE)
-
-
-def basic_clean(text: str) -> str:
-    # ftfy repairs mojibake and normalises quotes and widths; two more HTML unescapes as OpenAI does
-    return html.unescape(html.unescape(ftfy.fix_text(text))).strip()
-
-
-def whitespace_clean(text: str) -> str:
-    return regex.sub(r"\s+", " ", text).strip()
-
-
-def read_merges(path: str | os.PathLike) -> list[tuple[str, str]]:
-    """The BPE merges of a gzip file in OpenAI's format: a #version header line, then one "a b" per line."""
-    try:
-        with gzip.open(path, "rb") as f:
-            lines = f.read().decode("utf-8").split("\n")
-    except (OSError, EOFError, UnicodeDecodeError) as error:
-        raise FileError(f"{path} is not a gzip-compressed BPE merges file ({error})") from error
-    if "#version" not in lines[0]:
-        raise FileError(f"{path} does not start with a #version line, so it is not a BPE merges file in "
-                        f"OpenAI's format; its first line is {lines[0][:80]!r}")
-    # differs from reference: any merges file, up to CLIP's 48,894 merges (OpenAI slices lines 1..48,894 of
-    # its own file); a smaller file gives a smaller vocabulary, as the synthetic dataset's does
-    merges = []
-    for number, line in enumerate(lines[1:], start=2):
-        if not line:
-            continue
-        pair = tuple(line.split())
-        if len(pair) != 2:
-            raise FileError(f"{path}, line {number}: expected a merge 'a b', got {line!r}")
-        merges.append(pair)
-        if len(merges) == MAX_MERGES:  # OpenAI's file holds more; CLIP uses the first 48,894
-            break
-    return merges
-
-
-def find_bpe_vocabulary(bpe_path: str | os.PathLike | None = None) -> Path:
-    """The vocabulary file: bpe_path, else $CLIP_BPE_PATH, else the cache (downloaded there when missing)."""
-    for given, where in ((bpe_path, "the bpe_path argument"), (os.environ.get("CLIP_BPE_PATH"), "CLIP_BPE_PATH")):
-        if given:
-            if not Path(given).is_file():
-                raise FileNotFoundError(f"BPE vocabulary {given} (from {where}) does not exist")
-            return Path(given)
-    root = cache_dir()
-    cached = root / Path(urllib.parse.urlparse(BPE_URL).path).name
-    if cached.is_file():  # only a verified download gets this name (see download), so it is used as found
-        return cached
-    try:
-        return download(BPE_URL, root, BPE_SHA256)
-    except OSError as error:
-        raise FileNotFoundError(
-            f"CLIP's BPE vocabulary {cached.name} is not in {root} and could not be downloaded from {BPE_URL} "
-            f"({error}). Get it on a machine with internet access:\n  curl -L -o {cached.name} {BPE_URL}\n"
-            f"  sha256sum {cached.name}   # must print {BPE_SHA256}\nthen put it in {root} (or set CLIP_CACHE to "
-            f"its folder), or point CLIP_BPE_PATH at it") from error
-
-
-def merge_pair(symbols, pair: tuple[str, str]) -> list[str]:
-    """symbols with every occurrence of the adjacent pair merged into one symbol, left to right."""
-    merged, i = [], 0
-    while i < len(symbols):
-        if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == pair:
-            merged.append(symbols[i] + symbols[i + 1])
-            i += 2
-        else:
-            merged.append(symbols[i])
-            i += 1
-    return merged
-
-
-class SimpleTokenizer:
-    """CLIP's byte-level BPE: clean, lower-case, pre-tokenize, turn bytes into symbols, merge, look up ids."""
-
-    def __init__(self, bpe_path: str | os.PathLike | None = None):
-        self.bpe_path = find_bpe_vocabulary(bpe_path)
-        merges = read_merges(self.bpe_path)
-        self.byte_encoder = bytes_to_unicode()
-        self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
-        symbols = list(self.byte_encoder.values())
-        # ids: 256 byte symbols, the same with "</w>" (end of word), one per merge, then the two specials
-        vocab = symbols + [s + "</w>" for s in symbols] + ["".join(m) for m in merges] + [SOT, EOT]
-        self.encoder = {s: i for i, s in enumerate(vocab)}
-        self.decoder = dict(enumerate(vocab))
-        self.bpe_ranks = {m: rank for rank, m in enumerate(merges)}  # a lower rank merges first
-        self.vocab_size = len(vocab)
-        self.sot_id = self.encoder[SOT]
-        self.eot_id = self.encoder[EOT]
-        self.cache = {SOT: [self.sot_id], EOT: [self.eot_id]}  # pre-token -> its ids; the specials are pre-filled
-
-    def bpe(self, token: str) -> list[int]:
-        """The ids of one pre-token (already mapped to byte symbols)."""
-        if token in self.cache:
-            return self.cache[token]
-        word = [*token[:-1], token[-1] + "</w>"]  # symbols; the last one marks the end of the word
-        while len(word) > 1:
-            pairs = set(zip(word, word[1:]))
-            best = min(pairs, key=lambda pair: self.bpe_ranks.get(pair, math.inf))
-            if best not in self.bpe_ranks:
-                break
-            word = merge_pair(word, best)
-        self.cache[token] = ids = [self.encoder[symbol] for symbol in word]
-        return ids
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of text, without SOT and EOT."""
-        text = whitespace_clean(basic_clean(text)).lower()
-        ids = []
-        for pre_token in PRE_TOKENIZER.findall(text):
-            ids.extend(self.bpe("".join(self.byte_encoder[b] for b in pre_token.encode("utf-8"))))
-        return ids
-
-    def decode(self, ids) -> str:
-        """Text of token ids; each end of word becomes a space, so "hello world!" decodes as "hello world ! "."""
-        ids = [int(i) for i in ids]
-        unknown = [i for i in ids if i not in self.decoder]
-        if unknown:
-            raise ValueError(f"token ids {unknown[:5]} are outside the vocabulary of {self.vocab_size} ids "
-                             f"read from {self.bpe_path}")
-        symbols = "".join(self.decoder[i] for i in ids)
-        return bytearray(self.byte_decoder[c] for c in symbols).decode("utf-8", errors="replace").replace("</w>", " ")
-
-
-@lru_cache
-def _tokenizer_for(path: Path) -> SimpleTokenizer:
-    return SimpleTokenizer(path)
-
-
-def get_tokenizer(bpe_path: str | os.PathLike | None = None) -> SimpleTokenizer:
-    """The tokenizer of a vocabulary file, built once per resolved path (see find_bpe_vocabulary)."""
-    return _tokenizer_for(find_bpe_vocabulary(bpe_path).resolve())
-
-
-def tokenize(texts: str | list[str], context_length: int = 77, truncate: bool = False,
-             tokenizer: SimpleTokenizer | None = None) -> torch.IntTensor:
-    """Rows [SOT, ids..., EOT, PAD_ID...] of length context_length, one per text, int32 (as openai/CLIP).
-
-    A text that does not fit raises, unless truncate: then it is cut and its last token becomes EOT.
-    """
-    tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
-    texts = [texts] if isinstance(texts, str) else list(texts)
-    result = torch.full((len(texts), context_length), PAD_ID, dtype=torch.int32)  # (n, T)
-    for row, text in enumerate(texts):
-        ids = [tokenizer.sot_id, *tokenizer.encode(text), tokenizer.eot_id]
-        if len(ids) > context_length:
-            if not truncate:
-                raise RuntimeError(f"text {row} ({text[:60]!r}...) is {len(ids)} tokens long, more than the context "
-                                   f"length {context_length}; shorten it or pass truncate=True")
-            ids = ids[:context_length - 1] + [tokenizer.eot_id]
-        result[row, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
-    return result
-
-
-# ---------------------------------------------------------------------------------------------------
-# 4. Image preprocessing (PIL + numpy; the same arithmetic as torchvision's transforms)
-# ---------------------------------------------------------------------------------------------------
-
-def center_crop_to_uint8(image: Image.Image, n_px: int) -> np.ndarray:
-    """OpenAI's preprocessing up to the pixels: shorter side to n_px (bicubic), centre crop -> (n_px, n_px, 3) uint8."""
-    width, height = image.size
-    short, long = min(width, height), max(width, height)
-    new_long = int(n_px * long / short)  # truncated, as torchvision does
-    size = (n_px, new_long) if width <= height else (new_long, n_px)
-    if size != image.size:  # an image already at size is left alone (resizing RGBA would still change it)
-        # Pillow resizes RGBA with premultiplied alpha and palette images with NEAREST; converting to RGB
-        # first would change the pixels, so, as OpenAI does, convert after resize and crop
-        image = image.resize(size, Image.Resampling.BICUBIC)
-    left = int(round((size[0] - n_px) / 2))  # Python's round: half to even
-    top = int(round((size[1] - n_px) / 2))
-    image = image.crop((left, top, left + n_px, top + n_px)).convert("RGB")
-    return np.array(image, dtype=np.uint8)  # (n_px, n_px, 3)
-
-
-def resize_to_uint8(image: Image.Image, n_px: int = 224) -> np.ndarray:
-    """CLIP4IDC's preprocessing up to the pixels: RGB, bicubic resize straight to n_px x n_px (aspect not kept)."""
-    image = image.convert("RGB")
-    if image.size != (n_px, n_px):
-        image = image.resize((n_px, n_px), Image.Resampling.BICUBIC)
-    return np.array(image, dtype=np.uint8)  # (n_px, n_px, 3)
-
-
-def normalize(pixels: np.ndarray | torch.Tensor) -> torch.Tensor:
-    """uint8 RGB pixels (..., H, W, 3) -> float32 (..., 3, H, W): /255, then CLIP's mean and std per channel."""
-    if isinstance(pixels, np.ndarray):
-        pixels = torch.from_numpy(np.require(pixels, requirements=["C", "W"]))  # copies only if read-only
-    assert pixels.dtype == torch.uint8 and pixels.shape[-1] == 3, \
-        f"expected uint8 RGB pixels of shape (..., H, W, 3), got {pixels.dtype} {tuple(pixels.shape)}"
-    x = pixels.movedim(-1, -3).float() / 255                           # (..., 3, H, W) in [0, 1]
-    mean, std = _channel_stats(x.device)                                # (3, 1, 1) each
-    return (x - mean) / std                                             # (..., 3, H, W)
-
-
-@lru_cache(maxsize=None)
-def _channel_stats(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """CLIP_MEAN and CLIP_STD as (3, 1, 1) tensors on device, made once: a tensor built from Python numbers is a
-    copy from the host, which on a GPU waits for the device, and normalize runs on every training batch."""
-    return (torch.tensor(CLIP_MEAN, device=device).view(3, 1, 1), torch.tensor(CLIP_STD, device=device).view(3, 1, 1))
-
-
-def transform(n_px: int):
-    """OpenAI's preprocess: PIL image -> (3, n_px, n_px) float32. load() returns it."""
-    def preprocess(image: Image.Image) -> torch.Tensor:
-        return normalize(center_crop_to_uint8(image, n_px))
-    return preprocess
-
-
-def pair_transform(n_px: int = 224):
-    """CLIP4IDC's preprocess for the before and after images: PIL image -> (3, n_px, n_px) float32."""
-    # differs from reference: float32 throughout; CLIP4IDC's loader makes float64 arrays and casts them later
-    def preprocess(image: Image.Image) -> torch.Tensor:
-        return normalize(resize_to_uint8(image, n_px))
-    return preprocess
-
-
-# ---------------------------------------------------------------------------------------------------
-# 5. load(): weights + model + preprocess, as openai/CLIP's clip.load
+# 6. load(): weights + model + preprocess, as openai/CLIP's clip.load
 # ---------------------------------------------------------------------------------------------------
 
 def load(name_or_path: str | os.PathLike = "ViT-B/32", device: str | torch.device = "cpu",
