@@ -208,6 +208,7 @@ def build_encoder(config: Config, vocab_size: int) -> tuple[PairEncoder, dict]:
         raise runtime.ConfigError(f"--intra_layers {config.intra_layers}: {config.clip_model} has {blocks} vision "
                                   f"blocks, so it must be in [1, {blocks}]")
     model = PairEncoder(clip_model, EncoderConfig(config.intra_layers))
+    model.cls_rows_only = True  # speed variant (encoder.py): the last inter-image block at the two CLS rows only
     if config.freeze:
         model.freeze()
     if config.freeze_intra:
@@ -508,6 +509,7 @@ def evaluate_checkpoint(config: Config, dist_, ctx, out_dir: Path) -> None:
         return
     path = Path(config.checkpoint or out_dir / "ckpt_best.pt")
     model, state = runtime.load_encoder(path, config.intra_layers)
+    model.cls_rows_only = True  # speed variant (encoder.py), as the training's test: the same scores
     if state.get("release") and config.dtype == "auto":  # scored in float32, as the reference's figures: bf16
         ctx = nullcontext()  # autocast on a GPU moves ranks that nearly tie (BENCHMARKS.md section 12)
     splits, tokenizer, images = read_pairs(config, dataclasses.replace(dist_, ddp=False),

@@ -1,31 +1,38 @@
 """The CLIP4IDC pair encoder: one CLIP ViT that looks at a before image and an after image together.
 
-CLIP4IDC (the paper's method, used by both stages; REFERENCE.md 1.2-1.3) splits CLIP's vision
-transformer in two. The first `intra_layers` blocks (9 of 12) are *intra-image* layers: each image is
-encoded alone, exactly as CLIP would. Then the two token sequences are joined: a learned "before"
-vector is added to every token of the before image, an "after" vector to every token of the after
-image, the two are concatenated into one sequence of 2(N+1) tokens, a new joint position table is
-added and `ln_mid` normalises them. The remaining blocks (3) are *inter-image* layers that attend
-across both images. `ln_post` and CLIP's projection then map every token to the joint space: the
-captioner (stage 2) reads all 2(N+1) tokens, and the pair embedding used for retrieval (stage 1) is
-the mean of the two CLS tokens, at 0 (before) and N+1 (after). The caption's embedding is CLIP's own
-text embedding, the feature at the end-of-text token.
+CLIP4IDC (CLIP for Image Difference Captioning; Guo et al., 2022, section 3.2 and Fig. 2; the method of both
+stages) splits the vision transformer (ViT) of CLIP (Contrastive Language-Image Pre-training, clip.py) in two.
+The first `intra_layers` blocks (9 of 12) are *intra-image* layers: each image is encoded alone, exactly as CLIP
+would. Then the two token sequences are joined: a learned "before" vector is added to every token of the before
+image, an "after" vector to every token of the after image, the two are concatenated into one sequence of 2(N+1)
+tokens, a new joint position table is added and `ln_mid` normalises them. The remaining blocks (3) are
+*inter-image* layers that attend across both images. `ln_post` and CLIP's projection then map every token to the
+joint space: the captioner (stage 2) reads all 2(N+1) tokens, and the pair embedding used for retrieval (stage 1)
+is the mean of the two CLS (class) tokens, at 0 (before) and N+1 (after). The caption's embedding is CLIP's own
+text embedding, the feature at the EOT (end-of-text) token.
 
-Differs from reference:
+The reference is github.com/sushizixin/CLIP4IDC at commit ca49461; this file follows its modules/module_clip.py
+(`VisualTransformer.__init__` and `.forward`, `CLIP.encode_image`). Differs from reference:
 - The four new parameters live on the PairEncoder as `before_embedding`, `after_embedding`,
   `joint_positional_embedding`, `ln_mid` (the reference: `clip.visual.bef_embedding`, ...); release.py maps
   the reference's released files onto these names.
-- Weights stay float32 (the training script chooses autocast); the reference casts CLIP to fp16.
+- Weights stay float32 (the training script chooses autocast); the reference casts CLIP to float16.
 - The intra-image layers see the batch as [all before images; all after images] instead of the
   reference's interleaved (before, after) pairs; each image is encoded alone, so this changes nothing.
 - The no-decay set also holds the LayerNorm weights (see `no_decay_names`).
+
+The lesson runs from EncoderConfig to the end of PairEncoder.optimizer_groups: the config, the frozen parts and
+the no-decay rule, then PairEncoder (its five steps in order, encode_pair, forward, what trains). A section of its
+own follows, "speed variant": stage 1's pair embedding from the two CLS rows of the last inter-image block alone
+(embed_pair, block_at_rows), which forward runs when PairEncoder.cls_rows_only is set (adapt.py sets it); then
+the demo.
 
 Run `python encoder.py` to push a random image pair through a tiny random CLIP and print every shape.
 The benchmark of one full-size training step is `python bench.py adapt`.
 
 Shape letters: B pairs in the batch, R image side (224), N patches per image ((224/32)^2 = 49),
 D vision width (768), E joint embedding width (512), T caption tokens, L = 2(N+1) joint tokens (100),
-Q rows computed alone (block_at_rows: stage 1 reads the 2 CLS rows).
+Q rows computed alone (the speed variant's block_at_rows: stage 1 reads the 2 CLS rows).
 """
 from dataclasses import dataclass
 
@@ -41,9 +48,9 @@ class EncoderConfig:
     intra_layers: int = 9  # CLIP blocks that encode each image alone; the rest (12 - 9 = 3) see the pair
 
 
-# The parts of CLIP (names as in the OpenAI checkpoint) that the reference freezes in both stages
-# (C4I:main_task_retrieval.py `main`, freeze_layer_num=0; REFERENCE 2.2): the vision tower's embedding, which
-# also starts every intra-image token (intra_image_parts), and the text tower's. Everything else trains.
+# The parts of CLIP (names as in the OpenAI checkpoint) that the reference freezes in both stages (its
+# main_task_retrieval.py and main_task_caption.py, `main`, with freeze_layer_num=0): the vision tower's embedding,
+# which also starts every intra-image token (intra_image_parts), and the text tower's. Everything else trains.
 VISION_EMBEDDING = (
     "visual.conv1",                 # patch embedding
     "visual.class_embedding",       # the image's CLS token
@@ -63,23 +70,24 @@ def under(name: str, part: str) -> bool:
     return name == part or name.startswith(part + ".")
 
 
-def block_at_rows(block: clip.ResidualAttentionBlock, x: torch.Tensor, rows: slice) -> torch.Tensor:
-    """block(x)[:, rows], computed for those rows alone: (B, L, D) -> (B, len(rows), D), the same numbers up to
-    float rounding. A position sees the others only through attention's keys and values, so every position
-    still gives its key and value, while the rest of the block (the query, the residual, the MLP) runs on the
-    rows that are read. Stage 1 reads the two CLS rows of the last inter-image block (PairEncoder.embed_pair).
-    rows is a slice, so that picking them is a view: a list would be an index tensor copied to the GPU each call."""
-    attn, D = block.attn, x.shape[-1]
-    h = block.ln_1(x)                                                                      # (B, L, D)
-    q = F.linear(h[:, rows], attn.in_proj_weight[:D], attn.in_proj_bias[:D])              # (B, Q, D): the rows ask
-    k, v = F.linear(h, attn.in_proj_weight[D:], attn.in_proj_bias[D:]).chunk(2, dim=-1)  # 2 x (B, L, D): all answer
-    x = x[:, rows] + attn.attend(q, k, v)                                                 # (B, Q, D)
-    x = x + block.mlp(block.ln_2(x))                                                      # (B, Q, D)
-    return x
+def no_decay_names(model: nn.Module) -> set[str]:
+    """Parameters trained without weight decay, in both stages: every bias and every LayerNorm parameter."""
+    # differs from reference: its rule is by name ("bias", "LayerNorm.weight"), and CLIP's LayerNorms
+    # are named ln_*, so it decays their weights (and ln_mid's). We exempt all LayerNorm parameters.
+    names = {name for name, _ in model.named_parameters() if name.endswith("bias")}
+    for module_name, module in model.named_modules():
+        if isinstance(module, nn.LayerNorm):
+            names.update(f"{module_name}.{name}" for name, _ in module.named_parameters())
+    return names
 
 
 class PairEncoder(nn.Module):
-    """CLIP with its vision tower split into intra-image and inter-image layers (REFERENCE 1.2)."""
+    """CLIP with its vision tower split into intra-image and inter-image layers (the reference's
+    modules/module_clip.py, `VisualTransformer`)."""
+
+    # The one switch of the speed variant at the end of this class: True makes forward compute the pair embedding
+    # from the two CLS rows of the last inter-image block alone (embed_pair). adapt.py switches it on.
+    cls_rows_only = False
 
     def __init__(self, clip_model: clip.CLIP, config: EncoderConfig = EncoderConfig()):
         super().__init__()
@@ -117,18 +125,10 @@ class PairEncoder(nn.Module):
         x = torch.cat([before + self.before_embedding.to(dtype), after + self.after_embedding.to(dtype)], dim=1)  # (B, L, D)
         return self.ln_mid(x + self.joint_positional_embedding.to(dtype))  # (B, L, D)
 
-    def inter_image(self, x: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
-        """CLIP's remaining blocks over the joint sequence, full attention: (B, L, D) -> (B, L, D).
-
-        With rows, the last block computes its output at those positions only, (B, len(rows), D): the same
-        numbers as the full output's rows up to float rounding, without the work for the rows nobody reads.
-        """
-        blocks = self.clip.visual.transformer.resblocks[self.config.intra_layers:]
-        if rows is not None and not blocks:  # no inter-image block to compute the rows: they are the join's
-            return x[:, rows]  # (B, len(rows), D)
-        for i, block in enumerate(blocks):
-            last = i == len(blocks) - 1
-            x = block_at_rows(block, x, rows) if last and rows is not None else block(x)  # (B, L, D); last (B, Q, D)
+    def inter_image(self, x: torch.Tensor) -> torch.Tensor:
+        """CLIP's remaining blocks over the joint sequence, full attention: (B, L, D) -> (B, L, D)."""
+        for block in self.clip.visual.transformer.resblocks[self.config.intra_layers:]:
+            x = block(x)  # (B, L, D)
         return x
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
@@ -170,14 +170,6 @@ class PairEncoder(nn.Module):
         tokens = self.project(self.inter_image(self.join(*self.intra_pair(before, after))))  # (B, L, E)
         return {"pair_embedding": self.pool(tokens[:, self.cls_rows]), "pair_tokens": tokens}
 
-    def embed_pair(self, before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-        """encode_pair's pair embedding alone, (B, E), as retrieval needs it (stage 1): only the two CLS tokens
-        of the last block's output are read, so that block, ln_post and the projection run on them alone."""
-        x = self.join(*self.intra_pair(before, after))  # (B, L, D)
-        # differs from reference: it computes every token, then pools two; the same numbers up to float rounding,
-        # with a stage-1 step 40% shorter on the synth preset (BENCHMARKS.md section 2)
-        return self.pool(self.project(self.inter_image(x, rows=self.cls_rows)))  # (B, 2, E) -> (B, E)
-
     def encode_text(self, text: torch.Tensor) -> torch.Tensor:
         """CLIP's caption embedding, the feature at the end-of-text token: (B, T) token ids -> (B, E)."""
         return self.clip.encode_text(text)
@@ -186,16 +178,22 @@ class PairEncoder(nn.Module):
         """Stage 1's view, what the contrastive loss reads: {"pair_embedding": (B, E), "logit_scale": ()}, plus
         "text_embedding" (B, E) when captions are given. The captioner reads encode_pair's "pair_tokens".
 
-        Everything the loss needs comes out of forward, so that under DDP it is all computed inside the wrapped
-        module: losses.contrastive_loss(out["text_embedding"], out["pair_embedding"], out["logit_scale"]).
+        Everything the loss needs comes out of forward, so that under DDP (DistributedDataParallel) it is all
+        computed inside the wrapped module: losses.contrastive_loss(out["text_embedding"], out["pair_embedding"],
+        out["logit_scale"]).
         """
-        out = {"pair_embedding": self.embed_pair(before, after),  # images, or the cached intra-image tokens
+        if self.cls_rows_only:  # the speed variant (embed_pair, below): the same numbers up to float rounding
+            pair_embedding = self.embed_pair(before, after)  # (B, E)
+        else:
+            pair_embedding = self.encode_pair(before, after)["pair_embedding"]  # (B, E)
+        out = {"pair_embedding": pair_embedding,  # from images, or from the cached intra-image tokens
                "logit_scale": self.clip.logit_scale}  # log(1/temperature), learned, as in CLIP
         if text is not None:
             out["text_embedding"] = self.encode_text(text)  # (B, E)
         return out
 
-    # --- what trains, and how fast (REFERENCE 2.2 and 3.1) ---
+    # --- what trains, and at which learning rate (the reference's main_task_retrieval.py and main_task_caption.py,
+    # `prep_optimizer`) ---
 
     def freeze(self, parts: tuple[str, ...] = FROZEN_IN_REFERENCE) -> list[str]:
         """Stop gradients for these CLIP parts (names as in the OpenAI checkpoint); return the frozen names."""
@@ -227,10 +225,10 @@ class PairEncoder(nn.Module):
                          joint_lr_scale: float = 1.0) -> list[dict]:
         """Parameter groups for a torch optimizer, frozen parameters left out.
 
-        Stage 1 (REFERENCE 2.2): the new joint parameters train at lr, CLIP's at lr * clip_lr_scale
-        (1e-4 and 1e-3 in the paper). Stage 2 (REFERENCE 3.1) puts the joint parameters at CLIP's rate:
-        joint_lr_scale=clip_lr_scale. Each group carries "lr_scale" so a schedule can set
-        group["lr"] = scheduled_lr * group["lr_scale"], and a "name" for logging.
+        Stage 1 (the reference's main_task_retrieval.py, `prep_optimizer`): the new joint parameters train at lr,
+        CLIP's at lr * clip_lr_scale (1e-4 and 1e-3 in the paper). Stage 2 (main_task_caption.py, `prep_optimizer`)
+        puts the joint parameters at CLIP's rate: joint_lr_scale=clip_lr_scale. Each group carries "lr_scale" so a
+        schedule can set group["lr"] = scheduled_lr * group["lr_scale"], and a "name" for logging.
         """
         no_decay = no_decay_names(self)
         groups = {(role, decay): [] for role in ("joint", "clip") for decay in (True, False)}
@@ -244,17 +242,43 @@ class PairEncoder(nn.Module):
                  "weight_decay": weight_decay if decay else 0.0}
                 for (role, decay), params in groups.items() if params]
 
+    # --- speed variant: stage 1's pair embedding from the two CLS rows alone (cls_rows_only) ---
+    # Retrieval reads only the two CLS rows of the last inter-image block, so that block (through block_at_rows,
+    # below), ln_post and the projection can run on those rows alone. It makes a synth stage-1 step 171 ms instead
+    # of 265-270 ms (bench.py synth, 2026-11-27, a machine with avx2 + avx512_bf16, two alternating rounds).
 
-def no_decay_names(model: nn.Module) -> set[str]:
-    """Parameters trained without weight decay, in both stages: every bias and every LayerNorm parameter."""
-    # differs from reference: its rule is by name ("bias", "LayerNorm.weight"), and CLIP's LayerNorms
-    # are named ln_*, so it decays their weights (and ln_mid's). We exempt all LayerNorm parameters.
-    names = {name for name, _ in model.named_parameters() if name.endswith("bias")}
-    for module_name, module in model.named_modules():
-        if isinstance(module, nn.LayerNorm):
-            names.update(f"{module_name}.{name}" for name, _ in module.named_parameters())
-    return names
+    def embed_pair(self, before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+        """encode_pair's pair embedding alone, (B, E), as retrieval needs it (stage 1): only the two CLS tokens
+        of the last block's output are read, so that block, ln_post and the projection run on them alone."""
+        x = self.join(*self.intra_pair(before, after))  # (B, L, D)
+        # differs from reference: it computes every token, then pools two; the same numbers up to float rounding
+        blocks = self.clip.visual.transformer.resblocks[self.config.intra_layers:]
+        if not blocks:  # no inter-image block to compute the rows: they are the join's
+            x = x[:, self.cls_rows]  # (B, 2, D)
+        else:
+            for block in blocks[:-1]:
+                x = block(x)  # (B, L, D)
+            x = block_at_rows(blocks[-1], x, self.cls_rows)  # (B, 2, D)
+        return self.pool(self.project(x))  # (B, 2, E) -> (B, E)
 
+
+def block_at_rows(block: clip.ResidualAttentionBlock, x: torch.Tensor, rows: slice) -> torch.Tensor:
+    """block(x)[:, rows], computed for those rows alone: (B, L, D) -> (B, len(rows), D), the same numbers up to
+    float rounding. A position sees the others only through attention's keys and values, so every position
+    still gives its key and value, while the rest of the block (the query, the residual, the MLP) runs on the
+    rows that are read. Stage 1's speed variant reads the two CLS rows of the last inter-image block
+    (PairEncoder.embed_pair). rows is a slice, so that picking them is a view: a list would be an index tensor
+    copied to the GPU each call."""
+    attn, D = block.attn, x.shape[-1]
+    h = block.ln_1(x)                                                                      # (B, L, D)
+    q = F.linear(h[:, rows], attn.in_proj_weight[:D], attn.in_proj_bias[:D])              # (B, Q, D): the rows ask
+    k, v = F.linear(h, attn.in_proj_weight[D:], attn.in_proj_bias[D:]).chunk(2, dim=-1)  # 2 x (B, L, D): all answer
+    x = x[:, rows] + attn.attend(q, k, v)                                                 # (B, Q, D)
+    x = x + block.mlp(block.ln_2(x))                                                      # (B, Q, D)
+    return x
+
+
+# --- the demo ---
 
 def tiny_pair_encoder() -> PairEncoder:
     """A pair encoder on a tiny random CLIP (64 x 64 images of 16 patches, 4 vision blocks, 3 of them intra-image),
@@ -279,7 +303,7 @@ if __name__ == "__main__":
         print(f"before, after images        {tuple(before.shape)} each   (B, 3, R, R)")
         embedded = model.clip.visual.embed(before)
         print(f"per-image embedding         {tuple(embedded.shape)}       (B, N+1, D)")
-        intra_before, intra_after = model.intra_image(before), model.intra_image(after)
+        intra_before, intra_after = model.intra_pair(before, after)  # intra_image on [befores; afters]
         print(f"after intra-image layers    {tuple(intra_before.shape)} each  (B, N+1, D)")
         joint = model.join(intra_before, intra_after)
         print(f"joined, positions, ln_mid   {tuple(joint.shape)}       (B, L=2(N+1), D)")
@@ -287,8 +311,15 @@ if __name__ == "__main__":
         print(f"after inter-image layers    {tuple(inter.shape)}       (B, L, D)")
         tokens = model.project(inter)
         print(f"ln_post and proj            {tuple(tokens.shape)}        (B, L, E)")
-        print(f"pair embedding (mean CLS)   {tuple(model.pool(tokens).shape)}            (B, E)")
+        cls = tokens[:, model.cls_rows]  # rows 0 (before CLS) and N+1 (after CLS)
+        print(f"the two CLS rows, 0 and {model.n_patches + 1}  {tuple(cls.shape)}         (B, 2, E)")
+        pair_embedding = model.pool(cls)
+        print(f"pair embedding (their mean) {tuple(pair_embedding.shape)}            (B, E)")
         print(f"caption tokens              {tuple(text.shape)}             (B, T)")
         print(f"text embedding (EOT)        {tuple(model.encode_text(text).shape)}            (B, E)")
         out = model(before, after, text)
         print("forward returns            ", {key: tuple(value.shape) for key, value in out.items()})
+        print(f"forward's pair embedding is the mean of the two CLS rows: "
+              f"{torch.equal(out['pair_embedding'], pair_embedding)}")
+        print(f"first pair's embedding, first 4 of {pair_embedding.shape[1]}: "
+              f"{[round(v, 4) for v in pair_embedding[0, :4].tolist()]}")

@@ -731,15 +731,28 @@ def test_a_block_run_at_some_rows_equals_the_full_blocks_rows_values_and_gradien
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_forward_without_the_speed_switch_gives_encode_pairs_pair_embedding_bit_for_bit():
+    model = _tiny_encoder()
+    assert not model.cls_rows_only  # off by default: forward runs the lesson's encode_pair
+    before, after = _images(seed=1), _images(seed=2)
+    with torch.no_grad():
+        assert torch.equal(model(before, after)["pair_embedding"], model.encode_pair(before, after)["pair_embedding"])
+
+
 def test_stage_1s_pair_embedding_from_the_cls_rows_alone_equals_encode_pairs_values_and_gradients():
     for intra_layers in (2, 4):  # two inter-image blocks; none (the rows are then cut after the intra blocks)
         model = _tiny_encoder(intra_layers)
+        model.cls_rows_only = True  # the speed variant, as adapt.build_encoder switches it on
         before, after = _images(seed=1), _images(seed=2)
         full = model.encode_pair(before, after)["pair_embedding"]
         full.square().sum().backward()
         full_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
         model.zero_grad()
+        rows = []
+        hook = model.clip.visual.ln_post.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[1]))
         fast = model(before, after)["pair_embedding"]  # forward: embed_pair, the last block at the CLS rows only
+        hook.remove()
+        assert rows == [2]  # ln_post (and the projection) saw the two CLS rows alone
         fast.square().sum().backward()
         torch.testing.assert_close(fast, full, rtol=1e-5, atol=1e-6)
         assert full_grads.keys() == {name for name, p in model.named_parameters() if p.grad is not None}
