@@ -1,30 +1,34 @@
-"""The caption decoder of CLIP4IDC's second stage ("IDC finetuning"), and greedy decoding with a key/value cache.
+"""The caption decoder of CLIP4IDC's second stage ("IDC finetuning", IDC = image difference captioning), and
+greedy decoding with a key/value cache.
 
-The pair encoder turns an image pair into M = 100 visual tokens of width E (2 x (49 patches + CLS), after the
-inter-image layers). This file turns those tokens into a sentence, with the reference's caption model
-(CLIP4IDC's modules/module_decoder.py, configured by decoder-base/decoder_config.json):
+The pair encoder turns an image pair into M = 100 visual tokens of width E (2 x (49 patches + the CLS, or class,
+token), after the inter-image layers). This file turns those tokens into a sentence, with the reference's caption
+model. The reference is github.com/sushizixin/CLIP4IDC at commit ca49461: its modules/module_decoder.py,
+configured by modules/decoder-base/decoder_config.json; "post-LN" below means a LayerNorm after each residual sum:
 
     caption tokens -> LayerNorm(word embedding + position embedding) -> dropout
     visual tokens  -> 3 post-LN self-attention layers; the output of every layer is kept
     3 post-LN decoder layers; layer i = masked self-attention over the caption tokens,
                                         cross-attention to the output of visual layer i (layer-wise pairing),
                                         feed-forward
-    head: dense(E -> E), GELU, LayerNorm, then a linear map to V whose weight IS the word embedding, plus a bias
+    head: dense(E -> E), GELU (Gaussian error linear unit), LayerNorm, then a linear map to V whose weight IS the
+          word embedding, plus a bias
 
 The word embedding (also the output weight) and the position embedding are meant to be CLIP's own
 token_embedding.weight and positional_embedding: the caller passes those Parameters in and they are shared,
 not copied. The decoder starts from random init (normal, std 0.02; zero biases; LayerNorm (1, 0)).
 
-Decoding is greedy, as in the reference. With `use_cache=True` the visual layers and every decoder layer's
+Decoding is greedy, as in the reference (its main_task_caption.py, `greedy_decode`): from SOT (the start-of-text
+token), append the most likely next token. With `use_cache=True` the visual layers and every decoder layer's
 cross-attention keys/values are computed once per batch, and each step feeds only the newest caption token,
 reading the earlier tokens' self-attention keys/values from a cache. `use_cache=False` is the reference's
 algorithm: the whole model (visual layers included) on the whole prefix at every step. Both give the same
 tokens; the test suite checks it.
 
 What differs from the reference (each marked `# differs from reference:` below):
-- decoding stops per caption at EOT and ends when every caption has stopped, after at most `max_len` steps;
-  the reference always runs `max_words` = 32 steps and cuts the text at EOT: with max_len = 32 the texts are
-  the same, a caption that never writes EOT included;
+- decoding stops per caption at EOT (the end-of-text token) and ends when every caption has stopped, after at
+  most `max_len` steps; the reference always runs `max_words` = 32 steps and cuts the text at EOT: with
+  max_len = 32 the texts are the same, a caption that never writes EOT included;
 - attention masks are boolean (a masked key gets -inf) instead of an additive -10000;
 - attention runs through torch's scaled_dot_product_attention instead of an explicit softmax.
 
@@ -35,6 +39,9 @@ Use (caption.py):
     logits = decoder.to_logits(states[caption_out != pad_id])     # (number of target tokens, V)
     tokens = decoder.eval().greedy_decode(visual, sot_id, eot_id, max_len=22)   # (B, <= 22)
     texts = [ids_to_text(row, tokenizer.decode, eot_id) for row in tokens]
+
+The whole file is the lesson, top to bottom: the building blocks, the caption decoder (training forward, then
+greedy decoding), ids_to_text, and a demo at the end.
 
 Run:  python decoder.py                        a tiny random decoder decodes a batch with and without the cache
       (full-size timings of greedy decoding and of a training step: python bench.py decoder)
@@ -204,14 +211,16 @@ class CaptionDecoder(nn.Module):
         self.embedding_dropout = nn.Dropout(config.dropout)
         self.visual_layers = nn.ModuleList([VisualLayer(config) for _ in range(config.layers)])
         self.caption_layers = nn.ModuleList([CaptionLayer(config) for _ in range(config.layers)])
-        # The head: the reference's BertPredictionHeadTransform, then the tied output map plus its own bias.
+        # The head: the reference's BertPredictionHeadTransform (modules/module_decoder.py), then the tied output
+        # map plus its own bias.
         self.head_dense = nn.Linear(config.hidden, config.hidden)
         self.head_norm = nn.LayerNorm(config.hidden, eps=config.layer_norm_eps)
         self.output_bias = nn.Parameter(torch.zeros(config.vocab_size))
         self._init_weights()
 
     def _init_weights(self):
-        # The reference's init_weights: normal(0, 0.02) weights, zero biases, LayerNorm weight 1 and bias 0.
+        # The reference's init_weights (modules/until_module.py): normal(0, 0.02) weights, zero biases, LayerNorm
+        # weight 1 and bias 0.
         # Embeddings passed in (CLIP's) are left alone; fresh ones were drawn above with the same std.
         for module in self.modules():
             if isinstance(module, nn.Linear):
@@ -368,6 +377,7 @@ def ids_to_text(ids: Sequence[int], decode: Callable[[list[int]], str], eot_id: 
     return decode(ids).split(pad_text, 1)[0].strip()
 
 
+# ---------------------------------------------------------------------------------------------------------
 # Demo
 
 

@@ -1,11 +1,13 @@
 """Looking inside: where the pair encoder and the caption decoder attend, and whether that is where the change is.
 
-CLIP4IDC's code ships a visualize.py that shows the CLS token's attention over the 7 x 7 patches; change
-captioning papers of the RCC/DUDA family score such maps with a pointing game. This file does both, for the
-models of encoder.py and decoder.py, without touching their arithmetic: the attention weights are computed
-again, from the same projections, by forward hooks that exist only inside `encoder_attention` and
-`decode_with_attention`. Training and ordinary decoding run the fused scaled_dot_product_attention and never
-see a hook.
+CLIP4IDC's code (github.com/sushizixin/CLIP4IDC at commit ca49461) ships a visualize.py that shows the CLS
+(class) token's attention over the 7 x 7 patches; change captioning papers in the line of RCC (Robust Change
+Captioning, Park et al., 2019, whose model is DUDA, the Dual Dynamic Attention model) score such maps with a
+pointing game. This file does both, for the models of encoder.py and decoder.py, without touching their
+arithmetic: the attention weights are computed again, from the same projections, by forward hooks that exist
+only inside `encoder_attention` and `decode_with_attention`. Training and ordinary decoding run the fused
+scaled_dot_product_attention and never see a hook. It is a diagnostic, off the reading path: the models do not
+know about it.
 
 Two views:
   1. the pair encoder: the before and after CLS tokens' attention over both images' patches in the

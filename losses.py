@@ -1,14 +1,21 @@
-"""The two training losses of CLIP4IDC.
+"""The two training losses of CLIP4IDC (CLIP for Image Difference Captioning).
 
-Stage 1, IDC adaptation: the pair embeddings of a batch of image pairs and the text
-embeddings of their change captions are pulled together with CLIP's symmetric contrastive loss
-(InfoNCE). Each caption's positive is its own pair; every other pair in the *global* batch, over all
-processes, is a negative, so under DistributedDataParallel each process first all-gathers the
+Stage 1, IDC (image difference captioning) adaptation: the pair embeddings of a batch of image pairs and the
+text embeddings of their change captions are pulled together with CLIP's symmetric contrastive loss
+(InfoNCE, a cross-entropy that picks each caption's own pair among all pairs, and each pair's caption among
+all captions). Each caption's positive is its own pair; every other pair in the *global* batch, over all
+processes, is a negative, so under DistributedDataParallel (DDP) each process first all-gathers the
 embeddings of the others. Stage 2, IDC finetuning (captioning): token cross-entropy of the decoder, ignoring padding.
 
-Differs from reference: the all-gather's backward sums the gradient over processes (see
-`_GatherWithGrad`), so that 2 processes with b pairs each train exactly like 1 process with 2b pairs.
-The reference's backward keeps only the local slice, which divides its gradients by the world size.
+The reference is github.com/sushizixin/CLIP4IDC at commit ca49461: stage 1's loss is its modules/modeling.py
+`_loose_similarity` with modules/until_module.py `CrossEn` and `AllGather`; stage 2's is the
+CrossEntropyLoss(ignore_index=0) of its modules/modeling.py `forward`. Differs from reference: the all-gather's
+backward sums the gradient over processes (see `_GatherWithGrad`), so that 2 processes with b pairs each train
+exactly like 1 process with 2b pairs. The reference's `AllGather` backward keeps only the local slice, which
+divides its gradients by the world size.
+
+The whole file is the lesson, top to bottom: the differentiable all-gather, stage 1's loss, stage 2's loss, and
+a demo at the end.
 
 Run `python losses.py` for a small demo on random embeddings.
 
@@ -60,7 +67,8 @@ def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
 # --- Stage 1: symmetric contrastive loss ---
 
 def contrastive_loss(text_emb: torch.Tensor, pair_emb: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:
-    """CLIP's symmetric InfoNCE between captions and image pairs over the global batch (REFERENCE 1.5).
+    """CLIP's symmetric InfoNCE between captions and image pairs over the global batch (the reference's
+    modules/modeling.py `_loose_similarity` and modules/until_module.py `CrossEn`).
 
     text_emb  (B, E): text embedding of caption i of this process (not normalised)
     pair_emb  (B, E): pair embedding of the image pair that caption i describes (not normalised)

@@ -1,12 +1,15 @@
 """The reference's released weights: reading its files, and its parameter names mapped to ours both ways.
 
-The reference (CLIP4IDC) publishes the model after each stage (C4I:README.md): pretrained/pytorch_model.bin.{clevr,spot}
-after adaptation (stage 1) and trained/pytorch_model.bin.{clevr,spot} after captioning (stage 2). Each is what its
-scripts save, torch.save(model.state_dict()): one flat dict of tensors, the CLIP4IDC model's clip.* (CLIP under
-OpenAI's names, the pair parameters under clip.visual.*, many of CLIP's weights float16 as its convert_weights left
-them) and, after captioning, decoder.* (the caption decoder, float32, under BERT-style names).
+The reference (CLIP4IDC, CLIP for Image Difference Captioning: github.com/sushizixin/CLIP4IDC at commit ca49461)
+publishes the model after each stage (its README.md): pretrained/pytorch_model.bin.{clevr,spot} after adaptation
+(stage 1) and trained/pytorch_model.bin.{clevr,spot} after captioning (stage 2). Each is what its scripts save,
+torch.save(model.state_dict()): one flat dict of tensors, the CLIP4IDC model's clip.* (CLIP under OpenAI's names,
+the pair parameters under clip.visual.*, many of CLIP's weights float16 as its modules/module_clip.py
+`convert_weights` left them) and, after captioning, decoder.* (the caption decoder, float32, under the names of
+BERT, Bidirectional Encoder Representations from Transformers).
 
-This file is the one place that knows those names. It holds, top to bottom:
+This file is the one place that knows those names; it is plumbing, off the reading path (the lesson's files
+never need it). It holds, top to bottom:
   1. the pair encoder's names (encoder.py's four new parameters) to ours and back;
   2. the caption decoder's names (decoder.py) to ours and back, and the check of the tied copies;
   3. which stage a file is, and reading one as data (weights_only), never as code;
@@ -67,7 +70,7 @@ def to_reference_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Te
 # 2. The caption decoder's names
 #
 # The reference saves its whole caption model; the decoder's tensors sit under "decoder." with the names of
-# C4I:modules/module_decoder.py: BERT-style layers ("encoder" = our visual layers, "decoder" = our caption
+# its modules/module_decoder.py: BERT-style layers ("encoder" = our visual layers, "decoder" = our caption
 # layers), each attention an "att" (query, key, value) and an "output" (dense, LayerNorm). Its word embedding
 # is one Parameter saved under three keys (CLIP's token_embedding, the decoder's input embedding and the
 # output weight), its position embedding under two (CLIP's and the decoder's): ours has each once.

@@ -1,19 +1,22 @@
 """The synthetic world: CLEVR-Change-style image pairs, their captions and their vocabulary, drawn on a CPU.
 
-CLIP4IDC (Guo et al., 2022) is trained and evaluated on CLEVR-Change (Park et al., 2019): rendered scenes of
-a few objects in which one object changes colour or material, appears, disappears or moves, each with a
-"distractor" view of the unchanged scene from another camera or light. Training on CLEVR-Change takes a
-large download and a GPU; this file draws a small world of the same kind in a minute or two on a CPU, so that
-the whole pipeline can be run, read and tested without them (`--data synth`, the project's default). Like
-nanoGPT's data/<name>/prepare.py it only writes files: data.py reads them in the CLEVR-Change layout, with
-the same reader as the real dataset.
+CLIP4IDC (CLIP for Image Difference Captioning; Guo et al., 2022) is trained and evaluated on CLEVR-Change
+(Park et al., 2019): rendered scenes of a few objects in which one object changes colour or material, appears,
+disappears or moves, each with a "distractor" view of the unchanged scene from another camera or light. Training
+on CLEVR-Change takes a large download and a GPU; this file draws a small world of the same kind in a minute or
+two on a CPU, so that the whole pipeline can be run, read and tested without them (`--data synth`, the project's
+default). Like nanoGPT's data/<name>/prepare.py it only writes files: data.py reads them in the CLEVR-Change
+layout, with the same reader as the real dataset. It teaches the data, not the method: a first reading of
+CLIP4IDC can skip it.
 
 It holds, top to bottom:
   1. scenes and captions: objects placed on a floor, one change of CLEVR-Change's five types, the
      distractor's camera and light, and sentences from a small grammar with CLEVR's synonyms;
   2. drawing: one Blinn-Phong shaded sprite per object (numpy, supersampled), soft shadows, a PNG writer;
-  3. the splits, and the BPE vocabulary learned from the grammar's words (OpenAI's merges format);
-  4. the changed object's boxes, in RCC's change_captions_with_bbox.json format (explain.py's pointing game);
+  3. the splits, and the BPE (byte-pair encoding) vocabulary learned from the grammar's words (OpenAI's merges
+     format);
+  4. the changed object's boxes, in the change_captions_with_bbox.json format of RCC (Robust Change Captioning,
+     Park et al., 2019, the CLEVR-Change authors' code) for explain.py's pointing game;
   5. make_synth / ensure_synth: the dataset written in the CLEVR-Change layout (see data.py's docstring);
   6. stage 0: single scenes with sentences naming their objects, and their samples: the synthetic CLIP
      (assets/synth-ViT-32.pt, clip.py's "synth-ViT/32") was pretrained on them by `pretrain.py`.
@@ -105,7 +108,8 @@ MOVE_MIN = 110                   # a moved object travels at least this far (a c
 PLACE_TRIES = 200                # random positions tried before a scene is drawn again
 
 # The caption grammar. The first word of each tuple is the canonical one; the others are synonyms
-# (REFERENCE 5.1; clevr-dataset-gen question_generation/synonyms.json).
+# (the words of CLEVR-Change's change_captions.json; facebookresearch/clevr-dataset-gen,
+# question_generation/synonyms.json).
 SIZE_WORDS = {"small": ("small", "tiny"), "large": ("large", "big")}
 MATERIAL_WORDS = {"rubber": ("rubber", "matte"), "metal": ("metal", "shiny", "metallic")}
 SHAPE_WORDS = {"cube": ("cube", "block"), "sphere": ("sphere", "ball"), "cylinder": ("cylinder",)}

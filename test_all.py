@@ -1128,8 +1128,8 @@ RELEASE_DECODER = dict(layers=3, width=32, ffn=64, vocab=TINY["vocab_size"], pos
 
 def reference_decoder_shapes(layers, width, ffn, vocab, positions):
     """The decoder.* keys and shapes of the reference's caption model, written out from its modules
-    (C4I:modules/module_decoder.py, DecoderModel): BERT-style layers, the word embedding also saved as the
-    output weight (classifier.cls.predictions.decoder.weight)."""
+    (github.com/sushizixin/CLIP4IDC at ca49461, modules/module_decoder.py, `DecoderModel`): BERT-style layers,
+    the word embedding also saved as the output weight (classifier.cls.predictions.decoder.weight)."""
     def linear(name, n_in, n_out):
         return {f"{name}.weight": (n_out, n_in), f"{name}.bias": (n_out,)}
 
