@@ -76,8 +76,8 @@ class FileError(RuntimeError):
 # ---------------------------------------------------------------------------------------------------
 
 HEAD_WIDTH = 64          # OpenAI's rule: heads = width // 64
-MLP_RATIO = 4            # the MLP is 4x the width
-QUICK_GELU_SCALE = 1.702  # QuickGELU: x * sigmoid(1.702 x), the GELU approximation CLIP was trained with
+MLP_RATIO = 4            # the MLP (multilayer perceptron) of a block is 4x the width
+QUICK_GELU_SCALE = 1.702  # QuickGELU: x * sigmoid(1.702 x), approximating the GELU (Gaussian error linear unit)
 METADATA_KEYS = ("input_resolution", "context_length", "vocab_size")  # non-weight tensors in OpenAI's archives
 
 
@@ -323,7 +323,7 @@ def build_model(state_dict: dict[str, torch.Tensor]) -> CLIP:
 # ---------------------------------------------------------------------------------------------------
 
 PAD_ID = 0               # tokenize() pads with id 0, which is also the token "!" (CLIP has no pad token)
-SOT, EOT = "<|startoftext|>", "<|endoftext|>"
+SOT, EOT = "<|startoftext|>", "<|endoftext|>"  # start and end of text, the two special tokens
 MAX_MERGES = 48_894      # CLIP's 49,408 ids = 256 bytes + 256 bytes-with-</w> + 48,894 merges + 2 specials
 
 
