@@ -2409,8 +2409,8 @@ def test_items_whose_only_reference_is_empty_score_as_the_toolkit_scores_them_in
     assert result["items"]["9420.png"]["CIDEr"] == 0 and result["items"]["8069.png"]["ROUGE_L"] == 0
     assert result["items"]["3.png"]["ROUGE_L"] == 1.0  # an empty candidate matches an empty reference
     assert round(result["items"]["36.png"]["CIDEr"], 6) == 0.293448
-    needs_meteor_data()
-    meteor = metrics.score_captions(predictions, references, metrics=("METEOR",))
+    needs_meteor_data()   # the fast scorer: the plain one reads all of the paraphrase table, 8 s; they agree (below)
+    meteor = metrics.score_captions(predictions, references, metrics=("METEOR",), scorer=metrics.FastCaptionScorer)
     assert abs(meteor["corpus"]["METEOR"] - 0.301263) < 1e-6
     assert [meteor["items"][i]["METEOR"] for i in ("9420.png", "3.png", "8069.png")] == [0, 0, 0]
 
@@ -2423,10 +2423,12 @@ def test_an_empty_reference_list_is_refused():
 def test_end_to_end_from_raw_text_gives_the_toolkits_numbers():
     needs_meteor_data()
     items, coco = load_corpus("edge_cases")
-    result = metrics.score_captions({it["id"]: it["candidate"] for it in items},
-                                    {it["id"]: it["references"] for it in items})
+    predictions = {it["id"]: it["candidate"] for it in items}
+    references = {it["id"]: it["references"] for it in items}
+    result = metrics.score_captions(predictions, references)                 # the plain scorer, all four modules
     for metric, value in coco["corpus"].items():
         assert result["corpus"][metric] == pytest.approx(value, abs=1e-6), metric
+    assert metrics.score_captions(predictions, references, scorer=metrics.FastCaptionScorer) == result
 
 
 # --- the PTB tokenizer ---
@@ -2474,19 +2476,25 @@ def test_ptb_shortcut_gives_the_lexers_tokens_for_captions_of_words_spaces_and_l
     assert [metrics.ptb_tokenize_fast(c) for c in plain] == [metrics.ptb_tokenize(c) for c in plain]
 
 
-def test_the_plain_scorer_and_the_fast_one_give_the_same_numbers():
+def test_scoring_runs_the_plain_scorer_unless_asked_for_the_fast_one_which_gives_the_same_numbers():
+    import inspect
+    for function in (metrics.score_captions, metrics.score_subsets):
+        assert inspect.signature(function).parameters["scorer"].default is metrics.CaptionScorer
     items, _ = load_corpus("edge_cases")
     predictions = {it["id"]: it["candidate"] for it in items}
     references = {it["id"]: it["references"] for it in items}
-    plain = metrics.CaptionScorer(predictions, references, meteor_modules=("exact", "stem")).score()
-    assert metrics.FastCaptionScorer(predictions, references, meteor_modules=("exact", "stem")).score() == plain
+    plain = metrics.score_captions(predictions, references, meteor_modules=("exact", "stem"))
+    fast = metrics.score_captions(predictions, references, meteor_modules=("exact", "stem"),
+                                  scorer=metrics.FastCaptionScorer)
+    assert fast == plain
+    # with all four METEOR modules: test_end_to_end_from_raw_text_gives_the_toolkits_numbers
 
 
 def test_a_forked_meteor_worker_gives_the_same_numbers():
     needs_meteor_data()
     _, coco = load_corpus("clevr_style_public")                               # 1,200 items: above the threshold
-    one = metrics.score_captions(*tokenized(coco), tokenize=False, processes=1)
-    two = metrics.score_captions(*tokenized(coco), tokenize=False, processes=2)
+    one = metrics.FastCaptionScorer(*tokenized(coco), tokenize=False, processes=1).score()
+    two = metrics.FastCaptionScorer(*tokenized(coco), tokenize=False, processes=2).score()
     assert one == two
 
 
@@ -2524,7 +2532,9 @@ def test_meteor_normaliser_joins_hyphens_splits_apostrophes_and_keeps_abbreviati
 def test_meteor_with_its_data_equals_the_toolkit(name):
     needs_meteor_data()
     _, coco = load_corpus(name)
-    result = metrics.score_captions(*tokenized(coco), metrics=("METEOR",), tokenize=False)
+    # the fast scorer, which the scripts run; it gives the plain one's numbers (test_end_to_end_from_raw_text_...)
+    result = metrics.score_captions(*tokenized(coco), metrics=("METEOR",), tokenize=False,
+                                    scorer=metrics.FastCaptionScorer)
     assert result["info"]["meteor_modules"] == "exact+stem+synonym+paraphrase"
     assert result["corpus"]["METEOR"] == pytest.approx(coco["corpus"]["METEOR"], abs=1e-12)
     assert all(result["items"][e["id"]]["METEOR"] == pytest.approx(e["METEOR"], abs=1e-12) for e in coco["items"])
@@ -2657,10 +2667,10 @@ def test_the_paraphrase_index_gives_what_reading_the_table_plainly_gives(tmp_pat
 
 def test_pausing_the_garbage_collector_changes_no_score_and_turns_it_back_on(monkeypatch):
     _, coco = load_corpus("edge_cases")
-    paused = metrics.score_captions(*tokenized(coco), tokenize=False)
+    paused = metrics.score_captions(*tokenized(coco), tokenize=False, scorer=metrics.FastCaptionScorer)
     assert gc.isenabled()
     monkeypatch.setattr(metrics, "collector_paused", contextlib.nullcontext)
-    running = metrics.score_captions(*tokenized(coco), tokenize=False)
+    running = metrics.score_captions(*tokenized(coco), tokenize=False, scorer=metrics.FastCaptionScorer)
     assert paused["corpus"] == running["corpus"] and paused["items"] == running["items"]
 
 
