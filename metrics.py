@@ -1,11 +1,12 @@
 """Caption metrics (BLEU-1..4, METEOR 1.5, ROUGE-L, CIDEr-D) and retrieval metrics, in plain Python.
 
-This is how both stages of CLIP4IDC are evaluated. Stage 2 (captioning) reports BLEU-4, METEOR, ROUGE-L and CIDEr
-as computed by the Java-based coco-caption toolkit (pycocoevalcap 1.2: a Stanford Penn Treebank (PTB) tokenizer,
-then four scorers), like every image-difference-captioning paper and the reference implementation
-(github.com/sushizixin/CLIP4IDC at commit ca49461, main_task_caption.py `EvalCap`); stage 1 (adaptation) reports
-retrieval recall. This file computes the same numbers without Java and without torch (METEOR, the long one, has its
-own file, meteor.py). The lesson comes first, each metric a function of tokenized text:
+This is how both stages of CLIP4IDC (CLIP, Contrastive Language-Image Pre-training, adapted to image difference
+captioning) are evaluated. Stage 2 (captioning) reports BLEU-4, METEOR, ROUGE-L and CIDEr as computed by the
+Java-based coco-caption toolkit (pycocoevalcap 1.2: a Stanford Penn Treebank (PTB) tokenizer, then four scorers), like
+every image-difference-captioning paper and the reference implementation (github.com/sushizixin/CLIP4IDC at commit
+ca49461, main_task_caption.py `EvalCap`); stage 1 (adaptation) reports retrieval recall. This file computes the same
+numbers without Java and without torch (METEOR, the long one, has its own file, meteor.py). The lesson comes first,
+each metric a function of tokenized text:
 
     1. BLEU-1..4 (BiLingual Evaluation Understudy)   n-gram precisions, closest reference length, summed statistics,
                                   the toolkit's epsilons
@@ -232,8 +233,9 @@ def cider_scores(candidate_counts, reference_counts, n=4, sigma=6.0):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 4. Retrieval metrics for stage 1 (the reference's main_task_retrieval.py `eval_epoch`, and its metrics.py,
-#    CLIP4Clip's: `tensor_text_to_video_metrics`, `tensor_video_to_text_sim`, `compute_metrics`)
+# 4. Retrieval metrics for stage 1 (the reference's main_task_retrieval.py `eval_epoch`, and its metrics.py, from
+#    CLIP4Clip, CLIP for video clip retrieval: `tensor_text_to_video_metrics`, `tensor_video_to_text_sim`,
+#    `compute_metrics`)
 # ---------------------------------------------------------------------------------------------------------------
 def _ranks(scores, true_scores, ties):
     """0-based rank of each row's true entry: how many entries score higher (ties counted as higher if pessimistic)."""
@@ -427,10 +429,11 @@ def score_subsets(predictions, references, subsets, metrics=METRICS, tokenize=Tr
 # ---------------------------------------------------------------------------------------------------------------
 # The wrapper replaces "\n" by a space, runs `PTBTokenizer -preserveLines -lowerCase` (a JFlex lexer: at each
 # position the longest match of any rule wins, the earlier rule on a tie), splits each output line on " " and drops
-# these 17 tokens. Bracket tokens survive: the list is upper case but the tokens were lower-cased first.
+# these 17 tokens. Bracket tokens (-LRB- for a left round bracket, -RSB- for a right square one, ...) survive: the
+# list is upper case but the tokens were lower-cased first.
 PTB_DROPPED = frozenset(["''", "'", "``", "`", "-LRB-", "-RRB-", "-LCB-", "-RCB-",
                          ".", "?", "!", ",", ":", "-", "--", "...", ";"])
-LINE_BREAKS = "\r\n\x0b\x0c\u2028\u2029"      # PTBTokenizer's line ends (NEL U+0085 is an ellipsis to it)
+LINE_BREAKS = "\r\n\x0b\x0c\u2028\u2029"      # PTBTokenizer's line ends (U+0085, next line, is an ellipsis to it)
 _CURRENCY = {"\u00a2": "cents", "\u00a3": "#", "\u0080": "$", "\u00a4": "$", "\u20a0": "$", "\u20ac": "$"}
 _FRACTIONS = {"\u00bc": "1/4", "\u00bd": "1/2", "\u00be": "3/4", "\u2153": "1/3"}   # U+2154 is missed, as in 3.4.1
 _LATEX_QUOTES = str.maketrans({"\u0091": "`", "\u2018": "`", "\u201b": "`", "\u2039": "`", "\u0092": "'",
@@ -773,7 +776,7 @@ def format_table(result):
 # 8. Speed variants: the same numbers, faster. Each says what it stands in for and what it buys of the whole
 #    scoring process (`python bench.py metrics`: with and without it, beside the Java toolkit), and a test checks
 #    that it gives exactly what the plain code gives. FastCaptionScorer is the one place that selects them, with
-#    meteor.py's own (its section 6).
+#    meteor.py's own (its section 5).
 # ---------------------------------------------------------------------------------------------------------------
 _PLAIN_CAPTION = re.compile(r"(?:[A-Za-z0-9 ]*[A-Za-z0-9 ][,;!?.](?= |\Z))*[A-Za-z0-9 ]*")   # most captions: words,
 # spaces and lone punctuation marks the lexer splits off and the wrapper drops (each before a space or the end)

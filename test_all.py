@@ -2510,6 +2510,22 @@ def test_the_normalisers_shortcut_for_plain_lines_gives_its_words():
 
 # ======== meteor.py ========
 
+def test_meteor_counts_matches_by_stage_and_chunks_and_scores_them_with_its_formula():
+    plain = meteor.Meteor(modules=("exact", "stem"))                     # exact weighs 1.0, stem 0.6
+    stats = plain.item_stats("the red cubes moved", ["a red cube has moved"])
+    assert (stats.hyp_len, stats.ref_len, stats.hyp_function_words, stats.ref_function_words) == (4, 5, 1, 2)
+    assert stats.hyp_content_matches == stats.ref_content_matches == (2, 1)     # red, moved exact; cubes-cube stem
+    assert stats.hyp_function_matches == stats.ref_function_matches == (0, 0)
+    assert (stats.hyp_matched, stats.ref_matched, stats.chunks) == (3, 3, 2)    # "has" splits red cube | moved
+    # content words weigh delta = 0.75, function words 0.25: P = 1.95 / 2.5, R = 1.95 / 2.75
+    precision, recall = (2 * 1.0 + 0.6) * 0.75 / (3 * 0.75 + 0.25), (2 * 1.0 + 0.6) * 0.75 / (3 * 0.75 + 2 * 0.25)
+    f_mean = precision * recall / (0.85 * precision + 0.15 * recall)
+    assert plain.score(stats) == pytest.approx(f_mean * (1 - 0.6 * (2 / 3) ** 0.2), abs=1e-12)
+    perfect = plain.item_stats("a cube", ["a cube"])                        # all matched in one chunk
+    total = plain.add(plain.add(plain.zero_stats(), stats), perfect)
+    assert (total.hyp_len, total.hyp_matched, total.chunks) == (6, 5, 2)   # a perfect item adds no chunk
+
+
 def test_snowball_stemmer_gives_the_english_stems():
     # Checked against org.tartarus.snowball.ext.englishStemmer of meteor-1.5.jar, which agrees on 168,703 words.
     examples = {"generously": "generous", "running": "run", "skies": "sky", "cubes": "cube", "moved": "move",
