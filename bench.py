@@ -645,7 +645,7 @@ for scorer in (Bleu(4), Meteor(), Rouge(), Cider()):
 """
 
 # Each speed variant of metrics.py and meteor.py, and the line that puts the plain code back in its place, run in
-# the scoring process before metrics.main.
+# the scoring process before metrics.main (which, as the scripts do, asks for metrics.FastCaptionScorer).
 METRICS_VARIANTS = {
     "none (all speed variants on)": "",
     "paraphrase index": "meteor.FastMeteor.read_paraphrases = staticmethod(meteor.read_paraphrases)",

@@ -1,22 +1,28 @@
 """METEOR 1.5, as the coco-caption toolkit runs it, in plain Python: the same numbers as the Java jar, to the bit.
 
-METEOR (Banerjee and Lavie 2005; version 1.5, Denkowski and Lavie 2014) aligns a candidate caption with each
-reference word by word: first identical words, then words with the same stem, then WordNet synonyms, then phrases
-the paraphrase table lists as equivalent. The alignment with the most matches and the fewest chunks (runs of
-neighbouring matched words) gives precision, recall, their harmonic mean weighted towards recall, and a penalty for
-fragmentation. pycocoevalcap runs it as `java -jar meteor-1.5.jar - - -stdio -l en -norm`; this file reads the same:
+METEOR (Metric for Evaluation of Translation with Explicit ORdering: Banerjee and Lavie 2005; version 1.5, Denkowski
+and Lavie 2014) aligns a candidate caption (the hypothesis) with each reference word by word: first identical words,
+then words with the same stem, then WordNet synonyms, then phrases the paraphrase table lists as equivalent. The
+alignment with the most matches and the fewest chunks (runs of neighbouring matched words) gives precision, recall,
+their harmonic mean weighted towards recall, and a penalty for fragmentation. pycocoevalcap runs it as
+`java -jar meteor-1.5.jar - - -stdio -l en -norm` (English, normalised); this file computes the same. The lesson
+comes first, in one stretch; what it leans on and the speed variants come after it:
 
-    1. resources       the word lists, the synonym tables and the paraphrase table of the METEOR 1.5 release
-    2. the normaliser  edu.cmu.meteor.util.Normalizer (English, punctuation kept), after the PTB tokenizer
-    3. the stemmer     Snowball English ("Porter2")
-    4. alignment       each module's candidate matches, then Aligner's beam search over reference positions
-    5. scoring         per item the best single reference; a corpus from summed statistics
-    6. speed variants  the same numbers, faster: a paraphrase index, a batched beam search, a paused garbage
-                       collector; each tested equal to the code above it stands in for
+    1. METEOR's score  the statistics an alignment leaves (MeteorStats); the four matching stages; the alignment
+                       (Aligner's beam search over reference positions); precision, recall, Fmean and the
+                       fragmentation penalty; per item the best single reference, a corpus from summed statistics
+    2. resources       the word lists, the synonym tables and the paraphrase table of the METEOR 1.5 release
+    3. the text        the toolkit's input line, then edu.cmu.meteor.util.Normalizer (English, punctuation kept),
+                       after the Penn Treebank (PTB) tokenizer of metrics.py
+    4. the stemmer     Snowball English ("Porter2")
+    5. speed variants  the same numbers, faster: a paraphrase index, a batched beam search, a paused garbage
+                       collector; each tested equal to the plain code it stands in for
 
 METEOR's synonym (WordNet) and paraphrase resources are data files of the METEOR 1.5 release. They are read with
 the standard library from the jar (a zip archive) and `data/paraphrase-en.gz` of an installed pycocoevalcap
 package, or from the folder named by METEOR_DATA. Without them METEOR runs with exact + stem matching only.
+The Java names cited below (Aligner, MeteorScorer, MeteorStats, SynonymDictionary, ...) are classes of the
+jar's edu.cmu.meteor packages.
 
 Differences from the toolkit (each is marked `# differs from reference:` below):
   - METEOR compares words as strings, where Java compares String.hashCode values (a collision would count as a match).
@@ -41,6 +47,7 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -63,7 +70,455 @@ class CaptionInputError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 1. Resources
+# 1. METEOR's score: matching, alignment, and the score of the statistics they leave
+# ---------------------------------------------------------------------------------------------------------------
+# A hypothesis (the candidate caption) is scored against each reference alone (edu.cmu.meteor.aligner.Aligner,
+# edu.cmu.meteor.scorer.MeteorScorer). Each stage (module) proposes matches of words or phrases: exact, same stem,
+# WordNet synonyms, paraphrases, each a tuple (ref start, ref length, hyp start, hyp length, stage). A match whose
+# words no other match touches is fixed; the rest are chosen by a beam search over reference positions, left to
+# right. The chosen alignment is counted into MeteorStats, and the score is computed from those counts; the best
+# reference gives the item's statistics, and a corpus scores the sum of its items' statistics.
+class MeteorStats(NamedTuple):
+    """What METEOR keeps of one alignment, or of a corpus's summed alignments (Java's MeteorStats). "hyp" is the
+    hypothesis (Java's "test"), "ref" the reference; a per-stage count is a tuple in the order of Meteor.modules."""
+    hyp_len: int                    # words of the hypothesis
+    ref_len: int                    # words of the reference
+    hyp_function_words: int         # of them, function words (METEOR_FUNCTION_WORDS: "the", "of", "is", ...)
+    ref_function_words: int
+    hyp_content_matches: tuple      # per stage, the hypothesis's matched content words (the words not functional)
+    ref_content_matches: tuple
+    hyp_function_matches: tuple     # per stage, the hypothesis's matched function words
+    ref_function_matches: tuple
+    chunks: int                     # runs of matches that are neighbours, in the same order, in both sentences
+    hyp_matched: int                # matched words of the hypothesis (a phrase match counts each of its words)
+    ref_matched: int
+
+
+class _MeteorSentence:
+    """One normalised sentence and what each matching stage needs of it, computed once per distinct sentence."""
+    __slots__ = ("words", "positions", "functional", "stems", "stem_positions", "synonyms", "paths")
+
+    def __init__(self, words, meteor):
+        self.words = tuple(words)
+        self.positions = _positions(self.words)              # word -> its positions, ascending: exact matches
+        self.functional = tuple(word in METEOR_FUNCTION_WORDS for word in words)
+        self.stems = self.stem_positions = self.synonyms = self.paths = None
+        if "stem" in meteor.modules:
+            self.stems = tuple(meteor.stem(word) for word in words)          # Snowball stems (section 4)
+            self.stem_positions = _positions(self.stems)
+        if "synonym" in meteor.modules:
+            self.synonyms = tuple(meteor.synonyms(word) for word in words)   # the words sharing a WordNet synset
+        if "paraphrase" in meteor.modules:
+            # Per position, the table's phrases starting there and their paraphrases (Meteor.paraphrase_paths):
+            # [(phrase length, {first word of a paraphrase: [(its rank in the table, paraphrase)]})].
+            self.paths = meteor.paraphrase_paths(self.words)
+
+    def paraphrase_matches(self, other):
+        """(i, n, rank, j, m): the phrase words[i:i+n] has as its rank-th paraphrase other.words[j:j+m].
+
+        Sorted, this is the order in which ParaphraseMatcher proposes them (position, length, table order, j).
+        """
+        found, other_words = [], other.words
+        for i, paths in enumerate(self.paths):
+            for n, by_first in paths:
+                for first in by_first.keys() & other.positions.keys():
+                    for rank, target in by_first[first]:
+                        m = len(target)
+                        for j in other.positions[first]:
+                            if other_words[j:j + m] == target:
+                                found.append((i, n, rank, j, m))
+        found.sort()
+        return found
+
+
+def _fixed_matches(cands, cover1, cover2):
+    """Aligner.align: a position's only match is definite when no other match touches its words."""
+    fixed, used1, used2, open_choice = {}, 0, 0, False
+    for i, options in enumerate(cands):
+        if len(options) == 1 and all(cover2[k] == 1 for k in range(i, i + options[0][1])) and \
+                (cover1[options[0][2]] == 1 if options[0][3] == 1 else
+                 all(cover1[k] == 1 for k in range(options[0][2], options[0][2] + options[0][3]))):
+            start, length, m_start, m_length, _ = fixed[i] = options[0]
+            used1 |= ((1 << m_length) - 1) << m_start
+            used2 |= ((1 << length) - 1) << start
+        elif options:
+            open_choice = True
+    return fixed, used1, used2, open_choice
+
+
+_PATH_RANK = operator.itemgetter(0, 1, 2)    # (-weighted matches, chunks, distance): PARTIAL_COMPARE_TOTAL
+METEOR_SEARCH_WEIGHTS = {"exact": 1.0, "stem": 0.5, "synonym": 0.5, "paraphrase": 0.5}   # MeteorScorer: "best
+# weights for evaluation", used only to rank partial alignments; the score uses MeteorConfig.weights.
+
+
+class Meteor:
+    """METEOR 1.5 statistics and scores, with the toolkit's settings (-l en -norm, task rank)."""
+
+    # The plain steps. FastMeteor (section 5) puts faster ones with the same results in their place.
+    sentence_type = _MeteorSentence       # what sentence() builds (FastMeteor's: _FastSentence)
+
+    def __init__(self, config=None, modules=None, resources=None):
+        self.config = config or MeteorConfig()
+        self.modules = _checked_modules(modules, resources)    # the stages, in METEOR_MODULES' order
+        self.resources = resources
+        self.weights = tuple(self.config.weights[METEOR_MODULES.index(m)] for m in self.modules)
+        self.search_weights = tuple(METEOR_SEARCH_WEIGHTS[m] for m in self.modules)
+        self.vocabulary, self.paraphrases, self.paraphrase_index, self.extendable = set(), {}, {}, set()
+        self._words, self._sentences, self._pairs, self._structures = {}, {}, {}, {}
+        self._stems, self._synsets, self._synonyms, self._synset_words, self._single = {}, {}, {}, {}, {}
+
+    # Matching -----------------------------------------------------------------------------------------------
+    def _candidates(self, hyp, ref):
+        """Stage.matches: per reference position the candidate matches of every stage, and word coverage."""
+        h, r = hyp.words, ref.words
+        cands = [[] for _ in r]
+        cover1, cover2 = [0] * len(h), [0] * len(r)
+        # Identical sentences need exact matches only ("this prevents beam search errors").
+        stages = self.modules[:1] if h == r else self.modules
+        stem = stages.index("stem") if "stem" in stages else None
+        synonym = stages.index("synonym") if "synonym" in stages else None
+        # One-word matches. Each stage appends to every position after the previous stages did, so trying the
+        # stages in order at each reference position gives the same lists as the stage-by-stage matchers.
+        # differs from reference: words are compared as strings; Java compares their String.hashCode values.
+        for i, word in enumerate(r):
+            options = cands[i]
+            for j in hyp.positions.get(word, ()):                         # exact
+                options.append((i, 1, j, 1, 0))
+                cover1[j] += 1
+            if stem is not None:
+                for j in hyp.stem_positions.get(ref.stems[i], ()):        # same Snowball stem
+                    if h[j] != word:
+                        options.append((i, 1, j, 1, stem))
+                        cover1[j] += 1
+            if synonym is not None and ref.synonyms[i]:
+                common = ref.synonyms[i].intersection(hyp.positions)    # sharing a WordNet synset
+                if common:
+                    for j in sorted(j for other in common for j in hyp.positions[other]):
+                        options.append((i, 1, j, 1, synonym))
+                        cover1[j] += 1
+            cover2[i] = len(options)
+        if "paraphrase" in stages:                                       # phrases, possibly of several words
+            stage = stages.index("paraphrase")
+            matches = [(i, n, j, m) for i, n, _, j, m in ref.paraphrase_matches(hyp)]   # reference phrase first
+            matches += [(j, m, i, n) for i, n, _, j, m in hyp.paraphrase_matches(ref)]  # then hypothesis phrase
+            for start, length, m_start, m_length in matches:
+                cands[start].append((start, length, m_start, m_length, stage))
+                for k in range(m_start, m_start + m_length):
+                    cover1[k] += 1
+                for k in range(start, start + length):
+                    cover2[k] += 1
+        return cands, cover1, cover2
+
+    # Alignment ----------------------------------------------------------------------------------------------
+    def _resolve(self, cands, cover1, cover2, n_ref):
+        """The chosen matches, by reference start, reproducing Aligner.resolve and its quirks exactly."""
+        fixed, used1, used2, open_choice = _fixed_matches(cands, cover1, cover2)
+        if not open_choice:
+            return fixed                                  # nothing to choose: the beam would keep one path
+        structure = (n_ref, tuple(map(tuple, cands)))     # the search depends on nothing else
+        if structure in self._structures:
+            return self._structures[structure]
+        weights, beam = self.search_weights, self.config.beam
+        options_at = [[(m, ((1 << m[3]) - 1) << m[2], ((1 << m[1]) - 1) << m[0], abs(m[0] - m[2]),
+                        m[3] * weights[m[4]], m[1] * weights[m[4]]) for m in options] for options in cands]
+        # A partial alignment: (-(matches1 + matches2), chunks, distance, matches1, matches2, end of its last match
+        # in the reference, end of its last match in the hypothesis or -1 once a skip closed the chunk, used
+        # hypothesis words, used reference words, chosen matches). matches1/2 are Java ints and `matches1 +=
+        # length * weight` truncates: a one-word stem, synonym or paraphrase match (search weight 0.5) adds nothing.
+        # Java's idx is max(end in the reference, current): a skip only advances it, so it is not stored.
+        paths = [(0, 0, 0, 0, 0, 0, -1, used1, used2, None)]
+        for current in range(n_ref):
+            if len(paths) > 1:
+                paths.sort(key=_PATH_RANK)                # stable, as Collections.sort
+                del paths[beam:]
+            following, bit, options = [], 1 << current, options_at[current]
+            for path in paths:
+                _, chunks, distance, m1, m2, ref_end, last, u1, u2, chosen = path
+                if u2 & bit:                              # this reference word is already used
+                    if current < ref_end:                 # inside the previous match
+                        following.append(path)
+                    elif current in fixed:                # a fixed match starts here
+                        start, length, m_start, m_length, stage = fixed[current]
+                        m1, m2 = int(m1 + m_length * weights[stage]), int(m2 + length * weights[stage])
+                        following.append((-(m1 + m2), chunks + (last != -1 and m_start != last), distance
+                                          + abs(start - m_start), m1, m2, start + length, m_start + m_length,
+                                          u1, u2, chosen))
+                    continue
+                for match, mask1, mask2, dist, w1, w2 in options:
+                    if u1 & mask1 or u2 & mask2:
+                        continue
+                    n1, n2 = int(m1 + w1), int(m2 + w2)
+                    following.append((-(n1 + n2), chunks + (last != -1 and match[2] != last), distance, n1, n2,
+                                      match[0] + match[1], match[2] + match[3], u1 | mask1, u2 | mask2,
+                                      (match, chosen)))
+                    # Java adds the distance to the path being extended, not to the new one: the skip path and
+                    # the later alternatives inherit it. Reproduced, since it decides ties.
+                    distance += dist
+                if last == -1 and distance == path[2]:    # skip this reference word: an open chunk ends
+                    following.append(path)
+                else:
+                    following.append((path[0], chunks + (last != -1), distance, m1, m2, ref_end, -1, u1, u2,
+                                      chosen))
+            paths = following or [paths[0]]               # "unexpected conditions": keep the best path
+        if len(paths) > 1:
+            paths.sort(key=_PATH_RANK)
+            del paths[beam:]
+        best = min(((p[0], p[1] + (p[6] != -1), p[2]), n) for n, p in enumerate(paths))   # close the last chunk
+        chosen, link = dict(fixed), paths[best[1]][9]
+        while link is not None:
+            chosen[link[0][0]] = link[0]
+            link = link[1]
+        self._structures[structure] = chosen
+        return chosen
+
+    def _stats(self, hyp, ref, chosen):
+        """MeteorStats of one alignment: word counts, per-stage content/function matches, chunks, matched words."""
+        n_stages = len(self.modules)
+        content1, content2, function1, function2 = [0] * n_stages, [0] * n_stages, [0] * n_stages, [0] * n_stages
+        chunks, matched1, matched2, last_end, idx = 0, 0, 0, -1, 0
+        while idx < len(ref.words):                      # Aligner.getCountAndChunks over the final matches
+            match = chosen.get(idx)
+            if match is None:
+                if last_end != -1:
+                    chunks += 1
+                    last_end = -1
+                idx += 1
+                continue
+            start, length, m_start, m_length, stage = match
+            for k in range(m_start, m_start + m_length):
+                if hyp.functional[k]:
+                    function1[stage] += 1
+                else:
+                    content1[stage] += 1
+            for k in range(start, start + length):
+                if ref.functional[k]:
+                    function2[stage] += 1
+                else:
+                    content2[stage] += 1
+            matched1 += m_length
+            matched2 += length
+            if last_end != -1 and m_start != last_end:
+                chunks += 1
+            idx, last_end = start + length, m_start + m_length
+        if last_end != -1:
+            chunks += 1
+        return MeteorStats(len(hyp.words), len(ref.words), sum(hyp.functional), sum(ref.functional),
+                           tuple(content1), tuple(content2), tuple(function1), tuple(function2), chunks, matched1,
+                           matched2)
+
+    # The score ----------------------------------------------------------------------------------------------
+    def score(self, stats):
+        """MeteorScorer.computeMetrics: the score of one set of (possibly summed) statistics.
+
+        A match counts delta for a content word, 1 - delta for a function word, times its stage's weight; precision
+        P and recall R divide the matches by the lengths weighted the same way; Fmean = P R / (alpha P + (1 - alpha)
+        R); the penalty gamma (chunks / mean matched words)^beta shrinks it when the matches are scattered."""
+        alpha, beta, gamma, delta = (self.config.alpha, self.config.beta, self.config.gamma, self.config.delta)
+        hyp_len, hyp_fun, hyp_content, hyp_function = (stats.hyp_len, stats.hyp_function_words,
+                                                       stats.hyp_content_matches, stats.hyp_function_matches)
+        ref_len, ref_fun, ref_content, ref_function = (stats.ref_len, stats.ref_function_words,
+                                                       stats.ref_content_matches, stats.ref_function_matches)
+        hyp_weighted_len = delta * (hyp_len - hyp_fun) + (1.0 - delta) * hyp_fun
+        ref_weighted_len = delta * (ref_len - ref_fun) + (1.0 - delta) * ref_fun
+        hyp_matches = ref_matches = 0.0
+        for i, w in enumerate(self.weights):
+            hyp_matches += hyp_content[i] * w * delta
+        for i, w in enumerate(self.weights):
+            ref_matches += ref_content[i] * w * delta
+        for i, w in enumerate(self.weights):
+            hyp_matches += hyp_function[i] * w * (1.0 - delta)
+        for i, w in enumerate(self.weights):
+            ref_matches += ref_function[i] * w * (1.0 - delta)
+        precision = _java_div(hyp_matches, hyp_weighted_len)
+        recall = _java_div(ref_matches, ref_weighted_len)
+        f_mean = _java_div(1.0, _java_div(1.0 - alpha, precision) + _java_div(alpha, recall))
+        if sum(hyp_content) + sum(hyp_function) == hyp_len and sum(ref_content) + sum(ref_function) == ref_len \
+                and stats.chunks == 1:
+            fragmentation = 0.0                           # identical: no penalty
+        else:
+            fragmentation = _java_div(float(stats.chunks), (stats.hyp_matched + stats.ref_matched) / 2.0)
+        penalty = gamma * fragmentation ** beta
+        score = f_mean * (1.0 - penalty)
+        return 0.0 if score != score else max(score, 0.0)
+
+    def item_stats(self, hypothesis, references):
+        """The statistics of the best-scoring single reference (first wins a tie), as getMeteorStats(test, refs)."""
+        [(hypothesis, references)] = self.prepare_items([(hypothesis, references)])
+        hyp, best, best_score = self.sentence(hypothesis), None, -1.0
+        for reference in references:
+            ref = self.sentence(reference)
+            stats = self._stats(hyp, ref, self._resolve(*self._candidates(hyp, ref), len(ref.words)))
+            if self.score(stats) > best_score:
+                best, best_score = stats, self.score(stats)
+        return best
+
+    @staticmethod
+    def add(total, stats):
+        """MeteorStats.addStats: sums, except that a perfect item (all matched, one chunk) adds no chunk."""
+        perfect = (sum(stats.hyp_content_matches) + sum(stats.hyp_function_matches) == stats.hyp_len
+                   and sum(stats.ref_content_matches) + sum(stats.ref_function_matches) == stats.ref_len
+                   and stats.chunks == 1)
+        return MeteorStats(total.hyp_len + stats.hyp_len, total.ref_len + stats.ref_len,
+                           total.hyp_function_words + stats.hyp_function_words,
+                           total.ref_function_words + stats.ref_function_words,
+                           *(tuple(a + b for a, b in zip(mine, theirs)) for mine, theirs in (
+                               (total.hyp_content_matches, stats.hyp_content_matches),
+                               (total.ref_content_matches, stats.ref_content_matches),
+                               (total.hyp_function_matches, stats.hyp_function_matches),
+                               (total.ref_function_matches, stats.ref_function_matches))),
+                           total.chunks + (0 if perfect else stats.chunks), total.hyp_matched + stats.hyp_matched,
+                           total.ref_matched + stats.ref_matched)
+
+    # What the lesson leans on (off the reading path): many items, the text's words, stems, synonyms, paraphrases
+    def item_stats_many(self, items):
+        """[item_stats(hypothesis, references) for each (hypothesis, references) item]."""
+        self.prepare_items(items)          # every word registered at once: the paraphrase table is read once
+        return [self.item_stats(hypothesis, references) for hypothesis, references in items]
+
+    def zero_stats(self):
+        """The statistics of no item: where a corpus sum starts."""
+        zeros = (0,) * len(self.modules)
+        return MeteorStats(0, 0, 0, 0, zeros, zeros, zeros, zeros, 0, 0, 0)
+
+    def prepare_items(self, items):
+        """prepare() the texts of (hypothesis, references) items as Meteor reads them; returns those texts."""
+        fields = [_meteor_fields(hypothesis, references) for hypothesis, references in items]
+        self.prepare([text for hypothesis, references in fields for text in [hypothesis, *references]])
+        return fields
+
+    def words(self, text):
+        """The normalised, lower-cased words Meteor aligns."""
+        if text not in self._words:
+            self._words[text] = meteor_normalize(text)
+        return self._words[text]
+
+    def stem(self, word):
+        if word not in self._stems:
+            self._stems[word] = snowball_stem(word)
+        return self._stems[word]
+
+    _MORPH = (("s", ""), ("ses", "s"), ("xes", "x"), ("zes", "z"), ("ches", "ch"), ("shes", "sh"), ("men", "man"),
+              ("ies", "y"), ("s", ""), ("ies", "y"), ("es", "e"), ("es", ""), ("ed", "e"), ("ed", ""),
+              ("ing", "e"), ("ing", ""), ("er", ""), ("est", ""), ("er", "e"), ("est", "e"))
+
+    def _morph(self, word):
+        """SynonymDictionary.morph: WordNet's detachment rules; the first that gives a known word wins."""
+        if word.endswith("ss") or len(word) <= 2:
+            return word
+        for suffix, replacement in self._MORPH:
+            if word.endswith(suffix):
+                candidate = word[:len(word) - len(suffix)] + replacement
+                if candidate in self.resources.synsets:
+                    return candidate
+        return ""
+
+    def synsets(self, word):
+        """Synsets of the word and of its base form (an irregular form's bases, or the morph() guess)."""
+        if word not in self._synsets:
+            synsets = self.resources.synsets
+            ids = set(synsets.get(word, "").split())
+            bases = self.resources.exceptions.get(word)
+            for base in (bases if bases is not None else [self._morph(word)]):
+                ids.update(synsets.get(base, "").split())
+            self._synsets[word] = frozenset(ids)
+        return self._synsets[word]
+
+    def synonyms(self, word):
+        """The other known words sharing a synset with `word` (kept up to date as words are added)."""
+        return self._synonyms[word]
+
+    def single_word_paths(self, word):
+        """([(1, paraphrases of the word)] or [], whether a longer phrase of the table starts with the word)."""
+        if word not in self._single:
+            phrase = (word,)
+            self._single[word] = ([(1, self.paraphrase_index[phrase])] if phrase in self.paraphrase_index else [],
+                                  phrase in self.extendable)
+        return self._single[word]
+
+    def paraphrase_paths(self, words):
+        """_MeteorSentence.paths: per position of the words, the table's phrases starting there, shortest first, as
+        ParaphraseTransducer.getReferencePaths walks its trie: each with its paraphrases grouped by first word, in
+        the table's order within a group."""
+        index, extendable, single = self.paraphrase_index, self.extendable, self.single_word_paths
+        out = []
+        for i, word in enumerate(words):
+            paths, longer = single(word)
+            if longer:                               # a longer phrase may start here
+                paths = list(paths)
+                for n in range(2, len(words) - i + 1):
+                    phrase = words[i:i + n]
+                    if phrase in index:
+                        paths.append((n, index[phrase]))
+                    if phrase not in extendable:
+                        break
+            out.append(paths)
+        return out
+
+    def read_paraphrases(self, resources, vocabulary):
+        """The paraphrase pairs that can match these words, read plainly (section 2's read_paraphrases)."""
+        return read_paraphrases(resources, vocabulary)
+
+    def prepare(self, texts):
+        """Register the words of these texts: synonym neighbours and the paraphrase pairs that can match them."""
+        new = set()
+        for text in texts:
+            new.update(self.words(text))
+        new -= self.vocabulary
+        if not new:
+            return
+        self.vocabulary |= new
+        if "synonym" in self.modules:
+            for word in sorted(new):
+                self._synonyms[word] = neighbours = set()
+                for synset in self.synsets(word):
+                    others = self._synset_words.setdefault(synset, set())
+                    for other in others:
+                        neighbours.add(other)
+                        self._synonyms[other].add(word)
+                    others.add(word)
+        if "paraphrase" in self.modules:
+            self.paraphrases = self.read_paraphrases(self.resources, self.vocabulary)
+            self.paraphrase_index = {}
+            for phrase, targets in self.paraphrases.items():
+                by_first = self.paraphrase_index[phrase] = {}
+                for rank, target in enumerate(targets):
+                    by_first.setdefault(target[0], []).append((rank, target))
+            self.extendable = {phrase[:k] for phrase in self.paraphrases for k in range(1, len(phrase))}
+            self._sentences.clear()                # their paraphrase paths may grow
+            self._single.clear()
+            self._pairs.clear()
+            self._structures.clear()
+
+    def forget(self):
+        """Drop the per-sentence and per-pair caches (hundreds of MB on a large corpus)."""
+        self._words, self._sentences, self._pairs, self._structures, self._single = {}, {}, {}, {}, {}
+        self.vocabulary, self.paraphrases, self.paraphrase_index, self.extendable = set(), {}, {}, set()
+
+    def sentence(self, text):
+        if text not in self._sentences:
+            if not self.vocabulary.issuperset(self.words(text)):
+                self.prepare([text])
+            self._sentences[text] = self.sentence_type(self.words(text), self)
+        return self._sentences[text]
+
+
+def _positions(items):
+    """item -> its positions in items, ascending."""
+    positions = {}
+    for i, item in enumerate(items):
+        positions.setdefault(item, []).append(i)
+    return positions
+
+
+def _java_div(a, b):
+    """a / b with Java's double semantics: x/0 is +-Infinity, 0/0 is NaN."""
+    if b == 0.0:
+        return math.nan if a == 0.0 or a != a else math.copysign(math.inf, a) * math.copysign(1.0, b)
+    return a / b
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. Resources
 # ---------------------------------------------------------------------------------------------------------------
 # Two short lists are copied here so that exact + stem scoring needs no download; the test suite
 # checks them against the jar's function/english.words and nonbreaking/english.prefixes whenever the jar is present.
@@ -78,8 +533,6 @@ METEOR_NONBREAKING = dict({letter: 1 for letter in "ABCDEFGHIJKLMNOPQRSTUVWXYZ"}
                              "Gen Gov Hon Hr Hosp Insp Lt MM MR MRS MS Maj Messrs Mlle Mme Mr Mrs Ms Msgr Op Ord Pfc "
                              "Ph Prof Pvt Rep Reps Res Rev Rt Sen Sens Sfc Sgt Sr St Supt Surg v vs i.e rev e.g Nos "
                              "Nr").split()}, No=2, Art=2, pp=2)
-METEOR_SEARCH_WEIGHTS = {"exact": 1.0, "stem": 0.5, "synonym": 0.5, "paraphrase": 0.5}   # MeteorScorer: "best
-# weights for evaluation", used only to rank partial alignments; the score uses MeteorConfig.weights.
 METEOR_DATA_ENV = "METEOR_DATA"     # a folder holding meteor-1.5.jar and paraphrase-en.gz (or data/paraphrase-en.gz)
 METEOR_CACHE_ENV = "METEOR_CACHE"   # folder for the paraphrase index (default ~/.cache/clip4idc/meteor)
 PARAPHRASE_INDEX_VERSION = 1
@@ -130,10 +583,25 @@ def load_meteor_resources():
     return MeteorResources(synsets, exceptions, gz, str(jar.parent))
 
 
+def _checked_modules(modules, resources):
+    """The METEOR modules asked for (all four by default), refused unless they are in METEOR_MODULES' order and
+    start with "exact", or when synonym or paraphrase matching is asked for without the data."""
+    modules = tuple(modules or METEOR_MODULES)
+    if list(modules) != [m for m in METEOR_MODULES if m in modules] or "exact" not in modules:
+        raise CaptionInputError(f"METEOR modules {modules}: choose, in this order, 'exact' and any of "
+                                f"{METEOR_MODULES[1:]}")
+    needs_data = [m for m in modules if m in ("synonym", "paraphrase")]
+    if needs_data and resources is None:
+        raise CaptionInputError(f"METEOR modules {needs_data} need the METEOR 1.5 data: `pip install --no-deps "
+                                f"pycocoevalcap==1.2`, or set {METEOR_DATA_ENV} to a folder holding "
+                                f"meteor-1.5.jar and paraphrase-en.gz; or ask for modules ('exact', 'stem')")
+    return modules
+
+
 # The paraphrase table: 5.3 million (phrase, paraphrase) pairs over 17,811 words, 272 MB unzipped, in triples of
 # lines: probability, phrase, paraphrase (words separated by single spaces). A pair can only ever match when every
 # word of both phrases occurs in the corpus being scored, so Meteor keeps only those pairs. Reading them this way
-# takes about 8 s; a run reads the same pairs from an index in a fraction of a second (load_paraphrases, section 6).
+# takes about 8 s; a run reads the same pairs from an index in a fraction of a second (load_paraphrases, section 5).
 def read_paraphrases(resources, vocabulary):
     """{phrase (tuple of words): [paraphrases in file order]} for the pairs whose words are all in the set
     `vocabulary`."""
@@ -147,7 +615,7 @@ def read_paraphrases(resources, vocabulary):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 2. The normaliser
+# 3. The text METEOR reads: the toolkit's input line, then the normaliser
 # ---------------------------------------------------------------------------------------------------------------
 # Meteor's own normaliser (edu.cmu.meteor.util.Normalizer, English, keeping punctuation), applied to the
 # already PTB-tokenized text. Java regex classes: \p{Digit} is [0-9], \p{Lower} is [a-z], \s is [ \t\n\x0b\f\r].
@@ -219,10 +687,17 @@ def meteor_normalize(line):
     return _JAVA_TOKENS.findall(s.lower())
 
 
+def _meteor_fields(hypothesis, references):
+    """The hypothesis and references Meteor reads from the wrapper's `SCORE ||| ref ||| ... ||| hyp` line."""
+    hypothesis = hypothesis.replace("|||", "").replace("  ", " ")        # meteor.py cleans the hypothesis only
+    fields = " ||| ".join(("SCORE", " ||| ".join(references), hypothesis)).split("|||")
+    while fields and fields[-1] == "":                                  # Java's split drops trailing empties
+        fields.pop()
+    return fields[-1].strip(_JAVA_WHITESPACE), [f.strip(_JAVA_WHITESPACE) for f in fields[1:-1]]
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 3. The stemmer
+# 4. The stemmer
 # ---------------------------------------------------------------------------------------------------------------
 # The Snowball English ("Porter2") stemmer, org.tartarus.snowball.ext.englishStemmer, written from the
 # published algorithm (snowballstem.org/algorithms/english/stemmer.html). R1 is the region after the first
@@ -350,425 +825,10 @@ def snowball_stem(word):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 4. Matching and alignment, and 5. scoring (the Meteor class's last methods)
+# 5. Speed variants: the same numbers, faster. Each says what it stands in for and what it buys, and a test checks
+#    that it gives exactly what the plain code gives.
 # ---------------------------------------------------------------------------------------------------------------
-# Matching and alignment (edu.cmu.meteor.aligner.Aligner). words1 is the hypothesis, words2 the reference. Each
-# stage (module) proposes matches: (ref start, ref length, hyp start, hyp length, stage). A match whose words no
-# other match touches is fixed; the rest are resolved by a beam search over reference positions, left to right,
-# ranking partial alignments by weighted matches (more), then chunks (fewer), then distance (smaller).
-def _positions(items):
-    """item -> its positions in items, ascending."""
-    positions = {}
-    for i, item in enumerate(items):
-        positions.setdefault(item, []).append(i)
-    return positions
-
-
-class _MeteorSentence:
-    """One normalised sentence and what every matcher needs from it, computed once per distinct sentence."""
-    __slots__ = ("words", "positions", "functional", "stems", "stem_positions", "synonyms", "paths")
-
-    def __init__(self, words, meteor):
-        self.words = tuple(words)
-        self.positions = _positions(self.words)              # word -> its positions, ascending
-        self.functional = tuple(word in METEOR_FUNCTION_WORDS for word in words)
-        self.stems = self.stem_positions = self.synonyms = self.paths = None
-        if "stem" in meteor.modules:
-            self.stems = tuple(meteor.stem(word) for word in words)
-            self.stem_positions = _positions(self.stems)
-        if "synonym" in meteor.modules:
-            self.synonyms = tuple(meteor.synonyms(word) for word in words)
-        if "paraphrase" in meteor.modules:
-            # Phrases starting at each position, shortest first, as ParaphraseTransducer.getReferencePaths walks
-            # its trie: each with its paraphrases grouped by first word, in the table's order within a group.
-            index, extendable, single = meteor.paraphrase_index, meteor.extendable, meteor.single_word_paths
-            self.paths = []
-            for i, word in enumerate(words):
-                paths, longer = single(word)
-                if longer:                               # a longer phrase may start here
-                    paths = list(paths)
-                    for n in range(2, len(words) - i + 1):
-                        phrase = self.words[i:i + n]
-                        if phrase in index:
-                            paths.append((n, index[phrase]))
-                        if phrase not in extendable:
-                            break
-                self.paths.append(paths)
-
-    def paraphrase_matches(self, other):
-        """(i, n, rank, j, m): the phrase words[i:i+n] has as its rank-th paraphrase other.words[j:j+m].
-
-        Sorted, this is the order in which ParaphraseMatcher proposes them (position, length, table order, j).
-        """
-        found, other_words = [], other.words
-        for i, paths in enumerate(self.paths):
-            for n, by_first in paths:
-                for first in by_first.keys() & other.positions.keys():
-                    for rank, target in by_first[first]:
-                        m = len(target)
-                        for j in other.positions[first]:
-                            if other_words[j:j + m] == target:
-                                found.append((i, n, rank, j, m))
-        found.sort()
-        return found
-
-
-def _java_div(a, b):
-    """a / b with Java's double semantics: x/0 is +-Infinity, 0/0 is NaN."""
-    if b == 0.0:
-        return math.nan if a == 0.0 or a != a else math.copysign(math.inf, a) * math.copysign(1.0, b)
-    return a / b
-
-
-def _fixed_matches(cands, cover1, cover2):
-    """Aligner.align: a position's only match is definite when no other match touches its words."""
-    fixed, used1, used2, open_choice = {}, 0, 0, False
-    for i, options in enumerate(cands):
-        if len(options) == 1 and all(cover2[k] == 1 for k in range(i, i + options[0][1])) and \
-                (cover1[options[0][2]] == 1 if options[0][3] == 1 else
-                 all(cover1[k] == 1 for k in range(options[0][2], options[0][2] + options[0][3]))):
-            start, length, m_start, m_length, _ = fixed[i] = options[0]
-            used1 |= ((1 << m_length) - 1) << m_start
-            used2 |= ((1 << length) - 1) << start
-        elif options:
-            open_choice = True
-    return fixed, used1, used2, open_choice
-
-
-_PATH_RANK = operator.itemgetter(0, 1, 2)    # (-weighted matches, chunks, distance): PARTIAL_COMPARE_TOTAL
-
-
-class Meteor:
-    """METEOR 1.5 statistics and scores, with the toolkit's settings (-l en -norm, task rank)."""
-
-    # The plain steps. FastMeteor (section 6) puts faster ones with the same results in their place.
-    read_paraphrases = staticmethod(read_paraphrases)
-    sentence_type = _MeteorSentence       # what sentence() builds (FastMeteor's: _FastSentence)
-
-    def __init__(self, config=None, modules=None, resources=None):
-        self.config = config or MeteorConfig()
-        self.modules = tuple(modules or METEOR_MODULES)
-        if list(self.modules) != [m for m in METEOR_MODULES if m in self.modules] or "exact" not in self.modules:
-            raise CaptionInputError(f"METEOR modules {self.modules}: choose, in this order, 'exact' and any of "
-                                    f"{METEOR_MODULES[1:]}")
-        needs_data = [m for m in self.modules if m in ("synonym", "paraphrase")]
-        if needs_data and resources is None:
-            raise CaptionInputError(f"METEOR modules {needs_data} need the METEOR 1.5 data: `pip install --no-deps "
-                                    f"pycocoevalcap==1.2`, or set {METEOR_DATA_ENV} to a folder holding "
-                                    f"meteor-1.5.jar and paraphrase-en.gz; or ask for modules ('exact', 'stem')")
-        self.resources = resources
-        self.weights = tuple(self.config.weights[METEOR_MODULES.index(m)] for m in self.modules)
-        self.search_weights = tuple(METEOR_SEARCH_WEIGHTS[m] for m in self.modules)
-        self.vocabulary, self.paraphrases, self.paraphrase_index, self.extendable = set(), {}, {}, set()
-        self._words, self._sentences, self._pairs, self._structures = {}, {}, {}, {}
-        self._stems, self._synsets, self._synonyms, self._synset_words, self._single = {}, {}, {}, {}, {}
-
-    # Per-word resources -------------------------------------------------------------------------------------
-    def words(self, text):
-        """The normalised, lower-cased words Meteor aligns."""
-        if text not in self._words:
-            self._words[text] = meteor_normalize(text)
-        return self._words[text]
-
-    def stem(self, word):
-        if word not in self._stems:
-            self._stems[word] = snowball_stem(word)
-        return self._stems[word]
-
-    _MORPH = (("s", ""), ("ses", "s"), ("xes", "x"), ("zes", "z"), ("ches", "ch"), ("shes", "sh"), ("men", "man"),
-              ("ies", "y"), ("s", ""), ("ies", "y"), ("es", "e"), ("es", ""), ("ed", "e"), ("ed", ""),
-              ("ing", "e"), ("ing", ""), ("er", ""), ("est", ""), ("er", "e"), ("est", "e"))
-
-    def _morph(self, word):
-        """SynonymDictionary.morph: WordNet's detachment rules; the first that gives a known word wins."""
-        if word.endswith("ss") or len(word) <= 2:
-            return word
-        for suffix, replacement in self._MORPH:
-            if word.endswith(suffix):
-                candidate = word[:len(word) - len(suffix)] + replacement
-                if candidate in self.resources.synsets:
-                    return candidate
-        return ""
-
-    def synsets(self, word):
-        """Synsets of the word and of its base form (an irregular form's bases, or the morph() guess)."""
-        if word not in self._synsets:
-            synsets = self.resources.synsets
-            ids = set(synsets.get(word, "").split())
-            bases = self.resources.exceptions.get(word)
-            for base in (bases if bases is not None else [self._morph(word)]):
-                ids.update(synsets.get(base, "").split())
-            self._synsets[word] = frozenset(ids)
-        return self._synsets[word]
-
-    def single_word_paths(self, word):
-        """([(1, paraphrases of the word)] or [], whether a longer phrase of the table starts with the word)."""
-        if word not in self._single:
-            phrase = (word,)
-            self._single[word] = ([(1, self.paraphrase_index[phrase])] if phrase in self.paraphrase_index else [],
-                                  phrase in self.extendable)
-        return self._single[word]
-
-    def synonyms(self, word):
-        """The other known words sharing a synset with `word` (kept up to date as words are added)."""
-        return self._synonyms[word]
-
-    def prepare(self, texts):
-        """Register the words of these texts: synonym neighbours and the paraphrase pairs that can match them."""
-        new = set()
-        for text in texts:
-            new.update(self.words(text))
-        new -= self.vocabulary
-        if not new:
-            return
-        self.vocabulary |= new
-        if "synonym" in self.modules:
-            for word in sorted(new):
-                self._synonyms[word] = neighbours = set()
-                for synset in self.synsets(word):
-                    others = self._synset_words.setdefault(synset, set())
-                    for other in others:
-                        neighbours.add(other)
-                        self._synonyms[other].add(word)
-                    others.add(word)
-        if "paraphrase" in self.modules:
-            self.paraphrases = self.read_paraphrases(self.resources, self.vocabulary)
-            self.paraphrase_index = {}
-            for phrase, targets in self.paraphrases.items():
-                by_first = self.paraphrase_index[phrase] = {}
-                for rank, target in enumerate(targets):
-                    by_first.setdefault(target[0], []).append((rank, target))
-            self.extendable = {phrase[:k] for phrase in self.paraphrases for k in range(1, len(phrase))}
-            self._sentences.clear()                # their paraphrase paths may grow
-            self._single.clear()
-            self._pairs.clear()
-            self._structures.clear()
-
-    def forget(self):
-        """Drop the per-sentence and per-pair caches (hundreds of MB on a large corpus)."""
-        self._words, self._sentences, self._pairs, self._structures, self._single = {}, {}, {}, {}, {}
-        self.vocabulary, self.paraphrases, self.paraphrase_index, self.extendable = set(), {}, {}, set()
-
-    def sentence(self, text):
-        if text not in self._sentences:
-            if not self.vocabulary.issuperset(self.words(text)):
-                self.prepare([text])
-            self._sentences[text] = self.sentence_type(self.words(text), self)
-        return self._sentences[text]
-
-    # Alignment ----------------------------------------------------------------------------------------------
-    def _candidates(self, hyp, ref):
-        """Stage.matches: per reference position the candidate matches of every stage, and word coverage."""
-        h, r = hyp.words, ref.words
-        cands = [[] for _ in r]
-        cover1, cover2 = [0] * len(h), [0] * len(r)
-        # Identical sentences need exact matches only ("this prevents beam search errors").
-        stages = self.modules[:1] if h == r else self.modules
-        stem = stages.index("stem") if "stem" in stages else None
-        synonym = stages.index("synonym") if "synonym" in stages else None
-        # One-word matches. Each stage appends to every position after the previous stages did, so trying the
-        # stages in order at each reference position gives the same lists as the stage-by-stage matchers.
-        # differs from reference: words are compared as strings; Java compares their String.hashCode values.
-        for i, word in enumerate(r):
-            options = cands[i]
-            for j in hyp.positions.get(word, ()):                         # exact
-                options.append((i, 1, j, 1, 0))
-                cover1[j] += 1
-            if stem is not None:
-                for j in hyp.stem_positions.get(ref.stems[i], ()):        # same Snowball stem
-                    if h[j] != word:
-                        options.append((i, 1, j, 1, stem))
-                        cover1[j] += 1
-            if synonym is not None and ref.synonyms[i]:
-                common = ref.synonyms[i].intersection(hyp.positions)    # sharing a WordNet synset
-                if common:
-                    for j in sorted(j for other in common for j in hyp.positions[other]):
-                        options.append((i, 1, j, 1, synonym))
-                        cover1[j] += 1
-            cover2[i] = len(options)
-        if "paraphrase" in stages:                                       # phrases, possibly of several words
-            stage = stages.index("paraphrase")
-            matches = [(i, n, j, m) for i, n, _, j, m in ref.paraphrase_matches(hyp)]   # reference phrase first
-            matches += [(j, m, i, n) for i, n, _, j, m in hyp.paraphrase_matches(ref)]  # then hypothesis phrase
-            for start, length, m_start, m_length in matches:
-                cands[start].append((start, length, m_start, m_length, stage))
-                for k in range(m_start, m_start + m_length):
-                    cover1[k] += 1
-                for k in range(start, start + length):
-                    cover2[k] += 1
-        return cands, cover1, cover2
-
-    def _resolve(self, cands, cover1, cover2, n_ref):
-        """The chosen matches, by reference start, reproducing Aligner.resolve and its quirks exactly."""
-        fixed, used1, used2, open_choice = _fixed_matches(cands, cover1, cover2)
-        if not open_choice:
-            return fixed                                  # nothing to choose: the beam would keep one path
-        structure = (n_ref, tuple(map(tuple, cands)))     # the search depends on nothing else
-        if structure in self._structures:
-            return self._structures[structure]
-        weights, beam = self.search_weights, self.config.beam
-        options_at = [[(m, ((1 << m[3]) - 1) << m[2], ((1 << m[1]) - 1) << m[0], abs(m[0] - m[2]),
-                        m[3] * weights[m[4]], m[1] * weights[m[4]]) for m in options] for options in cands]
-        # A partial alignment: (-(matches1 + matches2), chunks, distance, matches1, matches2, end of its last match
-        # in the reference, end of its last match in the hypothesis or -1 once a skip closed the chunk, used
-        # hypothesis words, used reference words, chosen matches). matches1/2 are Java ints and `matches1 +=
-        # length * weight` truncates: a one-word stem, synonym or paraphrase match (search weight 0.5) adds nothing.
-        # Java's idx is max(end in the reference, current): a skip only advances it, so it is not stored.
-        paths = [(0, 0, 0, 0, 0, 0, -1, used1, used2, None)]
-        for current in range(n_ref):
-            if len(paths) > 1:
-                paths.sort(key=_PATH_RANK)                # stable, as Collections.sort
-                del paths[beam:]
-            following, bit, options = [], 1 << current, options_at[current]
-            for path in paths:
-                _, chunks, distance, m1, m2, ref_end, last, u1, u2, chosen = path
-                if u2 & bit:                              # this reference word is already used
-                    if current < ref_end:                 # inside the previous match
-                        following.append(path)
-                    elif current in fixed:                # a fixed match starts here
-                        start, length, m_start, m_length, stage = fixed[current]
-                        m1, m2 = int(m1 + m_length * weights[stage]), int(m2 + length * weights[stage])
-                        following.append((-(m1 + m2), chunks + (last != -1 and m_start != last), distance
-                                          + abs(start - m_start), m1, m2, start + length, m_start + m_length,
-                                          u1, u2, chosen))
-                    continue
-                for match, mask1, mask2, dist, w1, w2 in options:
-                    if u1 & mask1 or u2 & mask2:
-                        continue
-                    n1, n2 = int(m1 + w1), int(m2 + w2)
-                    following.append((-(n1 + n2), chunks + (last != -1 and match[2] != last), distance, n1, n2,
-                                      match[0] + match[1], match[2] + match[3], u1 | mask1, u2 | mask2,
-                                      (match, chosen)))
-                    # Java adds the distance to the path being extended, not to the new one: the skip path and
-                    # the later alternatives inherit it. Reproduced, since it decides ties.
-                    distance += dist
-                if last == -1 and distance == path[2]:    # skip this reference word: an open chunk ends
-                    following.append(path)
-                else:
-                    following.append((path[0], chunks + (last != -1), distance, m1, m2, ref_end, -1, u1, u2,
-                                      chosen))
-            paths = following or [paths[0]]               # "unexpected conditions": keep the best path
-        if len(paths) > 1:
-            paths.sort(key=_PATH_RANK)
-            del paths[beam:]
-        best = min(((p[0], p[1] + (p[6] != -1), p[2]), n) for n, p in enumerate(paths))   # close the last chunk
-        chosen, link = dict(fixed), paths[best[1]][9]
-        while link is not None:
-            chosen[link[0][0]] = link[0]
-            link = link[1]
-        self._structures[structure] = chosen
-        return chosen
-
-    def _stats(self, hyp, ref, chosen):
-        """MeteorStats of one alignment: word counts, per-stage content/function matches, chunks, matched words."""
-        n_stages = len(self.modules)
-        content1, content2, function1, function2 = [0] * n_stages, [0] * n_stages, [0] * n_stages, [0] * n_stages
-        chunks, matched1, matched2, last_end, idx = 0, 0, 0, -1, 0
-        while idx < len(ref.words):                      # Aligner.getCountAndChunks over the final matches
-            match = chosen.get(idx)
-            if match is None:
-                if last_end != -1:
-                    chunks += 1
-                    last_end = -1
-                idx += 1
-                continue
-            start, length, m_start, m_length, stage = match
-            for k in range(m_start, m_start + m_length):
-                if hyp.functional[k]:
-                    function1[stage] += 1
-                else:
-                    content1[stage] += 1
-            for k in range(start, start + length):
-                if ref.functional[k]:
-                    function2[stage] += 1
-                else:
-                    content2[stage] += 1
-            matched1 += m_length
-            matched2 += length
-            if last_end != -1 and m_start != last_end:
-                chunks += 1
-            idx, last_end = start + length, m_start + m_length
-        if last_end != -1:
-            chunks += 1
-        return (len(hyp.words), len(ref.words), sum(hyp.functional), sum(ref.functional),
-                tuple(content1), tuple(content2), tuple(function1), tuple(function2), chunks, matched1, matched2)
-
-    def prepare_items(self, items):
-        """prepare() the texts of (hypothesis, references) items as Meteor reads them; returns those texts."""
-        fields = [_meteor_fields(hypothesis, references) for hypothesis, references in items]
-        self.prepare([text for hypothesis, references in fields for text in [hypothesis, *references]])
-        return fields
-
-    def score(self, stats):
-        """MeteorScorer.computeMetrics: the score of one set of (possibly summed) statistics."""
-        (t_len, r_len, t_fun, r_fun, t_content, r_content, t_function, r_function, chunks,
-         t_words, r_words) = stats
-        alpha, beta, gamma, delta = (self.config.alpha, self.config.beta, self.config.gamma, self.config.delta)
-        t_weighted_len = delta * (t_len - t_fun) + (1.0 - delta) * t_fun
-        r_weighted_len = delta * (r_len - r_fun) + (1.0 - delta) * r_fun
-        t_matches = r_matches = 0.0
-        for i, w in enumerate(self.weights):
-            t_matches += t_content[i] * w * delta
-        for i, w in enumerate(self.weights):
-            r_matches += r_content[i] * w * delta
-        for i, w in enumerate(self.weights):
-            t_matches += t_function[i] * w * (1.0 - delta)
-        for i, w in enumerate(self.weights):
-            r_matches += r_function[i] * w * (1.0 - delta)
-        precision = _java_div(t_matches, t_weighted_len)
-        recall = _java_div(r_matches, r_weighted_len)
-        f_mean = _java_div(1.0, _java_div(1.0 - alpha, precision) + _java_div(alpha, recall))
-        if sum(t_content) + sum(t_function) == t_len and sum(r_content) + sum(r_function) == r_len and chunks == 1:
-            fragmentation = 0.0                           # identical: no penalty
-        else:
-            fragmentation = _java_div(float(chunks), (t_words + r_words) / 2.0)
-        penalty = gamma * fragmentation ** beta
-        score = f_mean * (1.0 - penalty)
-        return 0.0 if score != score else max(score, 0.0)
-
-    def item_stats(self, hypothesis, references):
-        """The statistics of the best-scoring single reference (first wins a tie), as getMeteorStats(test, refs)."""
-        [(hypothesis, references)] = self.prepare_items([(hypothesis, references)])
-        hyp, best, best_score = self.sentence(hypothesis), None, -1.0
-        for reference in references:
-            ref = self.sentence(reference)
-            stats = self._stats(hyp, ref, self._resolve(*self._candidates(hyp, ref), len(ref.words)))
-            if self.score(stats) > best_score:
-                best, best_score = stats, self.score(stats)
-        return best
-
-    def item_stats_many(self, items):
-        """[item_stats(hypothesis, references) for each (hypothesis, references) item]."""
-        self.prepare_items(items)          # every word registered at once: the paraphrase table is read once
-        return [self.item_stats(hypothesis, references) for hypothesis, references in items]
-
-    def zero_stats(self):
-        zeros = (0,) * len(self.modules)
-        return (0, 0, 0, 0, zeros, zeros, zeros, zeros, 0, 0, 0)
-
-    @staticmethod
-    def add(total, stats):
-        """MeteorStats.addStats: sums, except that a perfect item (all matched, one chunk) adds no chunk."""
-        perfect = (sum(stats[4]) + sum(stats[6]) == stats[0] and sum(stats[5]) + sum(stats[7]) == stats[1]
-                   and stats[8] == 1)
-        return (total[0] + stats[0], total[1] + stats[1], total[2] + stats[2], total[3] + stats[3],
-                *(tuple(a + b for a, b in zip(total[k], stats[k])) for k in (4, 5, 6, 7)),
-                total[8] + (0 if perfect else stats[8]), total[9] + stats[9], total[10] + stats[10])
-
-
-def _meteor_fields(hypothesis, references):
-    """The hypothesis and references Meteor reads from the wrapper's `SCORE ||| ref ||| ... ||| hyp` line."""
-    hypothesis = hypothesis.replace("|||", "").replace("  ", " ")        # meteor.py cleans the hypothesis only
-    fields = " ||| ".join(("SCORE", " ||| ".join(references), hypothesis)).split("|||")
-    while fields and fields[-1] == "":                                  # Java's split drops trailing empties
-        fields.pop()
-    return fields[-1].strip(_JAVA_WHITESPACE), [f.strip(_JAVA_WHITESPACE) for f in fields[1:-1]]
-
-# ---------------------------------------------------------------------------------------------------------------
-# 6. Speed variants: the same numbers, faster. Each says what it stands in for and what it buys, and a test checks
-#    that it gives exactly what the readable code gives.
-# ---------------------------------------------------------------------------------------------------------------
-# 6.1 The paraphrase index, for read_paraphrases (section 1). Unzipping the table alone takes seconds, so it is turned
+# 5.1 The paraphrase index, for read_paraphrases (section 2). Unzipping the table alone takes seconds, so it is turned
 # once into a word-id index cached on disk. The index files each pair under its rarest word: a run reads only the
 # pairs filed under its own vocabulary, then keeps those whose words it all has (0.02 s for CLEVR's 85 words).
 # It buys 57% of the whole scoring process on the CLEVR-Change-sized corpus (`python bench.py metrics`, quiet
@@ -889,7 +949,7 @@ def _read_paraphrase_index(out, vocabulary):
     return table
 
 
-# 6.2 Many items at once, for Meteor.item_stats_many (section 5). The beam search of Meteor._resolve, one alignment
+# 5.2 Many items at once, for Meteor.item_stats_many (section 1). The beam search of Meteor._resolve, one alignment
 # at a time in Python, is about half of METEOR's time. FastMeteor.item_stats_many collects the alignments of many
 # items that need a search (each distinct one once) and runs that same search on all of them together with numpy,
 # step for step, so that every tie is broken the same way. It buys 33% of the whole scoring process on the
@@ -1179,7 +1239,7 @@ class FastMeteor(Meteor):
         return -(math.floor(m_length * weights[stage]) + math.floor(length * weights[stage])) << 32
 
 
-# 6.3 The garbage collector paused, for scoring with it running: around all of metrics.py's scoring (its
+# 5.3 The garbage collector paused, for scoring with it running: around all of metrics.py's scoring (its
 # FastCaptionScorer and command line), where METEOR's tuples are most of what it would scan. It buys 44% of the
 # whole scoring process on the CLEVR-Change-sized corpus (`python bench.py metrics`, quiet; 27-41% loaded).
 @contextlib.contextmanager
@@ -1204,5 +1264,5 @@ if __name__ == "__main__":
     meteor = Meteor(modules=None if resources is not None else ("exact", "stem"), resources=resources)
     stats = meteor.item_stats(hypothesis, [reference])
     print(f"hypothesis: {hypothesis!r}\nreference:  {reference!r}\nmodules:    {'+'.join(meteor.modules)}")
-    print(f"matched words {stats[9]} of {stats[0]} and {stats[10]} of {stats[1]}, in {stats[8]} chunks: "
-          f"METEOR {meteor.score(stats):.4f}")
+    print(f"matched words {stats.hyp_matched} of {stats.hyp_len} and {stats.ref_matched} of {stats.ref_len}, in "
+          f"{stats.chunks} chunks: METEOR {meteor.score(stats):.4f}")

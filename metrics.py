@@ -1,36 +1,47 @@
 """Caption metrics (BLEU-1..4, METEOR 1.5, ROUGE-L, CIDEr-D) and retrieval metrics, in plain Python.
 
-This is how both stages of CLIP4IDC are evaluated. Stage 2 (captioning) reports BLEU-4, METEOR, ROUGE-L and CIDEr
-as computed by the Java-based coco-caption toolkit (pycocoevalcap 1.2: a Stanford PTB tokenizer, then four
-scorers), like every image-difference-captioning paper; stage 1 (adaptation) reports retrieval recall. This file
-computes the same numbers without Java and without torch (METEOR, the long one, has its own file, meteor.py):
+This is how both stages of CLIP4IDC (CLIP, Contrastive Language-Image Pre-training, adapted to image difference
+captioning) are evaluated. Stage 2 (captioning) reports BLEU-4, METEOR, ROUGE-L and CIDEr as computed by the
+Java-based coco-caption toolkit (pycocoevalcap 1.2: a Stanford Penn Treebank (PTB) tokenizer, then four scorers), like
+every image-difference-captioning paper and the reference implementation (github.com/sushizixin/CLIP4IDC at commit
+ca49461, main_task_caption.py `EvalCap`); stage 1 (adaptation) reports retrieval recall. This file computes the same
+numbers without Java and without torch (METEOR, the long one, has its own file, meteor.py). The lesson comes first,
+each metric a function of tokenized text:
 
-    1. BLEU-1..4                  closest reference length, summed statistics, the toolkit's epsilons
-    2. ROUGE-L                    word LCS, beta 1.2, best precision and best recall taken separately
-    3. CIDEr-D                    tf-idf n-grams (document frequency over the evaluated set), Gaussian length penalty;
-                                  the metric that picks the best epoch
-    4. retrieval_metrics          stage-1 R@1/5/10, median and mean rank, text->pair and pair->text
-    5. the PTB tokenizer          Stanford PTBTokenizer 3.4.1 -preserveLines -lowerCase, then 17 tokens dropped
-    6. score_captions / score_subsets   the toolkit's pipeline: PTB tokens, then the scorers; a subset is re-scored
-                                  on its own, as RCC's score_generation_by_type does (CIDEr's document frequencies
-                                  change with it)
-    7. reading predictions and references (COCO results and ground truth), the printed table
-    8. speed variants             the same numbers, faster: the PTB shortcut for plain captions, and the scorer
-                                  that selects every speed variant (FastCaptionScorer, which the functions use)
+    1. BLEU-1..4 (BiLingual Evaluation Understudy)   n-gram precisions, closest reference length, summed statistics,
+                                  the toolkit's epsilons
+    2. ROUGE-L (Recall-Oriented Understudy for Gisting Evaluation, by the longest common subsequence, LCS)
+                                  word LCS, beta 1.2, best precision and best recall taken separately
+    3. CIDEr-D (Consensus-based Image Description Evaluation; D: the variant hardened against gaming)
+                                  tf-idf (term frequency times inverse document frequency) n-grams, document frequency
+                                  over the evaluated set, clipped counts, Gaussian length penalty; the metric that
+                                  picks the best epoch
+    4. retrieval_metrics          stage-1 R@1/5/10 (recall at 1, 5, 10), median and mean rank, text->pair and
+                                  pair->text
+    5. CaptionScorer, score_captions, score_subsets   the toolkit's pipeline: PTB tokens, then the scorers; a subset
+                                  is re-scored on its own, as Robust Change Captioning's (RCC) utils/eval_utils.py
+                                  `score_generation_by_type` does (CIDEr's document frequencies change with it)
+Then what the lesson leans on, and the speed variants:
+    6. the PTB tokenizer          Stanford PTBTokenizer 3.4.1 -preserveLines -lowerCase, then 17 tokens dropped
+    7. reading predictions and references (COCO, Common Objects in Context, results and ground truth), checking
+       them, and the printed table
+    8. speed variants             the same numbers, faster: the PTB shortcut for plain captions, a forked METEOR
+                                  worker, and FastCaptionScorer, which selects every speed variant; score_captions
+                                  runs the plain CaptionScorer unless asked for it, as the scripts ask in one line
     9. the command line, and the demo
 
 On the toolkit's own output for the corpora in tests/metrics_vectors every score agrees to the last bit, METEOR
 included.
 
 Differences from the toolkit (each is marked `# differs from reference:` below):
-  - Line-break characters other than \\n (CR, VT, FF, U+2028, U+2029) are spaces. The toolkit's tokenizer starts a
-    new line at them and silently gives every later caption the wrong item's text.
+  - Line-break characters other than \\n (carriage return, vertical tab, form feed, U+2028, U+2029) are spaces.
+    The toolkit's tokenizer starts a new line at them and silently gives every later caption the wrong item's text.
   - A caption is tokenized on its own. The Java tokenizer reads the next caption after a newline as trailing
     context, which matters only for a caption ending in an abbreviation ("etc.", "a.", "No.") when the next starts
     with a capital, a listed word or a number.
   - A corpus whose references are all empty scores CIDEr 0; the toolkit crashes.
-  - Ties in retrieval ranks count against the true match (see retrieval_metrics); the reference leaves them to
-    torch.argsort's unspecified order.
+  - Ties in retrieval ranks count against the true match (see retrieval_metrics); the reference implementation
+    leaves them to torch.argsort's unspecified order.
   - METEOR's own differences are listed in meteor.py.
 
 Run:   python metrics.py                                   # demo: one candidate against two references
@@ -222,7 +233,9 @@ def cider_scores(candidate_counts, reference_counts, n=4, sigma=6.0):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 4. Retrieval metrics for stage 1 (CLIP4IDC main_task_retrieval.py eval_epoch; metrics.py of CLIP4Clip)
+# 4. Retrieval metrics for stage 1 (the reference's main_task_retrieval.py `eval_epoch`, and its metrics.py, from
+#    CLIP4Clip, CLIP for video clip retrieval: `tensor_text_to_video_metrics`, `tensor_video_to_text_sim`,
+#    `compute_metrics`)
 # ---------------------------------------------------------------------------------------------------------------
 def _ranks(scores, true_scores, ties):
     """0-based rank of each row's true entry: how many entries score higher (ties counted as higher if pessimistic)."""
@@ -275,14 +288,152 @@ def retrieval_metrics(sim, text_to_pair, ties="pessimistic"):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 5. The PTB tokenizer (pycocoevalcap tokenizer/ptbtokenizer.py around Stanford CoreNLP 3.4.1's PTBTokenizer)
+# 5. Scoring a corpus, and subsets of it, the way the toolkit does
+# ---------------------------------------------------------------------------------------------------------------
+class CaptionScorer:
+    """Tokenizes once and keeps per-item statistics, so that any subset of ids is scored without recomputing them.
+
+    BLEU and METEOR per item do not depend on the other items, but their corpus values come from summed statistics;
+    ROUGE-L per item is independent; CIDEr depends on the whole evaluated set through its document frequencies.
+    """
+    # The plain steps. FastCaptionScorer (section 8) puts faster ones with the same results in their place.
+    meteor_class = Meteor
+
+    def tokenizer(self, text):
+        """The text every coco-caption scorer sees: the Penn Treebank tokens of ptb_tokenize (section 6)."""
+        return ptb_tokenize(text)
+
+    def __init__(self, predictions, references, metrics=METRICS, tokenize=True, meteor_modules=None, config=None):
+        _check_inputs(predictions, references)
+        unknown = [m for m in metrics if m not in METRICS]
+        if unknown:
+            raise CaptionInputError(f"unknown metrics {unknown}; choose from {METRICS}")
+        self.config, self.metrics = config or MetricsConfig(), tuple(metrics)
+        tokens = {}
+        for text in [*predictions.values(), *(r for i in predictions for r in references[i])]:
+            if text not in tokens:
+                tokens[text] = self.tokenizer(text) if tokenize else text
+        self.ids = list(predictions)
+        self.candidates = {i: tokens[predictions[i]] for i in self.ids}
+        self.references = {i: [tokens[r] for r in references[i]] for i in self.ids}
+        self.items = {i: {} for i in self.ids}
+        self._counts = {}
+        self.meteor_modules = None
+        if "METEOR" in self.metrics:
+            resources = load_meteor_resources()
+            if meteor_modules is None:
+                meteor_modules = METEOR_MODULES if resources is not None else ("exact", "stem")
+            self.meteor_modules = tuple(meteor_modules)
+            self.meteor = self.meteor_class(self.config.meteor, self.meteor_modules, resources)
+            meteor_stats = self.start_meteor([(self.candidates[i], self.references[i]) for i in self.ids])
+        if "BLEU" in self.metrics:
+            self.bleu_stats = {}
+            for i in self.ids:
+                cand, cand_len = self._ngrams(self.candidates[i])
+                refs = [self._ngrams(r) for r in self.references[i]]
+                stats = bleu_item_stats(cand, cand_len, [c for c, _ in refs], [length for _, length in refs],
+                                        self.config.bleu_n)
+                self.bleu_stats[i] = stats
+                for k, value in enumerate(bleu_from_stats(**stats)):
+                    self.items[i][f"BLEU_{k + 1}"] = value
+        if "ROUGE_L" in self.metrics:
+            for i in self.ids:
+                self.items[i]["ROUGE_L"] = rouge_l(self.candidates[i], self.references[i], self.config.rouge_beta)
+        if "METEOR" in self.metrics:
+            self.meteor_stats = dict(zip(self.ids, meteor_stats()))
+            self.meteor.forget()                              # the per-item statistics are all we keep
+            for i, stats in self.meteor_stats.items():
+                self.items[i]["METEOR"] = self.meteor.score(stats)
+
+    def start_meteor(self, items):
+        """A function that returns METEOR's statistics of each (candidate, references) item. Here they are
+        computed when it is called; FastCaptionScorer starts on them at once, in a second process."""
+        return lambda: self.meteor.item_stats_many(items)
+
+    def _cider(self, ids):
+        """CIDEr-D of these items, with document frequencies over their references only."""
+        cands = [self._ngrams(self.candidates[i])[0] for i in ids]
+        refs = [[self._ngrams(r)[0] for r in self.references[i]] for i in ids]
+        return cider_scores(cands, refs, self.config.cider_n, self.config.cider_sigma)
+
+    def _ngrams(self, text):
+        """(n-gram counts, word count) of a tokenized caption, computed once."""
+        if text not in self._counts:
+            self._counts[text] = (_ngram_counts(text, max(self.config.bleu_n, self.config.cider_n)),
+                                  len(text.split()))
+        return self._counts[text]
+
+    def score(self, ids=None):
+        """{"corpus": {...}, "items": {id: {...}}, "info": {...}} for these ids (all by default), scored alone."""
+        ids = self.ids if ids is None else list(ids)
+        missing = [i for i in ids if i not in self.items]
+        if missing:
+            raise CaptionInputError(f"subset ids {missing[:5]} are not among the predictions")
+        if not ids:
+            raise CaptionInputError("cannot score an empty subset")
+        items = {i: dict(self.items[i]) for i in ids}
+        corpus = {}
+        if "BLEU" in self.metrics:
+            total = {"testlen": 0, "reflen": 0, "guess": [0] * self.config.bleu_n, "correct": [0] * self.config.bleu_n}
+            for i in ids:
+                stats = self.bleu_stats[i]
+                total["testlen"] += stats["testlen"]
+                total["reflen"] += stats["reflen"]
+                total["guess"] = [a + b for a, b in zip(total["guess"], stats["guess"])]
+                total["correct"] = [a + b for a, b in zip(total["correct"], stats["correct"])]
+            for k, value in enumerate(bleu_from_stats(**total)):
+                corpus[f"BLEU_{k + 1}"] = value
+        if "METEOR" in self.metrics:
+            total = self.meteor.zero_stats()
+            for i in ids:
+                total = Meteor.add(total, self.meteor_stats[i])
+            corpus["METEOR"] = self.meteor.score(total)
+        if "ROUGE_L" in self.metrics:
+            corpus["ROUGE_L"] = float(np.mean([items[i]["ROUGE_L"] for i in ids]))
+        if "CIDEr" in self.metrics:
+            for i, value in zip(ids, self._cider(ids)):
+                items[i]["CIDEr"] = value
+            corpus["CIDEr"] = float(np.mean([items[i]["CIDEr"] for i in ids]))
+        info = {"items": len(ids), "references": sum(len(self.references[i]) for i in ids)}
+        if self.meteor_modules is not None:
+            info["meteor_modules"] = "+".join(self.meteor_modules)
+            if self.meteor_modules != METEOR_MODULES:
+                why = ("the METEOR 1.5 data was not found (pip install --no-deps pycocoevalcap==1.2, or set "
+                       f"{METEOR_DATA_ENV})" if self.meteor.resources is None else "as asked")
+                info["meteor_note"] = (f"METEOR with {info['meteor_modules']} matching only, {why}: expect it about "
+                                       "0.015-0.03 below the toolkit's METEOR, which also matches synonyms and "
+                                       "paraphrases")
+        return {"corpus": corpus, "items": items, "info": info}
+
+
+def score_captions(predictions, references, metrics=METRICS, tokenize=True, meteor_modules=None, config=None,
+                   scorer=CaptionScorer):
+    """Score {id: caption} against {id: [captions]} as coco-caption does; returns corpus and per-item scores.
+
+    tokenize=False takes the captions as already PTB-tokenized. meteor_modules: None for all four when the METEOR
+    data is found (exact + stem otherwise), or e.g. ("exact", "stem"). scorer: the plain CaptionScorer above, or
+    FastCaptionScorer (section 8), which gives the same numbers faster and is what the scripts ask for.
+    """
+    return scorer(predictions, references, metrics, tokenize, meteor_modules, config).score()
+
+
+def score_subsets(predictions, references, subsets, metrics=METRICS, tokenize=True, meteor_modules=None,
+                  config=None, scorer=CaptionScorer):
+    """{name: result} for named subsets of ids, e.g. per change type; each subset is re-scored on its own."""
+    scored = scorer(predictions, references, metrics, tokenize, meteor_modules, config)
+    return {name: scored.score(ids) for name, ids in subsets.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. The PTB tokenizer (pycocoevalcap tokenizer/ptbtokenizer.py around Stanford CoreNLP 3.4.1's PTBTokenizer)
 # ---------------------------------------------------------------------------------------------------------------
 # The wrapper replaces "\n" by a space, runs `PTBTokenizer -preserveLines -lowerCase` (a JFlex lexer: at each
 # position the longest match of any rule wins, the earlier rule on a tie), splits each output line on " " and drops
-# these 17 tokens. Bracket tokens survive: the list is upper case but the tokens were lower-cased first.
+# these 17 tokens. Bracket tokens (-LRB- for a left round bracket, -RSB- for a right square one, ...) survive: the
+# list is upper case but the tokens were lower-cased first.
 PTB_DROPPED = frozenset(["''", "'", "``", "`", "-LRB-", "-RRB-", "-LCB-", "-RCB-",
                          ".", "?", "!", ",", ":", "-", "--", "...", ";"])
-LINE_BREAKS = "\r\n\x0b\x0c\u2028\u2029"      # PTBTokenizer's line ends (NEL U+0085 is an ellipsis to it)
+LINE_BREAKS = "\r\n\x0b\x0c\u2028\u2029"      # PTBTokenizer's line ends (U+0085, next line, is an ellipsis to it)
 _CURRENCY = {"\u00a2": "cents", "\u00a3": "#", "\u0080": "$", "\u00a4": "$", "\u20a0": "$", "\u20ac": "$"}
 _FRACTIONS = {"\u00bc": "1/4", "\u00bd": "1/2", "\u00be": "3/4", "\u2153": "1/3"}   # U+2154 is missed, as in 3.4.1
 _LATEX_QUOTES = str.maketrans({"\u0091": "`", "\u2018": "`", "\u201b": "`", "\u2039": "`", "\u0092": "'",
@@ -501,7 +652,7 @@ def ptb_tokenize(text):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 6. Scoring a corpus, and subsets of it, the way the toolkit does
+# 7. Reading predictions and references, checking them, and printing the table
 # ---------------------------------------------------------------------------------------------------------------
 def _check_inputs(predictions, references):
     if not isinstance(predictions, dict) or not isinstance(references, dict):
@@ -524,142 +675,6 @@ def _check_inputs(predictions, references):
                 raise CaptionInputError(f"id {i!r}: captions must be strings, got {caption!r}")
 
 
-class CaptionScorer:
-    """Tokenizes once and keeps per-item statistics, so that any subset of ids is scored without recomputing them.
-
-    BLEU and METEOR per item do not depend on the other items, but their corpus values come from summed statistics;
-    ROUGE-L per item is independent; CIDEr depends on the whole evaluated set through its document frequencies.
-    """
-    # The plain steps. FastCaptionScorer (section 8) puts faster ones with the same results in their place.
-    tokenizer = staticmethod(ptb_tokenize)
-    meteor_class = Meteor
-
-    def __init__(self, predictions, references, metrics=METRICS, tokenize=True, meteor_modules=None, config=None):
-        _check_inputs(predictions, references)
-        unknown = [m for m in metrics if m not in METRICS]
-        if unknown:
-            raise CaptionInputError(f"unknown metrics {unknown}; choose from {METRICS}")
-        self.config, self.metrics = config or MetricsConfig(), tuple(metrics)
-        tokens = {}
-        for text in [*predictions.values(), *(r for i in predictions for r in references[i])]:
-            if text not in tokens:
-                tokens[text] = self.tokenizer(text) if tokenize else text
-        self.ids = list(predictions)
-        self.candidates = {i: tokens[predictions[i]] for i in self.ids}
-        self.references = {i: [tokens[r] for r in references[i]] for i in self.ids}
-        self.items = {i: {} for i in self.ids}
-        self._counts = {}
-        self.meteor_modules = None
-        if "METEOR" in self.metrics:
-            resources = load_meteor_resources()
-            if meteor_modules is None:
-                meteor_modules = METEOR_MODULES if resources is not None else ("exact", "stem")
-            self.meteor_modules = tuple(meteor_modules)
-            self.meteor = self.meteor_class(self.config.meteor, self.meteor_modules, resources)
-            meteor_stats = self.start_meteor([(self.candidates[i], self.references[i]) for i in self.ids])
-        if "BLEU" in self.metrics:
-            self.bleu_stats = {}
-            for i in self.ids:
-                cand, cand_len = self._ngrams(self.candidates[i])
-                refs = [self._ngrams(r) for r in self.references[i]]
-                stats = bleu_item_stats(cand, cand_len, [c for c, _ in refs], [length for _, length in refs],
-                                        self.config.bleu_n)
-                self.bleu_stats[i] = stats
-                for k, value in enumerate(bleu_from_stats(**stats)):
-                    self.items[i][f"BLEU_{k + 1}"] = value
-        if "ROUGE_L" in self.metrics:
-            for i in self.ids:
-                self.items[i]["ROUGE_L"] = rouge_l(self.candidates[i], self.references[i], self.config.rouge_beta)
-        if "METEOR" in self.metrics:
-            self.meteor_stats = dict(zip(self.ids, meteor_stats()))
-            self.meteor.forget()                              # the per-item statistics are all we keep
-            for i, stats in self.meteor_stats.items():
-                self.items[i]["METEOR"] = self.meteor.score(stats)
-
-    def start_meteor(self, items):
-        """A function that returns METEOR's statistics of each (candidate, references) item. Here they are
-        computed when it is called; FastCaptionScorer starts on them at once, in a second process."""
-        return lambda: self.meteor.item_stats_many(items)
-
-    def _cider(self, ids):
-        """CIDEr-D of these items, with document frequencies over their references only."""
-        cands = [self._ngrams(self.candidates[i])[0] for i in ids]
-        refs = [[self._ngrams(r)[0] for r in self.references[i]] for i in ids]
-        return cider_scores(cands, refs, self.config.cider_n, self.config.cider_sigma)
-
-    def _ngrams(self, text):
-        """(n-gram counts, word count) of a tokenized caption, computed once."""
-        if text not in self._counts:
-            self._counts[text] = (_ngram_counts(text, max(self.config.bleu_n, self.config.cider_n)),
-                                  len(text.split()))
-        return self._counts[text]
-
-    def score(self, ids=None):
-        """{"corpus": {...}, "items": {id: {...}}, "info": {...}} for these ids (all by default), scored alone."""
-        ids = self.ids if ids is None else list(ids)
-        missing = [i for i in ids if i not in self.items]
-        if missing:
-            raise CaptionInputError(f"subset ids {missing[:5]} are not among the predictions")
-        if not ids:
-            raise CaptionInputError("cannot score an empty subset")
-        items = {i: dict(self.items[i]) for i in ids}
-        corpus = {}
-        if "BLEU" in self.metrics:
-            total = {"testlen": 0, "reflen": 0, "guess": [0] * self.config.bleu_n, "correct": [0] * self.config.bleu_n}
-            for i in ids:
-                stats = self.bleu_stats[i]
-                total["testlen"] += stats["testlen"]
-                total["reflen"] += stats["reflen"]
-                total["guess"] = [a + b for a, b in zip(total["guess"], stats["guess"])]
-                total["correct"] = [a + b for a, b in zip(total["correct"], stats["correct"])]
-            for k, value in enumerate(bleu_from_stats(**total)):
-                corpus[f"BLEU_{k + 1}"] = value
-        if "METEOR" in self.metrics:
-            total = self.meteor.zero_stats()
-            for i in ids:
-                total = Meteor.add(total, self.meteor_stats[i])
-            corpus["METEOR"] = self.meteor.score(total)
-        if "ROUGE_L" in self.metrics:
-            corpus["ROUGE_L"] = float(np.mean([items[i]["ROUGE_L"] for i in ids]))
-        if "CIDEr" in self.metrics:
-            for i, value in zip(ids, self._cider(ids)):
-                items[i]["CIDEr"] = value
-            corpus["CIDEr"] = float(np.mean([items[i]["CIDEr"] for i in ids]))
-        info = {"items": len(ids), "references": sum(len(self.references[i]) for i in ids)}
-        if self.meteor_modules is not None:
-            info["meteor_modules"] = "+".join(self.meteor_modules)
-            if self.meteor_modules != METEOR_MODULES:
-                why = ("the METEOR 1.5 data was not found (pip install --no-deps pycocoevalcap==1.2, or set "
-                       f"{METEOR_DATA_ENV})" if self.meteor.resources is None else "as asked")
-                info["meteor_note"] = (f"METEOR with {info['meteor_modules']} matching only, {why}: expect it about "
-                                       "0.015-0.03 below the toolkit's METEOR, which also matches synonyms and "
-                                       "paraphrases")
-        return {"corpus": corpus, "items": items, "info": info}
-
-
-def score_captions(predictions, references, metrics=METRICS, tokenize=True, meteor_modules=None, config=None,
-                   processes=1):
-    """Score {id: caption} against {id: [captions]} as coco-caption does; returns corpus and per-item scores.
-
-    tokenize=False takes the captions as already PTB-tokenized. meteor_modules: None for all four when the METEOR
-    data is found (exact + stem otherwise), or e.g. ("exact", "stem"). processes=2: a forked process computes part
-    of METEOR (the same numbers; not inside a process that uses CUDA).
-    """
-    return FastCaptionScorer(predictions, references, metrics, tokenize, meteor_modules, config,
-                             processes=processes).score()
-
-
-def score_subsets(predictions, references, subsets, metrics=METRICS, tokenize=True, meteor_modules=None,
-                  config=None, processes=1):
-    """{name: result} for named subsets of ids, e.g. per change type; each subset is re-scored on its own."""
-    scorer = FastCaptionScorer(predictions, references, metrics, tokenize, meteor_modules, config,
-                               processes=processes)
-    return {name: scorer.score(ids) for name, ids in subsets.items()}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 7. Reading predictions and references, and printing the table
-# ---------------------------------------------------------------------------------------------------------------
 def load_json(path):
     """Parsed JSON (gzipped when the name ends in .gz); a malformed file is reported with its name, line and column."""
     try:
@@ -761,7 +776,7 @@ def format_table(result):
 # 8. Speed variants: the same numbers, faster. Each says what it stands in for and what it buys of the whole
 #    scoring process (`python bench.py metrics`: with and without it, beside the Java toolkit), and a test checks
 #    that it gives exactly what the plain code gives. FastCaptionScorer is the one place that selects them, with
-#    meteor.py's own (its section 6).
+#    meteor.py's own (its section 5).
 # ---------------------------------------------------------------------------------------------------------------
 _PLAIN_CAPTION = re.compile(r"(?:[A-Za-z0-9 ]*[A-Za-z0-9 ][,;!?.](?= |\Z))*[A-Za-z0-9 ]*")   # most captions: words,
 # spaces and lone punctuation marks the lexer splits off and the wrapper drops (each before a space or the end)
@@ -835,7 +850,8 @@ class MeteorWorker:
 class FastCaptionScorer(CaptionScorer):
     """CaptionScorer with every speed variant in place of the plain step it stands in for: the same numbers.
     The garbage collector is paused around its work (meteor.collector_paused). processes=2 shares METEOR with a
-    forked process (MeteorWorker)."""
+    forked process (MeteorWorker). The scripts ask for it in one line: score_captions(..., scorer=FastCaptionScorer).
+    """
     tokenizer = staticmethod(ptb_tokenize_fast)
     meteor_class = FastMeteor
     whole_set_cider = None    # CIDEr-D of all the items, computed while a METEOR worker runs
@@ -893,7 +909,8 @@ def main(argv=None):
         with collector_paused():      # until the table is written: then the process ends, nothing left to scan
             result = score_captions(predictions, references, tuple(args.metrics.split(",")),
                                     tokenize=not args.pretokenized, meteor_modules=modules,
-                                    processes=args.processes)
+                                    # the speed variant (section 8): the same numbers as the plain scorer (tested)
+                                    scorer=functools.partial(FastCaptionScorer, processes=args.processes))
             result["info"]["seconds"] = round(time.perf_counter() - started, 3)
             print(json.dumps(result, ensure_ascii=False) if args.json else format_table(result))
     except CaptionInputError as e:

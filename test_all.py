@@ -2422,8 +2422,8 @@ def test_items_whose_only_reference_is_empty_score_as_the_toolkit_scores_them_in
     assert result["items"]["9420.png"]["CIDEr"] == 0 and result["items"]["8069.png"]["ROUGE_L"] == 0
     assert result["items"]["3.png"]["ROUGE_L"] == 1.0  # an empty candidate matches an empty reference
     assert round(result["items"]["36.png"]["CIDEr"], 6) == 0.293448
-    needs_meteor_data()
-    meteor = metrics.score_captions(predictions, references, metrics=("METEOR",))
+    needs_meteor_data()   # the fast scorer: the plain one reads all of the paraphrase table, 8 s; they agree (below)
+    meteor = metrics.score_captions(predictions, references, metrics=("METEOR",), scorer=metrics.FastCaptionScorer)
     assert abs(meteor["corpus"]["METEOR"] - 0.301263) < 1e-6
     assert [meteor["items"][i]["METEOR"] for i in ("9420.png", "3.png", "8069.png")] == [0, 0, 0]
 
@@ -2436,10 +2436,12 @@ def test_an_empty_reference_list_is_refused():
 def test_end_to_end_from_raw_text_gives_the_toolkits_numbers():
     needs_meteor_data()
     items, coco = load_corpus("edge_cases")
-    result = metrics.score_captions({it["id"]: it["candidate"] for it in items},
-                                    {it["id"]: it["references"] for it in items})
+    predictions = {it["id"]: it["candidate"] for it in items}
+    references = {it["id"]: it["references"] for it in items}
+    result = metrics.score_captions(predictions, references)                 # the plain scorer, all four modules
     for metric, value in coco["corpus"].items():
         assert result["corpus"][metric] == pytest.approx(value, abs=1e-6), metric
+    assert metrics.score_captions(predictions, references, scorer=metrics.FastCaptionScorer) == result
 
 
 # --- the PTB tokenizer ---
@@ -2487,19 +2489,25 @@ def test_ptb_shortcut_gives_the_lexers_tokens_for_captions_of_words_spaces_and_l
     assert [metrics.ptb_tokenize_fast(c) for c in plain] == [metrics.ptb_tokenize(c) for c in plain]
 
 
-def test_the_plain_scorer_and_the_fast_one_give_the_same_numbers():
+def test_scoring_runs_the_plain_scorer_unless_asked_for_the_fast_one_which_gives_the_same_numbers():
+    import inspect
+    for function in (metrics.score_captions, metrics.score_subsets):
+        assert inspect.signature(function).parameters["scorer"].default is metrics.CaptionScorer
     items, _ = load_corpus("edge_cases")
     predictions = {it["id"]: it["candidate"] for it in items}
     references = {it["id"]: it["references"] for it in items}
-    plain = metrics.CaptionScorer(predictions, references, meteor_modules=("exact", "stem")).score()
-    assert metrics.FastCaptionScorer(predictions, references, meteor_modules=("exact", "stem")).score() == plain
+    plain = metrics.score_captions(predictions, references, meteor_modules=("exact", "stem"))
+    fast = metrics.score_captions(predictions, references, meteor_modules=("exact", "stem"),
+                                  scorer=metrics.FastCaptionScorer)
+    assert fast == plain
+    # with all four METEOR modules: test_end_to_end_from_raw_text_gives_the_toolkits_numbers
 
 
 def test_a_forked_meteor_worker_gives_the_same_numbers():
     needs_meteor_data()
     _, coco = load_corpus("clevr_style_public")                               # 1,200 items: above the threshold
-    one = metrics.score_captions(*tokenized(coco), tokenize=False, processes=1)
-    two = metrics.score_captions(*tokenized(coco), tokenize=False, processes=2)
+    one = metrics.FastCaptionScorer(*tokenized(coco), tokenize=False, processes=1).score()
+    two = metrics.FastCaptionScorer(*tokenized(coco), tokenize=False, processes=2).score()
     assert one == two
 
 
@@ -2514,6 +2522,22 @@ def test_the_normalisers_shortcut_for_plain_lines_gives_its_words():
 
 
 # ======== meteor.py ========
+
+def test_meteor_counts_matches_by_stage_and_chunks_and_scores_them_with_its_formula():
+    plain = meteor.Meteor(modules=("exact", "stem"))                     # exact weighs 1.0, stem 0.6
+    stats = plain.item_stats("the red cubes moved", ["a red cube has moved"])
+    assert (stats.hyp_len, stats.ref_len, stats.hyp_function_words, stats.ref_function_words) == (4, 5, 1, 2)
+    assert stats.hyp_content_matches == stats.ref_content_matches == (2, 1)     # red, moved exact; cubes-cube stem
+    assert stats.hyp_function_matches == stats.ref_function_matches == (0, 0)
+    assert (stats.hyp_matched, stats.ref_matched, stats.chunks) == (3, 3, 2)    # "has" splits red cube | moved
+    # content words weigh delta = 0.75, function words 0.25: P = 1.95 / 2.5, R = 1.95 / 2.75
+    precision, recall = (2 * 1.0 + 0.6) * 0.75 / (3 * 0.75 + 0.25), (2 * 1.0 + 0.6) * 0.75 / (3 * 0.75 + 2 * 0.25)
+    f_mean = precision * recall / (0.85 * precision + 0.15 * recall)
+    assert plain.score(stats) == pytest.approx(f_mean * (1 - 0.6 * (2 / 3) ** 0.2), abs=1e-12)
+    perfect = plain.item_stats("a cube", ["a cube"])                        # all matched in one chunk
+    total = plain.add(plain.add(plain.zero_stats(), stats), perfect)
+    assert (total.hyp_len, total.hyp_matched, total.chunks) == (6, 5, 2)   # a perfect item adds no chunk
+
 
 def test_snowball_stemmer_gives_the_english_stems():
     # Checked against org.tartarus.snowball.ext.englishStemmer of meteor-1.5.jar, which agrees on 168,703 words.
@@ -2537,7 +2561,9 @@ def test_meteor_normaliser_joins_hyphens_splits_apostrophes_and_keeps_abbreviati
 def test_meteor_with_its_data_equals_the_toolkit(name):
     needs_meteor_data()
     _, coco = load_corpus(name)
-    result = metrics.score_captions(*tokenized(coco), metrics=("METEOR",), tokenize=False)
+    # the fast scorer, which the scripts run; it gives the plain one's numbers (test_end_to_end_from_raw_text_...)
+    result = metrics.score_captions(*tokenized(coco), metrics=("METEOR",), tokenize=False,
+                                    scorer=metrics.FastCaptionScorer)
     assert result["info"]["meteor_modules"] == "exact+stem+synonym+paraphrase"
     assert result["corpus"]["METEOR"] == pytest.approx(coco["corpus"]["METEOR"], abs=1e-12)
     assert all(result["items"][e["id"]]["METEOR"] == pytest.approx(e["METEOR"], abs=1e-12) for e in coco["items"])
@@ -2670,10 +2696,10 @@ def test_the_paraphrase_index_gives_what_reading_the_table_plainly_gives(tmp_pat
 
 def test_pausing_the_garbage_collector_changes_no_score_and_turns_it_back_on(monkeypatch):
     _, coco = load_corpus("edge_cases")
-    paused = metrics.score_captions(*tokenized(coco), tokenize=False)
+    paused = metrics.score_captions(*tokenized(coco), tokenize=False, scorer=metrics.FastCaptionScorer)
     assert gc.isenabled()
     monkeypatch.setattr(metrics, "collector_paused", contextlib.nullcontext)
-    running = metrics.score_captions(*tokenized(coco), tokenize=False)
+    running = metrics.score_captions(*tokenized(coco), tokenize=False, scorer=metrics.FastCaptionScorer)
     assert paused["corpus"] == running["corpus"] and paused["items"] == running["items"]
 
 
