@@ -24,7 +24,8 @@ The layouts, under the default roots (a `root` argument overrides them):
                      nsc_images/CLEVR_nonsemantic_XXXXXX.png, change_captions.json, no_change_captions.json
                      (both keyed by the default image's file name), splits.json ({"train": [int, ...], ...};
                      some ids are in no split), type_mapping.json ({"color": ["XXXXXX.png", ...], ...});
-                     optionally RCC's change_captions_with_bbox.json, the changed object's box in each image:
+                     optionally RCC's (Robust Change Captioning, github.com/Seth-Park/RobustChangeCaptioning)
+                     change_captions_with_bbox.json, the changed object's box in each image:
                      {"123": {"bbox_before": [x, y, w, h] or null, "bbox_after": [x, y, w, h] or null}, ...}
                      (pixels of the stored image; null where the object is not in that image: add, drop).
   data/spot          reformat_{train,val,test}.json, or the raw annotations/{train,val,test}.json whose
@@ -39,7 +40,7 @@ The layouts, under the default roots (a `root` argument overrides them):
                      bpe_synth_vocab.txt.gz (its BPE merges, OpenAI's format) and synth_scenes.json (what was
                      drawn, for tests).
 
-What differs from the reference:
+What differs from the reference (github.com/sushizixin/CLIP4IDC at commit ca49461, "the reference" in this file):
   - one reader per layout returns the same ImagePair records; the reference has a loader class per dataset
     and stage, and branches on the dataset's name; here "train on the no-change pair too" is the flag
     use_no_change_pair and the before/distractor swap happens wherever a pair has a distractor;
@@ -75,7 +76,7 @@ from torch.utils.data import Dataset, default_collate
 import clip
 
 IMAGE_SIZE = 224           # CLIP4IDC resizes every image straight to 224 x 224 (the reference's rawimage_util.py)
-MAX_WORDS = 32             # caption length in tokens, SOT and EOT included (--max_words 32 in the reference's scripts)
+MAX_WORDS = 32             # caption length in tokens, start (SOT) and end of text (EOT) included (the reference: 32)
 SWAP_PROB = 0.5            # stage 1, train only: chance that the before image is replaced by the distractor view
 SPLITS = ("train", "val", "test")
 CHANGE_TYPES = ("color", "material", "add", "drop", "move")  # CLEVR-Change's type_mapping.json keys

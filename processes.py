@@ -1,5 +1,7 @@
 """Processes: a training process's set-up, the nanoGPT way: DDP from the environment, device, precision, memory.
 
+DDP is torch's DistributedDataParallel: one process per GPU, each with a copy of the model, gradients averaged.
+
 - `setup`: one of torchrun's processes (RANK is set: DDP, `init_process_group`) or the only one; its device, TF32,
   the autocast context and the GradScaler. adapt.py, pretrain.py and caption.py all call it.
 - `Distributed`, `resolve_dtype`, `set_tf32`, `GROUP_TIMEOUT`, `loader_workers`: what the set-up fills in, the

@@ -2,7 +2,7 @@
 
 - `Progress`, the project's one progress meter, shown two ways: the training scripts print its `line()` on their
   log steps ('step 120/600 | loss 2.31 | 310 ms/step | eta 2m28s'); a long build that prints nothing else (the
-  image cache, --check's decoding) lets `show()` redraw one line on stderr.
+  image cache, check.py's decoding) lets `show()` redraw one line on stderr.
 - `JsonlLog`: one JSON object per logged step in the run's folder (LOG_NAME); `trim_log` cuts it at the step a
   resumed run starts from (checkpoints.start_or_resume), and the run appends to it.
 

@@ -3,7 +3,8 @@
 Run them with:  python -m pytest test_all.py -q
 
 Tests that compare against known answers (OpenAI's own CLIP outputs, the coco-caption toolkit's scores) read
-them from tests/, where a README.md in each folder says how every file was made.
+them from tests/, where a README.md in each folder says how every file was made. "The reference" is the authors'
+implementation of CLIP4IDC, github.com/sushizixin/CLIP4IDC at commit ca49461.
 """
 import collections
 import contextlib
@@ -1122,8 +1123,8 @@ RELEASE_DECODER = dict(layers=3, width=32, ffn=64, vocab=TINY["vocab_size"], pos
 
 
 def reference_decoder_shapes(layers, width, ffn, vocab, positions):
-    """The decoder.* keys and shapes of the reference's caption model, written out from its modules
-    (C4I:modules/module_decoder.py, DecoderModel): BERT-style layers, the word embedding also saved as the
+    """The decoder.* keys and shapes of the reference's caption model, written out from its modules (the
+    reference's modules/module_decoder.py, `DecoderModel`): BERT-style layers, the word embedding also saved as the
     output weight (classifier.cls.predictions.decoder.weight)."""
     def linear(name, n_in, n_out):
         return {f"{name}.weight": (n_out, n_in), f"{name}.bias": (n_out,)}
