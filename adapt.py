@@ -17,13 +17,15 @@ logit_scale clamping; after every epoch, rank captions against pairs on the vali
 and keep the best checkpoint; at the end, report the best checkpoint's test retrieval.
 
 The file reads in that order: the Config and presets; the model, optimizer and schedule; one training step;
-evaluation; the process set-up (DDP, autocast, GradScaler); stage 1's data; the loop, the test split and
---eval; a whole run (train_and_test) and main.
+evaluation; the model a step calls (DDP, torch.compile); stage 1's data; the loop, the test split and --eval; a
+whole run (train_and_test) and main. The process set-up (DDP from the environment, autocast, GradScaler) is
+processes.setup; the plumbing (flags, checkpoints, stopping, batches, caches) lives in files named for it.
 
 Stage 0, which made the synthetic CLIP that the synth preset adapts, is this loop one step earlier: pretrain.py
 imports it.
 
-Differs from reference (REFERENCE.md section 2):
+Differs from reference (github.com/sushizixin/CLIP4IDC at commit ca49461, its main_task_retrieval.py; RECIPES.md,
+"Stage 1"):
   - the best epoch is chosen on the validation split; the reference selects on the test split;
   - float32 weights, with optional autocast (bf16, or fp16 with a GradScaler), instead of fp16 weights;
   - torch's AdamW (with bias correction) instead of BertAdam (without it); LayerNorm weights not decayed;
@@ -43,7 +45,6 @@ Shape letters: B pairs in a batch, R image side (224), T caption tokens (32), E 
 import dataclasses
 import json
 import math
-import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -52,17 +53,25 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed import destroy_process_group, init_process_group
+from torch.distributed import destroy_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 import clip
 import data
 import metrics
-import runtime
 import synth
+from batches import batch_plan, epoch_batches, training_loader
+from caches import IntraTokens, image_reader
+from checkpoints import (load_checkpoint, load_encoder, rng_state, save_checkpoint, seed_everything, start_or_resume,
+                         vocabulary_hint, vocabulary_tensor)
 from encoder import EncoderConfig, PairEncoder
+from files import OutDirLock, check_out_dir, save_json
+from flags import ConfigError, check_length, check_settings, flag, parse_config
 from losses import contrastive_loss
+from processes import keep_freed_memory, loader_workers, setup
+from progress import JsonlLog, Progress
+from stopping import DivergenceWatch, StopSignals, check_finite_model, data_error_stop, run, stop_everywhere, stopped
 
 IMAGE_KEYS = ("before", "after", "image")  # a batch's images: a pair, or one image (pretrain.py's scenes)
 MAX_LOGIT_SCALE = math.log(100)  # logit_scale is clamped to ln(100): a temperature of at least 0.01, as CLIP
@@ -77,88 +86,89 @@ TRAINING_KEYS = ("freeze", "epochs", "batch_size", "grad_accum", "lr", "clip_lr_
 @dataclass
 class Config:
     # data
-    data: str = "clevr"            # dataset preset: clevr, spot, ier, pairs, synth
-    data_root: str = ""            # the dataset's folder ("" = data/<dataset>, see data.py)
-    synth_pairs: int = 2000        # synth only: scenes drawn on first use
-    max_words: int = 32            # caption length in tokens, start and end tokens included
-    image_cache: bool = False      # keep preprocessed 224x224 pixels in .npy files (skips PNG decoding)
-    num_workers: int = -1          # DataLoader processes per training process that read the images and hand over
-                                   # their uint8 pixels; 0: the training process reads them between steps. -1 (auto):
-                                   # on a GPU every CPU this process may use but one (shared by torchrun's processes
-                                   # on a machine), on the CPU 4. Decoding a pair's PNGs takes about 10 ms of CPU; with
-                                   # --image_cache a worker hands over thousands of pairs a second (BENCHMARKS.md)
+    data: str = flag("clevr", "dataset preset: clevr, spot, ier, pairs, synth")
+    data_root: str = flag("", "the dataset's folder (\"\" = data/<dataset>, see data.py)")
+    synth_pairs: int = flag(2000, "synth only: scenes drawn on first use")
+    max_words: int = flag(32, "caption length in tokens, start and end tokens included")
+    image_cache: bool = flag(False, "keep preprocessed 224x224 pixels in .npy files (skips PNG decoding)")
+    num_workers: int = flag(-1, "DataLoader processes per training process that read the images and hand over their "
+                                "uint8 pixels; 0: the training process reads them between steps. -1 (auto): on a GPU "
+                                "every CPU this process may use but one (shared by torchrun's processes on a machine), "
+                                "on the CPU 4. Decoding a pair's PNGs takes about 10 ms of CPU; with --image_cache a "
+                                "worker hands over thousands of pairs a second (BENCHMARKS.md)")
     # model
-    clip_model: str = "ViT-B/32"   # model name (clip.MODELS) or weights file, or "scratch" (the scratch_* sizes)
-    intra_layers: int = 9          # vision blocks that see each image alone; the rest see the pair
-    scratch_width: int = 256       # scratch model: vision width
-    scratch_layers: int = 6        # scratch model: vision blocks
-    scratch_patch: int = 32        # scratch model: patch side in pixels
-    scratch_text_width: int = 256  # scratch model: text width
-    scratch_text_layers: int = 3   # scratch model: text blocks
-    scratch_embed_dim: int = 256   # scratch model: joint embedding width
-    freeze: bool = True            # freeze the reference's set: patch, class and position embeddings, ln_pre, token embedding
-    freeze_intra: bool = False     # freeze the intra-image blocks too, and compute each image's intra tokens once
+    clip_model: str = flag("ViT-B/32", 'model name (clip.MODELS) or weights file, or "scratch" (the scratch_* sizes)')
+    intra_layers: int = flag(9, "vision blocks that see each image alone; the rest see the pair")
+    scratch_width: int = flag(256, "scratch model: vision width")
+    scratch_layers: int = flag(6, "scratch model: vision blocks")
+    scratch_patch: int = flag(32, "scratch model: patch side in pixels")
+    scratch_text_width: int = flag(256, "scratch model: text width")
+    scratch_text_layers: int = flag(3, "scratch model: text blocks")
+    scratch_embed_dim: int = flag(256, "scratch model: joint embedding width")
+    freeze: bool = flag(True, "freeze the reference's set: patch, class and position embeddings, ln_pre, token "
+                              "embedding")
+    freeze_intra: bool = flag(False, "freeze the intra-image blocks too, and compute each image's intra tokens once")
     # optimisation
-    epochs: int = 12               # passes over the training samples
-    batch_size: int = 128          # global batch: per-process batch x processes x grad_accum
-    grad_accum: int = 1            # micro-batches per optimizer step: the global batch runs in this many pieces, one
-                                   # after another, when it does not fit in memory; the step averages their gradients.
-                                   # The contrastive loss then sees only a micro-batch's captions as negatives, a
-                                   # different loss
-    lr: float = 1e-4               # learning rate of the new joint parameters
-    clip_lr_scale: float = 1e-3    # CLIP's parameters train at lr x clip_lr_scale
-    weight_decay: float = 0.2      # decoupled weight decay (not on biases and norms)
-    warmup: float = 0.1            # fraction of the steps spent warming up
-    beta2: float = 0.98            # AdamW's second-moment decay (beta1 is 0.9)
-    eps: float = 1e-6              # AdamW's epsilon
-    grad_clip: float = 1.0         # global gradient-norm clipping
+    epochs: int = flag(12, "passes over the training samples")
+    batch_size: int = flag(128, "global batch: per-process batch x processes x grad_accum")
+    grad_accum: int = flag(1, "micro-batches per optimizer step: the global batch runs in this many pieces, one after "
+                              "another, when it does not fit in memory; the step averages their gradients. The "
+                              "contrastive loss then sees only a micro-batch's captions as negatives, a different loss")
+    lr: float = flag(1e-4, "learning rate of the new joint parameters")
+    clip_lr_scale: float = flag(1e-3, "CLIP's parameters train at lr x clip_lr_scale")
+    weight_decay: float = flag(0.2, "decoupled weight decay (not on biases and norms)")
+    warmup: float = flag(0.1, "fraction of the steps spent warming up")
+    beta2: float = flag(0.98, "AdamW's second-moment decay (beta1 is 0.9)")
+    eps: float = flag(1e-6, "AdamW's epsilon")
+    grad_clip: float = flag(1.0, "global gradient-norm clipping")
     # run
-    seed: int = 42                 # random seed (each process adds its rank)
-    device: str = "auto"           # where to train: auto (cuda when torch sees a GPU, else cpu), cpu or cuda; under
-                                   # torchrun each process takes the GPU of its LOCAL_RANK. Choose GPUs with
-                                   # CUDA_VISIBLE_DEVICES
-    dtype: str = "auto"            # precision of the products: auto is bfloat16 autocast on a GPU that computes it
-                                   # natively (compute capability >= 8.0: A100, H100), float16 autocast with a loss
-                                   # scaler on an older one (V100, T4), float32 on the CPU and when scoring a release;
-                                   # or float32, bfloat16, float16. The weights stay float32
-    tf32: bool = True              # float32 on a GPU (--dtype float32): matrix products and convolutions in
-                                   # TensorFloat-32 on A100/H100, about 8x IEEE float32's rate; --no-tf32 for IEEE
-                                   # float32, to compare a run with the CPU's numbers
-    compile: bool = False          # torch.compile the model (after the DDP wrap): up to a minute of compiling, then
-                                   # fused element-wise work; no faster on the CPU (BENCHMARKS.md), not yet timed on a GPU
-    out_dir: str = ""              # checkpoints and logs ("" = runs/adapt_<dataset>)
-    log_every: int = 10            # optimizer steps between progress lines; the check that the loss and gradient norm
-                                   # are finite runs then too (and before every save), not every step: reading a
-                                   # number from a GPU waits for it, so a diverged run stops at most this many steps late
-    save_every: int = 200          # optimizer steps between ckpt_last.pt saves (and at every epoch end)
-    eval_batch_size: int = 128     # pairs per batch when encoding the evaluation split
-    resume: bool = False           # continue from out_dir/ckpt_last.pt
-    eval: bool = False             # score the test split's retrieval with --checkpoint, then exit
-    checkpoint: str = ""           # --eval: ours ("" = out_dir/ckpt_best.pt) or a release, pretrained/pytorch_model.bin.*
+    seed: int = flag(42, "random seed (each process adds its rank)")
+    device: str = flag("auto", "where to train: auto (cuda when torch sees a GPU, else cpu), cpu or cuda; under "
+                               "torchrun each process takes the GPU of its LOCAL_RANK. Choose GPUs with "
+                               "CUDA_VISIBLE_DEVICES")
+    dtype: str = flag("auto", "precision of the products: auto is bfloat16 autocast on a GPU that computes it natively "
+                              "(compute capability >= 8.0: A100, H100), float16 autocast with a loss scaler on an "
+                              "older one (V100, T4), float32 on the CPU and when scoring a release; or float32, "
+                              "bfloat16, float16. The weights stay float32")
+    tf32: bool = flag(True, "float32 on a GPU (--dtype float32): matrix products and convolutions in TensorFloat-32 on "
+                            "A100/H100, about 8x IEEE float32's rate; --no-tf32 for IEEE float32, to compare a run "
+                            "with the CPU's numbers")
+    compile: bool = flag(False, "torch.compile the model (after the DDP wrap): up to a minute of compiling, then fused "
+                                "element-wise work; no faster on the CPU (BENCHMARKS.md), not yet timed on a GPU")
+    out_dir: str = flag("", 'checkpoints and logs ("" = runs/adapt_<dataset>)')
+    log_every: int = flag(10, "optimizer steps between progress lines; the check that the loss and gradient norm are "
+                              "finite runs then too (and before every save), not every step: reading a number from a "
+                              "GPU waits for it, so a diverged run stops at most this many steps late")
+    save_every: int = flag(200, "optimizer steps between ckpt_last.pt saves (and at every epoch end)")
+    eval_batch_size: int = flag(128, "pairs per batch when encoding the evaluation split")
+    resume: bool = flag(False, "continue from out_dir/ckpt_last.pt")
+    eval: bool = flag(False, "score the test split's retrieval with --checkpoint, then exit")
+    checkpoint: str = flag("", '--eval: ours ("" = out_dir/ckpt_best.pt) or a release, pretrained/pytorch_model.bin.*')
 
     def __post_init__(self):  # a bad value fails here, before any data is read
-        runtime.check_settings(self, positive=("synth_pairs", "max_words", "intra_layers", "scratch_width",
-                                               "scratch_layers", "scratch_patch", "scratch_text_width",
-                                               "scratch_text_layers", "scratch_embed_dim", "epochs", "batch_size",
-                                               "grad_accum", "lr", "log_every", "save_every", "eval_batch_size"),
-                               non_negative=("clip_lr_scale", "weight_decay", "grad_clip"),
-                               fraction=("warmup",))
+        check_settings(self, positive=("synth_pairs", "max_words", "intra_layers", "scratch_width",
+                                       "scratch_layers", "scratch_patch", "scratch_text_width",
+                                       "scratch_text_layers", "scratch_embed_dim", "epochs", "batch_size",
+                                       "grad_accum", "lr", "log_every", "save_every", "eval_batch_size"),
+                       non_negative=("clip_lr_scale", "weight_decay", "grad_clip"),
+                       fraction=("warmup",))
         if self.num_workers < -1:
-            raise runtime.ConfigError(f"--num_workers {self.num_workers}: it must be >= 0, or -1 for auto")
+            raise ConfigError(f"--num_workers {self.num_workers}: it must be >= 0, or -1 for auto")
         # at least one word between the start and end tokens; CLIP's text positions hold 77 (clip.CLIPConfig)
         most = self.max_words if self.clip_model == "scratch" else clip.CLIPConfig.context_length
-        runtime.check_length("max_words", self.max_words, 3, most, "start token, at least one word, end token; "
-                             "CLIP's text tower has 77 positions")
+        check_length("max_words", self.max_words, 3, most, "start token, at least one word, end token; "
+                     "CLIP's text tower has 77 positions")
         self.check_split()
 
     def check_split(self):
         """The split point within a scratch model's blocks (a named model's is checked once it is loaded)."""
         if self.clip_model == "scratch" and not 0 < self.intra_layers <= self.scratch_layers:
-            raise runtime.ConfigError(f"--intra_layers {self.intra_layers}: the scratch model has --scratch_layers "
-                                      f"{self.scratch_layers} vision blocks, so it must be in [1, {self.scratch_layers}]")
+            raise ConfigError(f"--intra_layers {self.intra_layers}: the scratch model has --scratch_layers "
+                              f"{self.scratch_layers} vision blocks, so it must be in [1, {self.scratch_layers}]")
 
 
-# Dataset presets, applied before the command-line flags (REFERENCE 2.1). IER has no reference run: we use
+# Dataset presets, applied before the command-line flags (the reference's scripts/retrieve_clevr.sh and
+# retrieve_spot.sh; RECIPES.md, "Stage 1"). IER has no reference run: we use
 # Spot-the-Diff's settings. synth is the reference's recipe scaled down to the synthetic CLIP (6 vision blocks:
 # 4 intra-image, 2 inter-image; the same frozen set) and to 2 CPU cores: 1,572 steps on 5,600 training pairs.
 # Its intra-image blocks are frozen, as the reference's 1e-7 all but freezes them, so that their tokens are
@@ -192,11 +202,11 @@ def build_clip(config: Config, vocab_size: int) -> clip.CLIP:
         return clip.CLIP(clip_config)
     clip_model, _ = clip.load(config.clip_model)  # OpenAI's ViT-B/32, the synthetic CLIP, or a file
     if clip_model.config.vocab_size != vocab_size:
-        raise runtime.ConfigError(f"{config.clip_model} has a vocabulary of {clip_model.config.vocab_size} tokens "
-                                  f"but the {config.data} dataset's tokenizer has {vocab_size}; use the model's "
-                                  f"vocabulary file" + runtime.vocabulary_hint())
-    runtime.check_length("max_words", config.max_words, 3, clip_model.config.context_length,
-                         f"{config.clip_model}'s text tower has {clip_model.config.context_length} positions")
+        raise ConfigError(f"{config.clip_model} has a vocabulary of {clip_model.config.vocab_size} tokens "
+                          f"but the {config.data} dataset's tokenizer has {vocab_size}; use the model's "
+                          f"vocabulary file" + vocabulary_hint())
+    check_length("max_words", config.max_words, 3, clip_model.config.context_length,
+                 f"{config.clip_model}'s text tower has {clip_model.config.context_length} positions")
     return clip_model
 
 
@@ -205,15 +215,15 @@ def build_encoder(config: Config, vocab_size: int) -> tuple[PairEncoder, dict]:
     clip_model = build_clip(config, vocab_size)
     blocks = clip_model.config.vision_layers
     if not 0 < config.intra_layers <= blocks:
-        raise runtime.ConfigError(f"--intra_layers {config.intra_layers}: {config.clip_model} has {blocks} vision "
-                                  f"blocks, so it must be in [1, {blocks}]")
+        raise ConfigError(f"--intra_layers {config.intra_layers}: {config.clip_model} has {blocks} vision "
+                          f"blocks, so it must be in [1, {blocks}]")
     model = PairEncoder(clip_model, EncoderConfig(config.intra_layers))
     model.cls_rows_only = True  # speed variant (encoder.py): the last inter-image block at the two CLS rows only
     if config.freeze:
         model.freeze()
     if config.freeze_intra:
         # differs from reference: the intra-image blocks do not train at all (the reference trains every CLIP
-        # block at lr x 1e-3), so each image's intra-image tokens are a constant that data.IntraTokens computes once
+        # block at lr x 1e-3), so each image's intra-image tokens are a constant that caches.IntraTokens computes once
         model.freeze(model.intra_image_parts())
     return model, dataclasses.asdict(clip_model.config)
 
@@ -267,7 +277,7 @@ def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp
 
 
 # -----------------------------------------------------------------------------
-# Evaluation: rank every caption of a split against every pair (REFERENCE 2.6)
+# Evaluation: rank every caption of a split against every pair (the reference's main_task_retrieval.py, `eval_epoch`)
 
 
 def retrieval_set(split, images):
@@ -314,32 +324,7 @@ def summary(scores: dict) -> str:
 
 
 # -----------------------------------------------------------------------------
-# Processes and precision, the nanoGPT way
-
-
-def setup(config: Config) -> tuple[runtime.Distributed, str, object, torch.amp.GradScaler]:
-    """This process: one of torchrun's (RANK is set: DDP) or the only one; its device; the precision context."""
-    device = runtime.check_device(config.device)  # auto: cuda when torch sees a GPU; a missing GPU is refused
-    ddp = int(os.environ.get("RANK", -1)) != -1
-    rank, local_rank, world_size = (int(os.environ.get(k, 0)) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    if ddp and device.startswith("cuda"):
-        device = f"cuda:{local_rank}"
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)  # also for one process on cuda:1: its kernels and caches go to that GPU
-        runtime.set_tf32(config.tf32)
-    if ddp:  # device_id binds NCCL to this process's GPU at once; the timeout covers the master's work alone
-        init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=runtime.GROUP_TIMEOUT,
-                           device_id=torch.device(device) if device.startswith("cuda") else None)
-    if ddp and not device.startswith("cuda"):
-        # torchrun sets OMP_NUM_THREADS=1: share this machine's cores between its local processes instead
-        torch.set_num_threads(max(1, data.usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
-    dist_ = runtime.Distributed(ddp, rank, local_rank, world_size if ddp else 1, torch.device(device), rank == 0)
-    dtype = runtime.resolve_dtype(config.dtype, dist_.device)  # "auto": bf16 (or fp16) on a GPU, float32 on CPU
-    # weights stay float32; autocast runs the matrix products in bf16 or fp16
-    ctx = nullcontext() if dtype == "float32" else torch.autocast(dist_.device.type, dtype=getattr(torch, dtype))
-    # fp16 only: the loss is scaled up before backward so that small gradients do not underflow
-    scaler = torch.amp.GradScaler(dist_.device.type, enabled=(dtype == "float16"))
-    return dist_, dtype, ctx, scaler
+# The model a step calls: DDP, torch.compile
 
 
 def wrap(model: nn.Module, config: Config, dist_) -> nn.Module:
@@ -349,9 +334,9 @@ def wrap(model: nn.Module, config: Config, dist_) -> nn.Module:
     model is still the one saved, evaluated and whose logit_scale is clamped."""
     if dist_.ddp:
         if config.compile and torch_version() < COMPILED_DDP_TORCH:
-            raise runtime.ConfigError(f"--compile under torchrun needs torch {'.'.join(map(str, COMPILED_DDP_TORCH))} "
-                                      f"or newer (this is {torch.__version__}, whose compiled DDP fails its first "
-                                      f"step); train without --compile, or upgrade torch")
+            raise ConfigError(f"--compile under torchrun needs torch {'.'.join(map(str, COMPILED_DDP_TORCH))} "
+                              f"or newer (this is {torch.__version__}, whose compiled DDP fails its first "
+                              f"step); train without --compile, or upgrade torch")
         model = DDP(model, device_ids=[dist_.local_rank] if dist_.device.type == "cuda" else None)
     return torch.compile(model) if config.compile else model
 
@@ -381,7 +366,7 @@ def read_pairs(config: Config, dist_, resolution: int = data.IMAGE_SIZE) -> tupl
             dist.barrier()
     splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
     tokenizer = clip.get_tokenizer(data.bpe_path(config.data, root))
-    images = data.image_reader(splits, root, resolution, config.image_cache, dist_)
+    images = image_reader(splits, root, resolution, config.image_cache, dist_)
     return splits, tokenizer, images
 
 
@@ -395,8 +380,8 @@ def checkpoint(model: nn.Module, optimizer, scaler, config: Config, clip_config:
             "config": dataclasses.asdict(config), "clip_config": clip_config,
             "encoder_config": dataclasses.asdict(model.config) if isinstance(model, PairEncoder) else None,
             # the vocabulary itself, so that the file travels alone; its path only as a hint of where it came from
-            "vocabulary": runtime.vocabulary_tensor(tokenizer.bpe_path), "bpe_path": str(tokenizer.bpe_path),
-            **progress, "rng": runtime.rng_state()}
+            "vocabulary": vocabulary_tensor(tokenizer.bpe_path), "bpe_path": str(tokenizer.bpe_path),
+            **progress, "rng": rng_state()}
 
 
 def describe(config: Config, samples: int, pairs: int, micro: int, dist_, steps_per_epoch: int, dtype: str,
@@ -417,30 +402,30 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, model: nn.Module, raw_
     step, best, best_epoch, history = 0, -1.0, -1, []
     if state is not None:
         step, best, best_epoch, history = state["step"], state["best_metric"], state["best_epoch"], state["history"]
-    micro, sampler, steps_per_epoch = runtime.batch_plan(train_set, config.batch_size, config.grad_accum, dist_,
-                                                         config.seed)
+    micro, sampler, steps_per_epoch = batch_plan(train_set, config.batch_size, config.grad_accum, dist_,
+                                                 config.seed)
     total_steps = config.epochs * steps_per_epoch
-    log = runtime.JsonlLog(out_dir / "log.jsonl", enabled=master)
+    log = JsonlLog(out_dir / "log.jsonl", enabled=master)
     if master:
-        runtime.save_json(dataclasses.asdict(config), out_dir / "config.json")
+        save_json(dataclasses.asdict(config), out_dir / "config.json")
         say(json.dumps(dataclasses.asdict(config)))
         say(describe(config, len(train_set), len(splits["train"]), micro, dist_, steps_per_epoch, dtype, raw_model))
 
     def save(path, epoch):
-        runtime.save_checkpoint(checkpoint(raw_model, optimizer, scaler, config, clip_config, tokenizer, epoch=epoch,
-                                           step=step, best_metric=best, best_epoch=best_epoch, history=history), path)
+        save_checkpoint(checkpoint(raw_model, optimizer, scaler, config, clip_config, tokenizer, epoch=epoch,
+                                   step=step, best_metric=best, best_epoch=best_epoch, history=history), path)
 
-    loader = runtime.training_loader(train_set, sampler, micro, config.num_workers, device, data.collate_text)
+    loader = training_loader(train_set, sampler, micro, config.num_workers, device, data.collate_text)
     # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (StopSignals)
-    with runtime.StopSignals() as stop:
+    with StopSignals() as stop:
         # reads the losses and the stop flag on the log steps and before a save
-        watch = runtime.DivergenceWatch(scaler, dist_.ddp, stop, device)
-        progress = runtime.Progress(total_steps, first_step=step)
+        watch = DivergenceWatch(scaler, dist_.ddp, stop, device)
+        progress = Progress(total_steps, first_step=step)
         model.train()
         while step < total_steps:
             epoch = step // steps_per_epoch
             done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
-            batches = runtime.epoch_batches(loader, epoch, done_in_epoch, config.grad_accum)
+            batches = epoch_batches(loader, epoch, done_in_epoch, config.grad_accum)
             for _ in range(done_in_epoch, steps_per_epoch):
                 lr = get_lr(step, total_steps, config)
                 for group in optimizer.param_groups:
@@ -449,8 +434,8 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, model: nn.Module, raw_
                     micro_batches = [data.to_device(next(batches), device, (*IMAGE_KEYS, "caption"))
                                      for _ in range(config.grad_accum)]
                 except data.DataError as error:  # a damaged image: ckpt_last.pt at the last step, then one line
-                    raise runtime.data_error_stop(error, lambda: save(out_dir / "ckpt_last.pt", epoch), step, watch,
-                                                  out_dir / "ckpt_last.pt", dist_) from None
+                    raise data_error_stop(error, lambda: save(out_dir / "ckpt_last.pt", epoch), step, watch,
+                                          out_dir / "ckpt_last.pt", dist_) from None
                 loss, grad_norm = train_step(model, optimizer, scaler, micro_batches, ctx, config, dist_.ddp,
                                              raw_model.clip.logit_scale)
                 step += 1
@@ -471,10 +456,10 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, model: nn.Module, raw_
                 if master and (saving or stopping):
                     save(out_dir / "ckpt_last.pt", epoch)
                 if stopping:
-                    raise runtime.stopped(stop, out_dir / "ckpt_last.pt", dist_)
+                    raise stopped(stop, out_dir / "ckpt_last.pt", dist_)
             watch.check()
             if master:  # end of epoch: validation retrieval on the master, the others wait
-                runtime.check_finite_model(raw_model, step, lr)  # a non-finite model is never scored nor saved
+                check_finite_model(raw_model, step, lr)  # a non-finite model is never scored nor saved
                 scores = evaluate(raw_model, splits["val"], tokenizer, images, config, device, ctx)
                 history.append({"epoch": epoch, "step": step, **scores})
                 improved = scores["text_to_pair_R1"] >= best  # a tie keeps the later epoch, as the reference
@@ -484,21 +469,21 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, model: nn.Module, raw_
                 if improved:
                     save(out_dir / "ckpt_best.pt", epoch)
                 save(out_dir / "ckpt_last.pt", epoch)
-            if runtime.stop_everywhere(stop, dist_):  # under DDP also the epoch's barrier
-                raise runtime.stopped(stop, out_dir / "ckpt_last.pt", dist_)
+            if stop_everywhere(stop, dist_):  # under DDP also the epoch's barrier
+                raise stopped(stop, out_dir / "ckpt_last.pt", dist_)
     return step
 
 
 def test(model: nn.Module, splits: dict, tokenizer, images, config: Config, device, ctx, step: int,
          out_dir: Path) -> None:
     """The test split's retrieval, scored once, with the epoch chosen on validation (test_retrieval.json)."""
-    state = runtime.load_checkpoint(out_dir / "ckpt_best.pt")
+    state = load_checkpoint(out_dir / "ckpt_best.pt")
     model.load_state_dict(state["model"])
     best_epoch = state["best_epoch"]
     scores = evaluate(model, splits["test"], tokenizer, images, config, device, ctx)
-    runtime.JsonlLog(out_dir / "log.jsonl").write(step=step, split="test", best_epoch=best_epoch, **scores)
-    runtime.save_json({"best_epoch": best_epoch, "val_text_to_pair_R1": state["best_metric"], **scores},
-                      out_dir / "test_retrieval.json")
+    JsonlLog(out_dir / "log.jsonl").write(step=step, split="test", best_epoch=best_epoch, **scores)
+    save_json({"best_epoch": best_epoch, "val_text_to_pair_R1": state["best_metric"], **scores},
+              out_dir / "test_retrieval.json")
     print(f"test retrieval of the best epoch ({best_epoch + 1}, chosen on validation):\n{retrieval_table(scores)}")
 
 
@@ -508,18 +493,18 @@ def evaluate_checkpoint(config: Config, dist_, ctx, out_dir: Path) -> None:
     if not dist_.master:  # one process scores the test split; under torchrun the others wait for it
         return
     path = Path(config.checkpoint or out_dir / "ckpt_best.pt")
-    model, state = runtime.load_encoder(path, config.intra_layers)
+    model, state = load_encoder(path, config.intra_layers)
     model.cls_rows_only = True  # speed variant (encoder.py), as the training's test: the same scores
     if state.get("release") and config.dtype == "auto":  # scored in float32, as the reference's figures: bf16
         ctx = nullcontext()  # autocast on a GPU moves ranks that nearly tie (BENCHMARKS.md section 12)
     splits, tokenizer, images = read_pairs(config, dataclasses.replace(dist_, ddp=False),
                                            model.clip.visual.input_resolution)
     if tokenizer.vocab_size != model.clip.config.vocab_size:
-        raise runtime.ConfigError(f"{path} has a vocabulary of {model.clip.config.vocab_size} tokens but the "
-                                  f"{config.data} dataset's tokenizer has {tokenizer.vocab_size}"
-                                  + runtime.vocabulary_hint(tokenizer))
+        raise ConfigError(f"{path} has a vocabulary of {model.clip.config.vocab_size} tokens but the "
+                          f"{config.data} dataset's tokenizer has {tokenizer.vocab_size}"
+                          + vocabulary_hint(tokenizer))
     scores = evaluate(model.to(dist_.device), splits["test"], tokenizer, images, config, dist_.device, ctx)
-    runtime.save_json({"checkpoint": str(path), **scores}, out_dir / "test_retrieval.json")
+    save_json({"checkpoint": str(path), **scores}, out_dir / "test_retrieval.json")
     print(f"test retrieval of {path}:\n{retrieval_table(scores)}")
 
 
@@ -533,14 +518,14 @@ def train_and_test(config: Config, dist_, dtype: str, ctx, scaler, out_dir: Path
     model.to(device)
     optimizer = build_optimizer(model, config, device)
     ckpt_path = out_dir / "ckpt_last.pt"
-    state = runtime.start_or_resume(ckpt_path, config, MODEL_KEYS + TRAINING_KEYS, dist_, model, optimizer,
+    state = start_or_resume(ckpt_path, config, MODEL_KEYS + TRAINING_KEYS, dist_, model, optimizer,
                                      scaler)
     if state is not None and master:
         print(f"resumed {ckpt_path} at step {state['step']}")
     if config.freeze_intra:  # training reads each image's intra tokens, computed now (by the master, under DDP)
         started = time.time()
-        train_set.images = data.IntraTokens(model, splits["train"], images, config.eval_batch_size, device, ctx,
-                                            images.cache_dir or out_dir, dist_)
+        train_set.images = IntraTokens(model, splits["train"], images, config.eval_batch_size, device, ctx,
+                                       images.cache_dir or out_dir, dist_)
         if master:
             print(f"intra-image tokens of {len(train_set.images.row)} training images {train_set.images.origin} "
                   f"({time.time() - started:.0f} s): the intra-image blocks are frozen")
@@ -551,14 +536,14 @@ def train_and_test(config: Config, dist_, dtype: str, ctx, scaler, out_dir: Path
 
 
 def main(argv=None):
-    config = runtime.parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
+    config = parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
     out_dir = Path(config.out_dir or f"runs/adapt_{config.data}")
-    runtime.check_out_dir(out_dir)  # a file there is refused before any work
-    runtime.keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
+    check_out_dir(out_dir)  # a file there is refused before any work
+    keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
     dist_, dtype, ctx, scaler = setup(config)
-    config = dataclasses.replace(config, num_workers=runtime.loader_workers(config.num_workers, dist_.device))
-    runtime.seed_everything(config.seed + dist_.rank)
-    with runtime.OutDirLock(out_dir, dist_.master):  # one run at a time writes there; a second is refused
+    config = dataclasses.replace(config, num_workers=loader_workers(config.num_workers, dist_.device))
+    seed_everything(config.seed + dist_.rank)
+    with OutDirLock(out_dir, dist_.master):  # one run at a time writes there; a second is refused
         if config.eval:
             evaluate_checkpoint(config, dist_, ctx, out_dir)
         else:
@@ -569,4 +554,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    runtime.run(main, "adapt.py")
+    run(main, "adapt.py")

@@ -2,7 +2,7 @@
 
 A reader of the concept files should see the concept, not the stopwatch, so the timings live here, apart,
 as nanoGPT keeps its bench.py apart from model.py and train.py. This file imports the concept files (clip,
-decoder, encoder, adapt, caption, runtime) and none of them imports it. BENCHMARKS.md quotes the figures
+decoder, encoder, adapt, caption and the plumbing files) and none of them imports it. BENCHMARKS.md quotes the figures
 printed here, each section with the command that printed it.
 
 Each figure that times a model builds it at full size, the shape of OpenAI's ViT-B/32 (vision width D = 768, 12 blocks)
@@ -102,10 +102,14 @@ import data
 import explain
 import meteor
 import metrics
-import runtime
 import synth
+from batches import training_loader
+from caches import image_reader
+from checkpoints import load_encoder
 from decoder import CaptionDecoder, DecoderConfig
 from encoder import EncoderConfig, PairEncoder
+from files import save_json
+from processes import Distributed, keep_freed_memory, loader_workers, resolve_dtype, set_tf32
 
 CLEVR_TEST_PAIRS = 7970    # CLEVR-Change's test split: 3,985 change pairs + 3,985 distractor pairs
 CLEVR_TRAIN_PAIRS = 33830  # CLEVR-Change's training split, in pairs (each with a change and a no-change caption)
@@ -358,11 +362,12 @@ def adapt_step(threads: int = 2, batch_size: int = 16, steps: int = 3, compile: 
     on a first, eager step (the counter cannot see into compiled code); the step time is the fastest of
     `steps` timed steps after it (and after compiling, with compile).
     """
-    runtime.keep_freed_memory()  # as adapt.py does before training: steps reuse freed memory (BENCHMARKS.md 2)
+    keep_freed_memory()  # as adapt.py does before training: steps reuse freed memory (BENCHMARKS.md 2)
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     config = adapt.Config(batch_size=batch_size)
     encoder = PairEncoder(clip.CLIP(clip.CLIPConfig()), EncoderConfig(config.intra_layers)).train()
+    encoder.cls_rows_only = True  # as adapt.build_encoder: stage 1's speed variant (encoder.py)
     encoder.freeze()
     optimizer = adapt.build_optimizer(encoder, config, torch.device("cpu"))
     scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -425,7 +430,7 @@ def synth_steps(threads: int = 2, steps: int = 5, caption_length: int = 14, prof
     eager step, the fastest of `steps` timed steps, this run's 2048 x 2048 matmul rate before and after (the
     better one), and the fraction GFLOP/s / matmul GFLOP/s. With profile > 0, the operators' wall time over that
     many steps of each stage (OperatorClock)."""
-    runtime.keep_freed_memory()  # as both scripts do before training
+    keep_freed_memory()  # as both scripts do before training
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     stage1_config = adapt.Config(**adapt.PRESETS["synth"], data="synth")
@@ -486,7 +491,7 @@ def caption_costs(threads: int = 2, pairs: int = 64, batch: int = 32, steps: int
     """Encoding (ViT-B/32 pair encoder), greedy decoding with and without the cache (same weights, `steps`
     tokens per caption: EOT is forbidden so both run every step, as the reference always does), and one
     training step on cached features (batch 16 pairs, two captions each as on CLEVR-Change)."""
-    runtime.keep_freed_memory()  # as caption.py does before training
+    keep_freed_memory()  # as caption.py does before training
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     config = caption.Config()
@@ -545,13 +550,13 @@ def caption_costs(threads: int = 2, pairs: int = 64, batch: int = 32, steps: int
 
 def loader_rate(samples, batch_size: int, workers: int, device: torch.device, seconds: float) -> dict:
     """Pairs per second that `workers` DataLoader processes deliver to this process, as training gets them: the
-    DataLoader of runtime.training_loader (persistent workers, pinned on CUDA), for about `seconds` after a
+    DataLoader of batches.training_loader (persistent workers, pinned on CUDA), for about `seconds` after a
     warm-up batch; on a GPU each batch is also copied there and normalised (data.to_device), which on the CPU
     would be the training process's own work, not the loader's. Also the CPU milliseconds per pair of this
     process and of its workers (read from /proc)."""
     torch.manual_seed(0)
     sampler = torch.utils.data.RandomSampler(samples, replacement=True, num_samples=10 ** 9)
-    loader = runtime.training_loader(samples, sampler, batch_size, workers, device, data.collate_text)
+    loader = training_loader(samples, sampler, batch_size, workers, device, data.collate_text)
     batches = iter(loader)
     data.to_device(next(batches), device)  # warm-up: the workers start, and their first batches are queued
     start, cpu_start, pairs = time.perf_counter(), os.times(), 0
@@ -590,7 +595,7 @@ def loader_samples(root: Path, pairs: int, cached: bool) -> data.AdaptationSampl
     from the PNGs or from their uint8 image cache."""
     synth.ensure_synth(root, synth.SynthConfig(pairs=pairs))
     splits = {s: data.load_split("synth", s, root) for s in data.SPLITS}
-    reader = data.image_reader(splits, root, data.IMAGE_SIZE, cached, runtime.Distributed(
+    reader = image_reader(splits, root, data.IMAGE_SIZE, cached, Distributed(
         False, 0, 0, 1, torch.device("cpu"), True))
     return data.AdaptationSamples(splits["train"], clip.get_tokenizer(data.bpe_path("synth", root)), train=True,
                                   images=reader)
@@ -805,7 +810,7 @@ def print_kinds(run_dir: str, name: str, root: str | None, confusion: bool) -> N
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # the instruction sets torch's CPU kernels choose among
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}  # torch's and oneDNN's AVX-512 kernels off
 STAMP = re.compile(r"^\s*(\d+\.\d+) (.*)$")  # a stamped log line: seconds since the command's start, the line
-STEP_LINE = re.compile(r"^step (\d+)/\d+ \|.* \| (\d+) ms/step \|")  # runtime.Progress's line of a training step
+STEP_LINE = re.compile(r"^step (\d+)/\d+ \|.* \| (\d+) ms/step \|")  # progress.Progress's line of a training step
 
 
 def cpu_flags() -> list[str]:
@@ -938,7 +943,7 @@ def first_command(folder: str | os.PathLike, commit: str | None = None, avx2: bo
             summary.update(kinds=format_kinds(kinds), kinds_confusion=kinds["confusion"], localisation=located)
         except SystemExit as error:  # the summary keeps the timings of a run whose outputs are not the usual ones
             summary["kinds"] = str(error)
-    runtime.save_json(summary, folder / "summary.json")
+    save_json(summary, folder / "summary.json")
     return summary
 
 
@@ -964,9 +969,9 @@ COST_STAGES = {  # one training step of each stage, at the papers' sizes, as ada
 GPU_PEAK_TFLOPS = {  # dense tensor-core peaks in the vendors' data sheets (no sparsity)
     "V100 (fp16)": 125, "A100 (bf16)": 312, "H100 SXM (bf16)": 989}
 GPU_FRACTIONS = (0.3, 0.5)  # the fractions of that peak a step is assumed to reach
-IMAGE_CACHE_BYTES = 224 * 224 * 3  # data.image_cache: one uint8 (R, R, 3) image
-# Each dataset's published counts (data.PUBLISHED), and what a run reads of them:
-#   images: the unique files data.image_cache keeps for every pair of every split (before, after, distractor):
+IMAGE_CACHE_BYTES = 224 * 224 * 3  # caches.image_cache: one uint8 (R, R, 3) image
+# Each dataset's published counts (check.PUBLISHED), and what a run reads of them:
+#   images: the unique files caches.image_cache keeps for every pair of every split (before, after, distractor):
 #     CLEVR-Change: 3 per id (default, semantic, nonsemantic), 39,803 ids in its splits, none shared;
 #     Spot-the-Diff: 2 per id (<id>.png, <id>_2.png), 11,329 ids, no split shares an id;
 #     IER: the distinct img0/img1 names of its train/valid/test.json (github.com/airsplay/VisualRelationships at
@@ -1013,6 +1018,7 @@ def cost_step(stage: str, batch_size: int, sizes: CostSizes, captions_per_pair: 
     Spot-the-Diff's and IER's one caption."""
     torch.manual_seed(0)
     encoder = PairEncoder(clip.CLIP(sizes.clip_config), EncoderConfig(sizes.intra_layers)).train()
+    encoder.cls_rows_only = True  # as adapt.build_encoder: stage 1's speed variant (encoder.py)
     side, vocab, length = sizes.clip_config.image_resolution, sizes.clip_config.vocab_size, sizes.caption_tokens
     sot, eot = vocab - 2, vocab - 1
     pixels = lambda: torch.randn(batch_size, 3, side, side)  # (B, 3, R, R), normalised
@@ -1073,7 +1079,7 @@ def cost_of_step(stage: str, batch_size: int, sizes: CostSizes, captions_per_pai
     """One fresh process's measurements of one stage at one batch size (run it in a process of its own: the
     peak resident memory is the process's). Two steps first, untimed: the second holds the optimizer's state
     beside the activations, as every later step does; then a third with the FLOPs and the saved bytes counted."""
-    runtime.keep_freed_memory()  # as adapt.py and caption.py do before training
+    keep_freed_memory()  # as adapt.py and caption.py do before training
     torch.set_num_threads(threads)
     model, step = cost_step(stage, batch_size, sizes, captions_per_pair)
     step()
@@ -1227,9 +1233,9 @@ def residual_precision(checkpoint: str, data_root: str | None = None, threads: i
     with the vision residual stream in bfloat16 or in float32: each variant's pair embeddings against float32's
     (relative error of the difference, 1 - cosine) and its test retrieval (adapt.evaluate)."""
     torch.set_num_threads(threads)
-    model, _ = runtime.load_encoder(checkpoint)
+    model, _ = load_encoder(checkpoint)
     config = adapt.Config(**{**adapt.PRESETS["synth"], "data": "synth", "data_root": data_root or "", "num_workers": 0})
-    one = runtime.Distributed(False, 0, 0, 1, torch.device("cpu"), True)
+    one = Distributed(False, 0, 0, 1, torch.device("cpu"), True)
     splits, tokenizer, images = adapt.read_pairs(config, one)
     pixels = data.PairImages(splits["test"], images)
     batch = next(iter(DataLoader(pixels, batch_size=len(pixels))))
@@ -1375,14 +1381,14 @@ def gpu_figures(out: str, tiny: bool = False, steps: int = 10) -> dict:
         except Exception as error:  # one failed part: said in the file, the others still measured
             result[name] = {"error": f"{type(error).__name__}: {error}"[:500]}
         print(f"{name} ({time.perf_counter() - started:.0f} s): {json.dumps(result[name])}", flush=True)
-        runtime.save_json(result, path)
+        save_json(result, path)
 
     bf16_peak, fp16_peak = gpu_peak(result["device"]) if device.type == "cuda" else (None, None)
     result["peak_tflops"] = {"bfloat16": bf16_peak, "float16": fp16_peak}
     if device.type == "cuda":
         result["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
-        runtime.set_tf32(True)
-    result["dtype_auto"] = runtime.resolve_dtype("auto", device)
+        set_tf32(True)
+    result["dtype_auto"] = resolve_dtype("auto", device)
     dtypes = ["bfloat16", "float16", "float32"] if result["dtype_auto"] != "float16" else ["float16", "float32"]
     for stage, batch in GPU_STEP_BATCH.items():
         for dtype in dtypes:
@@ -1393,7 +1399,7 @@ def gpu_figures(out: str, tiny: bool = False, steps: int = 10) -> dict:
     record("decoding", lambda: decoding_rate(sizes, device, result["dtype_auto"], 4 if tiny else 256,
                                              4 if tiny else 32))
     with tempfile.TemporaryDirectory() as folder:
-        workers = 1 if tiny else runtime.loader_workers(-1, device)
+        workers = 1 if tiny else loader_workers(-1, device)
         for source, cached in (("image cache", True), ("PNG", False)):
             record(f"loader {source}", lambda: loader_rate(
                 loader_samples(Path(folder) / "synth", 40 if tiny else 200, cached), 8 if tiny else 128, workers,
@@ -1403,7 +1409,7 @@ def gpu_figures(out: str, tiny: bool = False, steps: int = 10) -> dict:
     if not tiny:  # compiling takes a minute or two; the suite's check of --compile is test_all's
         record("stage1 compiled", lambda: compiled_step(sizes, device, result["dtype_auto"], steps))
     result["seconds"] = round(time.perf_counter() - begun, 1)
-    runtime.save_json(result, path)
+    save_json(result, path)
     return result
 
 

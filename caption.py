@@ -22,11 +22,13 @@ localisation, a pointing game on the encoder's and the decoder's attention (expl
 test_attention.png: the attention maps of the first pairs of the grid, word by word.
 
 The file reads in that order: the Config and presets; the captioner (the stage-1 encoder, the decoder, the
-optimizer and one training step); pair features; decoding and scoring; what every job reads; the three jobs
-(caption one pair, evaluate, train) and main. The process set-up (DDP, autocast, GradScaler) is stage 1's,
-adapt.setup.
+optimizer and one training step); decoding and scoring; what every job reads; the three jobs (caption one pair,
+evaluate, train) and main. The process set-up (DDP, autocast, GradScaler) is stage 1's, processes.setup; the
+stage-1 checkpoint a captioner builds on is checkpoints.load_stage1's, and the pair features cached on disk are
+caches.py's.
 
-Differs from reference (REFERENCE.md section 3):
+Differs from reference (github.com/sushizixin/CLIP4IDC at commit ca49461, its main_task_caption.py; RECIPES.md,
+"Stage 2"):
   - the best epoch is chosen on the validation split (the reference uses the test split);
   - by default the decoder trains on cached encoder features (--finetune_encoder, the synth preset's, for the
     reference's way);
@@ -51,7 +53,6 @@ Run:  python caption.py --data synth                  train on the synthetic set
 Shape letters: B pairs in a batch, M visual tokens per pair (100), E width (512), T caption tokens, V vocabulary.
 """
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -66,19 +67,27 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import destroy_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-import adapt
 import clip
 import data
 import explain
 import metrics
-import runtime
 import synth
+from batches import batch_plan, epoch_batches, training_loader
+from caches import FeatureItems, IntraTokens, feature_paths, image_reader, split_features
+from check import contact_sheet
+from checkpoints import (Stage1, checkpoint_tokenizer, load_checkpoint, load_stage1, load_trained, rng_state,
+                         save_checkpoint, seed_everything, start_or_resume, vocabulary_hint, vocabulary_tensor)
 from decoder import CaptionDecoder, DecoderConfig, ids_to_text
 from encoder import FROZEN_IN_REFERENCE, PairEncoder, no_decay_names
+from files import OutDirLock, check_out_dir, save_json
+from flags import ConfigError, check_image_path, check_length, check_settings, flag, parse_config
 from losses import caption_loss
+from processes import keep_freed_memory, loader_workers, setup
+from progress import JsonlLog, Progress
 from release import release_decoder, release_stage
+from stopping import DivergenceWatch, StopSignals, check_finite_model, data_error_stop, run, stop_everywhere, stopped
 
 MODEL_KEYS = ("data", "max_words", "finetune_encoder", "use_no_change_pair", "train_word_embedding",
               "decoder_layers", "decoder_heads", "decoder_ffn")
@@ -92,81 +101,83 @@ ATTENTION_PAIRS = 4  # test pairs in test_attention.png, the first of the grid
 @dataclass
 class Config:
     # data
-    data: str = "clevr"            # dataset preset: clevr, spot, ier, pairs or synth
-    data_root: str = ""            # the dataset's folder ("" = data/<dataset>, see data.py)
-    synth_pairs: int = 2000        # synth only: scenes drawn on first use (must match adapt.py's)
-    max_words: int = 32            # caption length in tokens, start and end tokens included
-    use_no_change_pair: bool = True  # also train on (before, distractor) with a no-change caption (CLEVR-Change)
-    image_cache: bool = False      # keep preprocessed 224x224 pixels in .npy files (skips PNG decoding)
-    num_workers: int = -1          # DataLoader processes per training process that read the cached pair tokens, or the
-                                   # images (uint8) with --finetune_encoder and when encoding pairs; 0: the training
-                                   # process reads them between steps. -1 (auto): on a GPU every CPU this process may
-                                   # use but one (shared by torchrun's processes on a machine), on the CPU 4
+    data: str = flag("clevr", "dataset preset: clevr, spot, ier, pairs or synth")
+    data_root: str = flag("", "the dataset's folder (\"\" = data/<dataset>, see data.py)")
+    synth_pairs: int = flag(2000, "synth only: scenes drawn on first use (must match adapt.py's)")
+    max_words: int = flag(32, "caption length in tokens, start and end tokens included")
+    use_no_change_pair: bool = flag(True, "also train on (before, distractor) with a no-change caption (CLEVR-Change)")
+    image_cache: bool = flag(False, "keep preprocessed 224x224 pixels in .npy files (skips PNG decoding)")
+    num_workers: int = flag(-1, "DataLoader processes per training process that read the cached pair tokens, or the "
+                                "images (uint8) with --finetune_encoder and when encoding pairs; 0: the training "
+                                "process reads them between steps. -1 (auto): on a GPU every CPU this process may use "
+                                "but one (shared by torchrun's processes on a machine), on the CPU 4")
     # model
-    encoder_ckpt: str = ""         # stage 1: ours ("" = runs/adapt_<dataset>/ckpt_best.pt) or a CLIP4IDC release file
-    intra_layers: int = 9          # a release's vision blocks that see each image alone (not in its file; ours record it)
-    finetune_encoder: bool = False  # train the pair encoder too, end to end (the reference's way)
-    decoder_layers: int = 3        # visual self-attention layers, and as many decoder layers
-    decoder_heads: int = 8         # attention heads of the decoder
-    decoder_ffn: int = 2048        # feed-forward width of the decoder
-    dropout: float = 0.1           # dropout on the decoder's hidden states and attention probabilities
-    train_word_embedding: bool = False  # the word embedding (tied to CLIP's) trains at lr x clip_lr_scale; else frozen
+    encoder_ckpt: str = flag("", 'stage 1: ours ("" = runs/adapt_<dataset>/ckpt_best.pt) or a CLIP4IDC release file')
+    intra_layers: int = flag(9, "a release's vision blocks that see each image alone (not in its file; ours record it)")
+    finetune_encoder: bool = flag(False, "train the pair encoder too, end to end (the reference's way)")
+    decoder_layers: int = flag(3, "visual self-attention layers, and as many decoder layers")
+    decoder_heads: int = flag(8, "attention heads of the decoder")
+    decoder_ffn: int = flag(2048, "feed-forward width of the decoder")
+    dropout: float = flag(0.1, "dropout on the decoder's hidden states and attention probabilities")
+    train_word_embedding: bool = flag(False, "the word embedding (tied to CLIP's) trains at lr x clip_lr_scale; else "
+                                             "frozen")
     # optimisation
-    epochs: int = 50               # at most this many passes over the training pairs
-    patience: int = 10             # stop after this many epochs more without a better validation CIDEr-D
-    batch_size: int = 16           # global batch of pairs: per-process batch x processes x grad_accum
-    grad_accum: int = 1            # micro-batches per optimizer step: the global batch runs in this many pieces, one
-                                   # after another, when it does not fit in memory; the step averages their gradients
-                                   # (the same step as one batch but for how the caption tokens fall into the pieces,
-                                   # and dropout)
-    lr: float = 1e-4               # learning rate of the decoder
-    clip_lr_scale: float = 1e-3    # the encoder (when finetuned) and the word embedding train at lr x clip_lr_scale
-    weight_decay: float = 0.01     # decoupled weight decay (not on biases and norms)
-    warmup: float = 0.1            # fraction of the steps spent warming up, then linear decay
-    beta2: float = 0.999           # AdamW's second-moment decay (beta1 is 0.9)
-    eps: float = 1e-6              # AdamW's epsilon
-    grad_clip: float = 1.0         # global gradient-norm clipping
-    max_len: int = 32              # greedy decoding writes at most this many tokens (the reference: always 32)
+    epochs: int = flag(50, "at most this many passes over the training pairs")
+    patience: int = flag(10, "stop after this many epochs more without a better validation CIDEr-D")
+    batch_size: int = flag(16, "global batch of pairs: per-process batch x processes x grad_accum")
+    grad_accum: int = flag(1, "micro-batches per optimizer step: the global batch runs in this many pieces, one after "
+                              "another, when it does not fit in memory; the step averages their gradients (the same "
+                              "step as one batch but for how the caption tokens fall into the pieces, and dropout)")
+    lr: float = flag(1e-4, "learning rate of the decoder")
+    clip_lr_scale: float = flag(1e-3, "the encoder (when finetuned) and the word embedding train at lr x clip_lr_scale")
+    weight_decay: float = flag(0.01, "decoupled weight decay (not on biases and norms)")
+    warmup: float = flag(0.1, "fraction of the steps spent warming up, then linear decay")
+    beta2: float = flag(0.999, "AdamW's second-moment decay (beta1 is 0.9)")
+    eps: float = flag(1e-6, "AdamW's epsilon")
+    grad_clip: float = flag(1.0, "global gradient-norm clipping")
+    max_len: int = flag(32, "greedy decoding writes at most this many tokens (the reference: always 32)")
     # run
-    seed: int = 2021               # random seed (each process adds its rank)
-    device: str = "auto"           # where to train: auto (cuda when torch sees a GPU, else cpu), cpu or cuda; under
-                                   # torchrun each process takes the GPU of its LOCAL_RANK. Choose GPUs with
-                                   # CUDA_VISIBLE_DEVICES
-    dtype: str = "auto"            # precision of the products: auto is bfloat16 autocast on a GPU that computes it
-                                   # natively (compute capability >= 8.0: A100, H100), float16 autocast with a loss
-                                   # scaler on an older one (V100, T4), float32 on the CPU and when a release decodes;
-                                   # or float32, bfloat16, float16. The weights stay float32
-    tf32: bool = True              # float32 on a GPU (--dtype float32): matrix products and convolutions in
-                                   # TensorFloat-32 on A100/H100, about 8x IEEE float32's rate; --no-tf32 for IEEE
-                                   # float32, to compare a run with the CPU's numbers
-    out_dir: str = ""              # checkpoints, features, predictions and scores ("" = runs/caption_<dataset>)
-    log_every: int = 50            # optimizer steps between progress lines; the check that the loss and gradient norm
-                                   # are finite runs then too (and before every save), not every step: reading a
-                                   # number from a GPU waits for it, so a diverged run stops at most this many steps late
-    save_every: int = 500          # optimizer steps between ckpt_last.pt saves (and at every epoch end)
-    eval_batch_size: int = 64      # pairs per batch when encoding and decoding
-    resume: bool = False           # continue from out_dir/ckpt_last.pt
-    eval: bool = False             # decode and score the test split with --checkpoint, then exit
-    pair: tuple[str, str] = ()     # BEFORE AFTER: caption these two images with --checkpoint, then exit
-    checkpoint: str = ""           # --eval, --pair: ours ("" = out_dir/ckpt_best.pt) or a release, trained/pytorch_model.bin.*
-    explain: str = ""              # with --pair: also write this PNG of where the encoder and the decoder attend
+    seed: int = flag(2021, "random seed (each process adds its rank)")
+    device: str = flag("auto", "where to train: auto (cuda when torch sees a GPU, else cpu), cpu or cuda; under "
+                               "torchrun each process takes the GPU of its LOCAL_RANK. Choose GPUs with "
+                               "CUDA_VISIBLE_DEVICES")
+    dtype: str = flag("auto", "precision of the products: auto is bfloat16 autocast on a GPU that computes it natively "
+                              "(compute capability >= 8.0: A100, H100), float16 autocast with a loss scaler on an "
+                              "older one (V100, T4), float32 on the CPU and when a release decodes; or float32, "
+                              "bfloat16, float16. The weights stay float32")
+    tf32: bool = flag(True, "float32 on a GPU (--dtype float32): matrix products and convolutions in TensorFloat-32 on "
+                            "A100/H100, about 8x IEEE float32's rate; --no-tf32 for IEEE float32, to compare a run "
+                            "with the CPU's numbers")
+    out_dir: str = flag("", 'checkpoints, features, predictions and scores ("" = runs/caption_<dataset>)')
+    log_every: int = flag(50, "optimizer steps between progress lines; the check that the loss and gradient norm are "
+                              "finite runs then too (and before every save), not every step: reading a number from a "
+                              "GPU waits for it, so a diverged run stops at most this many steps late")
+    save_every: int = flag(500, "optimizer steps between ckpt_last.pt saves (and at every epoch end)")
+    eval_batch_size: int = flag(64, "pairs per batch when encoding and decoding")
+    resume: bool = flag(False, "continue from out_dir/ckpt_last.pt")
+    eval: bool = flag(False, "decode and score the test split with --checkpoint, then exit")
+    pair: tuple[str, str] = flag((), "BEFORE AFTER: caption these two images with --checkpoint, then exit")
+    checkpoint: str = flag("", '--eval, --pair: ours ("" = out_dir/ckpt_best.pt) or a release, '
+                               'trained/pytorch_model.bin.*')
+    explain: str = flag("", "with --pair: also write this PNG of where the encoder and the decoder attend")
 
     def __post_init__(self):  # a bad value fails here, before any data is read
-        runtime.check_settings(self, positive=("max_words", "intra_layers", "decoder_layers", "decoder_heads",
-                                               "decoder_ffn", "epochs", "batch_size", "grad_accum", "lr", "max_len",
-                                               "log_every", "save_every", "eval_batch_size"),
-                               non_negative=("patience", "clip_lr_scale", "weight_decay", "grad_clip", "dropout"),
-                               fraction=("warmup",))
+        check_settings(self, positive=("max_words", "intra_layers", "decoder_layers", "decoder_heads",
+                                       "decoder_ffn", "epochs", "batch_size", "grad_accum", "lr", "max_len",
+                                       "log_every", "save_every", "eval_batch_size"),
+                       non_negative=("patience", "clip_lr_scale", "weight_decay", "grad_clip", "dropout"),
+                       fraction=("warmup",))
         if self.num_workers < -1:
-            raise runtime.ConfigError(f"--num_workers {self.num_workers}: it must be >= 0, or -1 for auto")
+            raise ConfigError(f"--num_workers {self.num_workers}: it must be >= 0, or -1 for auto")
         # at least one word before the end token; the upper bounds are the decoder's positions (load_stage1)
-        runtime.check_length("max_words", self.max_words, 2, clip.CLIPConfig.context_length,
-                             "a word and the end token; CLIP's text positions, which the decoder uses, hold 77")
+        check_length("max_words", self.max_words, 2, clip.CLIPConfig.context_length,
+                     "a word and the end token; CLIP's text positions, which the decoder uses, hold 77")
         if self.explain:  # its format is checked now, not found unwritable after the work
-            runtime.check_image_path("explain", self.explain)
+            check_image_path("explain", self.explain)
 
 
-# Dataset presets (REFERENCE 3.4). Spot-the-Diff, IER and your own pairs have no distractor images, and on
+# Dataset presets (the reference's scripts/caption_clevr.sh and caption_spot.sh; RECIPES.md, "Stage 2").
+# Spot-the-Diff, IER and your own pairs have no distractor images, and on
 # Spot-the-Diff the reference trains the tied word embedding (at lr x clip_lr_scale); CLEVR freezes it.
 # synth: a decoder of width 128 trained end to end with the inter-image blocks, as the reference (CLIP, the
 # joint parameters and the word embedding at lr x 0.5 = 5e-4, the decoder at 1e-3; the intra-image blocks stay
@@ -233,17 +244,18 @@ def build_captioner(config: Config, encoder: PairEncoder, clip_config: dict, fre
     token_embedding, positions = encoder.clip.token_embedding.weight, encoder.clip.positional_embedding
     width, embed = token_embedding.shape[1], clip_config["embed_dim"]
     if width != embed:
-        raise runtime.ConfigError(f"the decoder ties its word embedding to CLIP's token embedding of width {width}, "
-                                  f"so the pair tokens must have that width too, but CLIP's joint width is {embed}")
+        raise ConfigError(f"the decoder ties its word embedding to CLIP's token embedding of width {width}, "
+                          f"so the pair tokens must have that width too, but CLIP's joint width is {embed}")
     decoder_config = DecoderConfig(hidden=embed, heads=config.decoder_heads, ffn=config.decoder_ffn,
                                    layers=config.decoder_layers, dropout=config.dropout,
                                    attention_dropout=config.dropout, vocab_size=token_embedding.shape[0],
                                    max_positions=positions.shape[0], visual_tokens=2 * (encoder.n_patches + 1))
     if config.finetune_encoder:
-        # the very Parameters of CLIP (REFERENCE 3.1): they train or stay frozen with CLIP's settings
+        # the very Parameters of CLIP (the reference's modules/modeling.py passes them to its DecoderModel): they
+        # train or stay frozen with CLIP's settings
         decoder = CaptionDecoder(decoder_config, token_embedding, positions)
         frozen = [p for p in FROZEN_IN_REFERENCE if not (p == "token_embedding" and config.train_word_embedding)]
-        if freeze_intra:  # the same frozen set as stage 1's (REFERENCE 3.1: "the freezing loop is the same")
+        if freeze_intra:  # the same frozen set as stage 1's (the reference's main_task_caption.py, `main`)
             # differs from reference: frozen outright, as adapt.py --freeze_intra (the reference: lr 1e-7)
             frozen += encoder.intra_image_parts()
         # the text tower has no use in stage 2 (the reference runs it on a dummy caption and drops the output)
@@ -257,7 +269,8 @@ def build_captioner(config: Config, encoder: PairEncoder, clip_config: dict, fre
 
 
 def build_optimizer(captioner: Captioner, config: Config) -> torch.optim.AdamW:
-    """The decoder at lr; the encoder and the word embedding (CLIP's) at lr x clip_lr_scale (REFERENCE 3.1).
+    """The decoder at lr; the encoder and the word embedding (CLIP's) at lr x clip_lr_scale (the reference's
+    main_task_caption.py, `prep_optimizer`).
 
     No weight decay on biases and LayerNorms (encoder.no_decay_names). named_parameters lists a tied Parameter
     once, under its first name: when finetuning, CLIP's (encoder.clip.token_embedding.weight), as in the reference.
@@ -305,76 +318,6 @@ def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config,
 
 
 # -----------------------------------------------------------------------------
-# Pair features: every pair of a split encoded once
-
-
-def encode_pairs(encoder: PairEncoder, pairs, images, out: np.ndarray, config: Config, device, ctx,
-                 what: str, master: bool = True) -> np.ndarray:
-    """Fill out (rows, M, E) with the pair tokens of every pair (row i = pairs[i]), float16, with progress."""
-    # a generator of its own: computing the cache (first run) or not (later runs) must not change the
-    # global generator that training's random choices use
-    loader = DataLoader(data.PairImages(pairs, images), batch_size=config.eval_batch_size,
-                        num_workers=config.num_workers, generator=torch.Generator(), pin_memory=device.type == "cuda")
-    progress, done = runtime.Progress(len(loader)), 0
-    with torch.no_grad():
-        for step, batch in enumerate(loader, 1):
-            pixels = data.to_device(batch, device, ("before", "after"))  # (B, 3, R, R) each
-            with ctx:
-                tokens = encoder.encode_pair(pixels["before"], pixels["after"])["pair_tokens"]
-            out[done:done + len(tokens)] = tokens.float().cpu().numpy().astype(np.float16)  # (B, M, E)
-            done += len(tokens)
-            if master and (step % 20 == 0 or step == len(loader)):
-                print(f"encoding {what}: " + progress.line(step), flush=True)
-    return out
-
-
-def cached_features(encoder, encoder_sha: str, pairs, images, cache_dir: Path, name: str, config: Config,
-                    device, ctx) -> Path:
-    """cache_dir/<name>_<key>.npy, float16 (rows, M, E): written once per stage-1 checkpoint and split."""
-    described = "\n".join(f"{p.id}\t{p.before}\t{p.after}" for p in pairs)
-    key = hashlib.sha256(f"{encoder_sha}\n{data.IMAGE_SIZE}\n{described}".encode()).hexdigest()[:16]
-    path = cache_dir / f"{name}_{key}.npy"
-    if path.is_file():
-        return path
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.tmp{os.getpid()}")  # a killed run's is removed at the next start
-    side = encoder.clip.visual.input_resolution // encoder.clip.visual.conv1.kernel_size[0]
-    shape = (len(pairs), 2 * (side * side + 1), encoder.clip.visual.proj.shape[1])  # (rows, M, E)
-    try:
-        array = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float16, shape=shape)
-        encode_pairs(encoder.to(device), pairs, images, array, config, device, ctx, f"{name} ({len(pairs)} pairs)")
-        array.flush()
-        del array
-        partial.replace(path)
-    finally:  # an interrupt or an error leaves no partial file behind
-        partial.unlink(missing_ok=True)
-    return path
-
-
-class FeatureItems(Dataset):
-    """data.CaptionItems with each pair's cached tokens (float16) in place of its images ("visual", "no_change_visual")."""
-
-    def __init__(self, items: data.CaptionItems, features_path: Path):
-        self.items, self.features_path, self.features = items, features_path, None
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> dict:
-        if self.features is None:  # opened in each process (DataLoader workers too), memory-mapped
-            self.features = np.load(self.features_path, mmap_mode="r")
-        item = self.items[i]
-        # float16 as cached: half the bytes to hand over; data.to_device widens them to float32 on the device
-        item["visual"] = torch.from_numpy(np.array(self.features[item["row"]]))  # (M, E)
-        if "no_change_row" in item:
-            item["no_change_visual"] = torch.from_numpy(np.array(self.features[item["no_change_row"]]))
-        return item
-
-    def __getstate__(self):
-        return {**self.__dict__, "features": None}
-
-
-# -----------------------------------------------------------------------------
 # Decoding and scoring
 
 
@@ -385,7 +328,7 @@ def predict(decoder: CaptionDecoder, features: np.ndarray, pairs, tokenizer, con
     was_training = decoder.training
     decoder.eval()
     predictions, batches = {}, math.ceil(len(pairs) / config.eval_batch_size)
-    progress = runtime.Progress(batches)
+    progress = Progress(batches)
     for b, start in enumerate(range(0, len(pairs), config.eval_batch_size), 1):
         visual = torch.from_numpy(np.asarray(features[start:start + config.eval_batch_size], dtype=np.float32))
         with ctx:
@@ -435,8 +378,8 @@ def evaluate_test(encoder, decoder, features: np.ndarray, pairs, test_pairs, ima
     pairs are the evaluation pairs (rows of features); test_pairs the split's pairs, for the grid.
     """
     predictions = predict(decoder, features, pairs, tokenizer, config, device, ctx, what="test")
-    runtime.save_json([{"image_id": i, "caption": c} for i, c in predictions.items()],
-                      out_dir / "test_predictions.json")
+    save_json([{"image_id": i, "caption": c} for i, c in predictions.items()],
+              out_dir / "test_predictions.json")
     table = score_table(predictions, pairs)
     text = format_table(table)
     # the change pairs are the first rows of features, in the order of test_pairs (data.evaluation_pairs)
@@ -445,12 +388,12 @@ def evaluate_test(encoder, decoder, features: np.ndarray, pairs, test_pairs, ima
     if located is not None:
         table["localisation"] = located
         text += "\n\n" + explain.format_localisation(located)
-    runtime.save_json(table, out_dir / "test_scores.json")
+    save_json(table, out_dir / "test_scores.json")
     (out_dir / "test_scores.txt").write_text(text + "\n")
     print(text)
     step = max(1, len(test_pairs) // 12)
     shown = test_pairs[::step][:12]
-    grid = data.contact_sheet(shown, out_dir / "test_grid.png", model_view=True, captions=1, predictions=predictions)
+    grid = contact_sheet(shown, out_dir / "test_grid.png", model_view=True, captions=1, predictions=predictions)
     rows = list(range(0, len(test_pairs), step))[:ATTENTION_PAIRS]  # the grid's first pairs
     attention = out_dir / "test_attention.png"
     explain.explain_pairs(encoder, decoder, [test_pairs[i] for i in rows], images, tokenizer, config.max_len,
@@ -461,93 +404,15 @@ def evaluate_test(encoder, decoder, features: np.ndarray, pairs, test_pairs, ima
 
 
 # -----------------------------------------------------------------------------
-# What every job reads: the stage-1 encoder, the tokenizer, the splits and their pair tokens
-
-
-@dataclass
-class Stage1:
-    """The stage-1 checkpoint stage 2 builds on."""
-    path: Path
-    sha256: str           # the captioner records it, and refuses to run on another encoder
-    encoder: PairEncoder  # in eval mode
-    state: dict           # the checkpoint's other entries: config, clip_config, vocabulary (or bpe_path)
-    freeze_intra: bool    # stage 1 froze the intra-image blocks (the synth preset): stage 2 keeps them frozen
-
-
-def load_stage1(config: Config, trained: dict | None = None, trained_path: Path | None = None) -> Stage1:
-    """The stage-1 encoder, found in this order: --encoder_ckpt when given (a flag wins); the copy of stage 1 that a
-    trained captioner holds (--eval, --pair: its checkpoint travels alone); the file it recorded, if it is still
-    there (a hint, never a requirement); runs/adapt_<dataset>/ckpt_best.pt. The file is adapt.py's checkpoint or a
-    CLIP4IDC release.
-
-    trained: the trained captioner's checkpoint (ours), at trained_path; it recorded the sha256 of its encoder,
-    which must still be this one."""
-    if trained is not None and not config.encoder_ckpt and "stage1" in trained:
-        record = trained["stage1"]  # finetuned: no weights here, the captioner's encoder.* replace the random ones
-        return Stage1(trained_path, trained["encoder_sha256"], runtime.encoder_from_state(record), record,
-                      record["config"].get("freeze_intra", False))
-    hint = None if trained is None else trained.get("encoder_ckpt")
-    path = Path(config.encoder_ckpt or (hint if hint and Path(hint).is_file() else
-                                        f"runs/adapt_{config.data}/ckpt_best.pt"))
-    encoder, state = runtime.load_encoder(path, config.intra_layers)
-    sha256 = clip.sha256_of(path)
-    if trained is not None and trained["encoder_sha256"] != sha256:
-        raise runtime.ConfigError(f"{path} is not the stage-1 checkpoint the captioner was trained on (its sha256 "
-                                  f"differs); pass that one with --encoder_ckpt, or train stage 2 again")
-    return Stage1(path, sha256, encoder, state, state.get("config", {}).get("freeze_intra", False))
-
-
-def load_trained(config: Config, out_dir: Path) -> tuple[Config, dict, Path]:
-    """--eval, --pair: the trained captioner, ours (out_dir/ckpt_best.pt) or the captioning stage of a CLIP4IDC
-    release (--checkpoint trained/pytorch_model.bin.clevr), the config its model settings make, and its path."""
-    path = Path(config.checkpoint or out_dir / "ckpt_best.pt")
-    best = runtime.load_checkpoint(path, required=("model", "config"), release=True)
-    stage = release_stage(best)
-    if stage == 1:
-        raise runtime.ConfigError(f"{path} is the reference's adaptation stage (no decoder): caption with its "
-                                  f"captioning stage (trained/pytorch_model.bin.*), or train a captioner on it with "
-                                  f"--encoder_ckpt {path}")
-    if stage == 2:  # the release holds its encoder too; its decoder reads the pair tokens, computed once
-        return dataclasses.replace(config, encoder_ckpt=str(path), finetune_encoder=False), best, path
-    if "encoder_sha256" not in best:
-        if "encoder_config" in best:
-            raise runtime.ConfigError(f"{path} is a stage-1 checkpoint (adapt.py's, no decoder): --checkpoint takes "
-                                      f"a captioner (caption.py's ckpt_best.pt); to train one on this encoder, pass "
-                                      f"--encoder_ckpt {path}")
-        raise runtime.CheckpointError(f"{path} lacks ['encoder_sha256']: expected a captioner of caption.py")
-    # ours: the model settings it was trained with
-    return dataclasses.replace(config, **{k: best["config"][k] for k in MODEL_KEYS if k != "data"}), best, path
+# What every job reads: the splits
 
 
 def read_splits(config: Config, dist_, root: Path, resolution: int) -> tuple[dict, data.ImageReader, dict]:
     """The dataset's splits, the image reader (from the cache with --image_cache) and each split's evaluation
     pairs (with CLEVR-Change's distractor pairs, data.evaluation_pairs)."""
     splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
-    images = data.image_reader(splits, root, resolution, config.image_cache, dist_)
+    images = image_reader(splits, root, resolution, config.image_cache, dist_)
     return splits, images, {s: data.evaluation_pairs(splits[s], config.use_no_change_pair) for s in data.SPLITS}
-
-
-def feature_paths(config: Config, dist_, ctx, stage1: Stage1, eval_pairs: dict, images, names, out_dir: Path):
-    """{split: the .npy file of its pair tokens} for the splits `names`: encoded by the master while the others
-    wait, then found in the cache by the others."""
-    def find_or_encode():
-        return {s: cached_features(stage1.encoder, stage1.sha256, eval_pairs[s], images, out_dir / "features", s,
-                                   config, dist_.device, ctx) for s in names}
-    paths = find_or_encode() if dist_.master else {}
-    if dist_.ddp:
-        dist.barrier()
-        paths = paths or find_or_encode()
-    return paths
-
-
-def split_features(captioner: Captioner, feature_path: dict, split: str, pairs, images, config: Config, device,
-                   ctx) -> np.ndarray:
-    """The pair tokens of a split: the cache, or, when the encoder is finetuned, encoded now by its current weights."""
-    if captioner.encoder is None:
-        return np.load(feature_path[split], mmap_mode="r")
-    shape = (len(pairs), captioner.decoder.config.visual_tokens, captioner.decoder.config.hidden)
-    return encode_pairs(captioner.encoder.eval(), pairs, images, np.empty(shape, np.float16), config, device, ctx,
-                        split)
 
 
 # -----------------------------------------------------------------------------
@@ -579,8 +444,10 @@ def evaluate(config: Config, dist_, ctx, root: Path, stage1: Stage1, captioner: 
     splits, images, eval_pairs = read or read_splits(config, dist_, root, stage1.encoder.clip.visual.input_resolution)
     if feature_path is None:
         cached = () if config.finetune_encoder else ("test",)
-        feature_path = feature_paths(config, dist_, ctx, stage1, eval_pairs, images, cached, out_dir)
-    features = split_features(captioner, feature_path, "test", eval_pairs["test"], images, config, dist_.device, ctx)
+        feature_path = feature_paths(stage1, eval_pairs, images, cached, out_dir, dist_, ctx,
+                                     batch_size=config.eval_batch_size, num_workers=config.num_workers)
+    features = split_features(captioner, feature_path, "test", eval_pairs["test"], images, dist_.device, ctx,
+                              batch_size=config.eval_batch_size, num_workers=config.num_workers)
     evaluate_test(stage1.encoder, captioner.decoder, features, eval_pairs["test"], splits["test"], images, tokenizer,
                   config, dist_.device, ctx, out_dir)
 
@@ -592,8 +459,8 @@ def training_set(config: Config, stage1: Stage1, pairs, images, tokenizer, featu
     train_images = images if config.finetune_encoder else None
     if config.finetune_encoder and stage1.freeze_intra:  # training reads each image's intra tokens, computed now
         started = time.time()
-        train_images = data.IntraTokens(stage1.encoder, pairs, images, config.eval_batch_size, dist_.device, ctx,
-                                        images.cache_dir or out_dir, dist_)
+        train_images = IntraTokens(stage1.encoder, pairs, images, config.eval_batch_size, dist_.device, ctx,
+                                   images.cache_dir or out_dir, dist_)
         say(f"intra-image tokens of {len(train_images.row)} training images {train_images.origin} "
             f"({time.time() - started:.0f} s): the intra-image blocks stay frozen, as in stage 1")
     items = data.CaptionItems(pairs, tokenizer, config.use_no_change_pair, images=train_images,
@@ -605,7 +472,8 @@ def training_set(config: Config, stage1: Stage1, pairs, images, tokenizer, featu
 def validate(captioner: Captioner, feature_path: dict, pairs, images, tokenizer, config: Config, device,
              ctx) -> tuple[float, dict]:
     """Validation CIDEr-D, the metric that picks the best epoch, and the captions it scored."""
-    features = split_features(captioner, feature_path, "val", pairs, images, config, device, ctx)
+    features = split_features(captioner, feature_path, "val", pairs, images, device, ctx,
+                              batch_size=config.eval_batch_size, num_workers=config.num_workers)
     predictions = predict(captioner.decoder, features, pairs, tokenizer, config, device, ctx)
     cider = metrics.score_captions(predictions, data.references(pairs), metrics=("CIDEr",),
                                    scorer=metrics.FastCaptionScorer)["corpus"]["CIDEr"]  # the speed variant (tested)
@@ -629,14 +497,14 @@ def checkpoint(captioner: Captioner, optimizer, scaler, config: Config, stage1: 
     flags or the stage-1 file: "stage1" holds its sizes, its configuration and its vocabulary, and (stage1_weights:
     ckpt_best.pt) its weights when the captioner does not hold them (the encoder not finetuned)."""
     record = {"clip_config": stage1.state["clip_config"], "encoder_config": dataclasses.asdict(stage1.encoder.config),
-              "config": stage1.state.get("config", {}), "vocabulary": runtime.vocabulary_tensor(tokenizer.bpe_path)}
+              "config": stage1.state.get("config", {}), "vocabulary": vocabulary_tensor(tokenizer.bpe_path)}
     if stage1_weights and not config.finetune_encoder:
         record["model"] = stage1.encoder.state_dict()
     return {"model": captioner.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
             "config": dataclasses.asdict(config), "stage1": record,
             "encoder_ckpt": str(stage1.path.resolve()),  # where stage 1 was: a hint for older checkpoints' readers
             "encoder_sha256": stage1.sha256, "decoder_config": dataclasses.asdict(captioner.decoder.config),
-            **progress, "rng": runtime.rng_state()}
+            **progress, "rng": rng_state()}
 
 
 def train(config: Config, dist_, ctx, scaler, dtype: str, root: Path, stage1: Stage1, captioner: Captioner,
@@ -646,46 +514,46 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, root: Path, stage1: St
     device, master = dist_.device, dist_.master
     say = print if master else (lambda *a, **k: None)
     splits, images, eval_pairs = read_splits(config, dist_, root, stage1.encoder.clip.visual.input_resolution)
-    feature_path = feature_paths(config, dist_, ctx, stage1, eval_pairs, images,
-                                 () if config.finetune_encoder else data.SPLITS, out_dir)
+    feature_path = feature_paths(stage1, eval_pairs, images, () if config.finetune_encoder else data.SPLITS, out_dir,
+                                 dist_, ctx, batch_size=config.eval_batch_size, num_workers=config.num_workers)
     train_set = training_set(config, stage1, splits["train"], images, tokenizer, feature_path, dist_, ctx, say, out_dir)
     optimizer = build_optimizer(captioner, config)
     step, best_cider, best_epoch, bad_epochs, history = 0, -1.0, -1, 0, []
     ckpt_path = out_dir / "ckpt_last.pt"
-    state = runtime.start_or_resume(ckpt_path, config, MODEL_KEYS + TRAINING_KEYS, dist_, captioner, optimizer,
+    state = start_or_resume(ckpt_path, config, MODEL_KEYS + TRAINING_KEYS, dist_, captioner, optimizer,
                                      scaler)
     if state is not None:
         if state["encoder_sha256"] != stage1.sha256:
-            raise runtime.ConfigError(f"{ckpt_path} was trained on another stage-1 checkpoint than {stage1.path}")
+            raise ConfigError(f"{ckpt_path} was trained on another stage-1 checkpoint than {stage1.path}")
         step, best_cider, best_epoch = state["step"], state["best_metric"], state["best_epoch"]
         bad_epochs, history = state["bad_epochs"], state["history"]
         say(f"resumed {ckpt_path} at step {step}")
     model = DDP(captioner, device_ids=[dist_.local_rank] if device.type == "cuda" else None) if dist_.ddp else captioner
-    micro, sampler, steps_per_epoch = runtime.batch_plan(train_set, config.batch_size, config.grad_accum, dist_,
-                                                         config.seed, what="training pairs")
+    micro, sampler, steps_per_epoch = batch_plan(train_set, config.batch_size, config.grad_accum, dist_,
+                                                 config.seed, what="training pairs")
     total_steps = config.epochs * steps_per_epoch
-    log = runtime.JsonlLog(out_dir / "log.jsonl", enabled=master)
+    log = JsonlLog(out_dir / "log.jsonl", enabled=master)
     if master:
-        runtime.save_json(dataclasses.asdict(config), out_dir / "config.json")
+        save_json(dataclasses.asdict(config), out_dir / "config.json")
         say(json.dumps(dataclasses.asdict(config)))
         say(describe(config, len(train_set), micro, dist_, steps_per_epoch, dtype, captioner))
 
     def save(path):
-        runtime.save_checkpoint(checkpoint(
+        save_checkpoint(checkpoint(
             captioner, optimizer, scaler, config, stage1, tokenizer, stage1_weights=path.name == "ckpt_best.pt",
             step=step, best_metric=best_cider, best_epoch=best_epoch, bad_epochs=bad_epochs, history=history), path)
 
-    loader = runtime.training_loader(train_set, sampler, micro, config.num_workers, device, data.collate_captions)
+    loader = training_loader(train_set, sampler, micro, config.num_workers, device, data.collate_captions)
     # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (StopSignals)
-    with runtime.StopSignals() as stop:
+    with StopSignals() as stop:
         # reads the losses and the stop flag on the log steps and before a save
-        watch = runtime.DivergenceWatch(scaler, dist_.ddp, stop, device)
-        progress = runtime.Progress(total_steps, first_step=step)
+        watch = DivergenceWatch(scaler, dist_.ddp, stop, device)
+        progress = Progress(total_steps, first_step=step)
         model.train()
         while step < total_steps and bad_epochs <= config.patience:
             epoch = step // steps_per_epoch
             done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
-            batches = runtime.epoch_batches(loader, epoch, done_in_epoch, config.grad_accum)
+            batches = epoch_batches(loader, epoch, done_in_epoch, config.grad_accum)
             for _ in range(done_in_epoch, steps_per_epoch):
                 lr = get_lr(step, total_steps, config)
                 for group in optimizer.param_groups:
@@ -693,8 +561,8 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, root: Path, stage1: St
                 try:
                     micro_batches = [data.to_device(next(batches), device) for _ in range(config.grad_accum)]
                 except data.DataError as error:  # a damaged image: ckpt_last.pt at the last step, then one line
-                    raise runtime.data_error_stop(error, lambda: save(ckpt_path), step, watch, ckpt_path,
-                                                  dist_) from None
+                    raise data_error_stop(error, lambda: save(ckpt_path), step, watch, ckpt_path,
+                                          dist_) from None
                 loss, grad_norm = train_step(model, optimizer, scaler, micro_batches, ctx, config, dist_.ddp)
                 step += 1
                 watch.add(step, lr, loss, grad_norm)
@@ -712,10 +580,10 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, root: Path, stage1: St
                 if master and (saving or stopping):
                     save(ckpt_path)
                 if stopping:
-                    raise runtime.stopped(stop, ckpt_path, dist_)
+                    raise stopped(stop, ckpt_path, dist_)
             watch.check()
             if master:  # end of epoch: validation CIDEr-D, decoded by the master alone while the others wait
-                runtime.check_finite_model(captioner, step, lr)  # a non-finite model is never scored nor saved
+                check_finite_model(captioner, step, lr)  # a non-finite model is never scored nor saved
                 cider, predictions = validate(captioner, feature_path, eval_pairs["val"], images, tokenizer, config,
                                               device, ctx)
                 improved = cider >= best_cider  # a tie keeps the later epoch, as the reference
@@ -733,29 +601,29 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, root: Path, stage1: St
                 flag = torch.tensor([bad_epochs], device=device)
                 dist.broadcast(flag, 0)
                 bad_epochs = int(flag)
-            if runtime.stop_everywhere(stop, dist_):
-                raise runtime.stopped(stop, ckpt_path, dist_)
+            if stop_everywhere(stop, dist_):
+                raise stopped(stop, ckpt_path, dist_)
     if bad_epochs > config.patience:
         say(f"stopped early: {bad_epochs} epochs without a better validation CIDEr-D")
     if master:  # the test split, scored once, with the epoch chosen on validation
-        captioner.load_state_dict(runtime.load_checkpoint(out_dir / "ckpt_best.pt")["model"])
+        captioner.load_state_dict(load_checkpoint(out_dir / "ckpt_best.pt")["model"])
         say(f"test scores of the best epoch ({best_epoch + 1}, validation CIDEr-D {best_cider:.4f}):")
         evaluate(config, dist_, ctx, root, stage1, captioner, tokenizer, out_dir, (splits, images, eval_pairs),
                  feature_path)
 
 
 def main(argv=None):
-    config = runtime.parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
+    config = parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
     if config.explain and not config.pair:
-        raise runtime.ConfigError("--explain writes the attention maps of one pair: use it with --pair BEFORE AFTER "
-                                  "(--eval writes test_attention.png by itself)")
-    runtime.keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
+        raise ConfigError("--explain writes the attention maps of one pair: use it with --pair BEFORE AFTER "
+                          "(--eval writes test_attention.png by itself)")
+    keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
     out_dir = Path(config.out_dir or f"runs/caption_{config.data}")
     if config.pair:  # writes nothing there, and reads ckpt_best.pt, which a run there replaces atomically
         return job(config, out_dir)
-    runtime.check_out_dir(out_dir)  # a file there is refused before any work
+    check_out_dir(out_dir)  # a file there is refused before any work
     # one run at a time writes there (under torchrun its master holds the lock): a second is refused at once
-    with runtime.OutDirLock(out_dir, master=int(os.environ.get("RANK", 0)) == 0):
+    with OutDirLock(out_dir, master=int(os.environ.get("RANK", 0)) == 0):
         job(config, out_dir)
 
 
@@ -763,31 +631,34 @@ def job(config: Config, out_dir: Path) -> None:
     """--pair, --eval or training, once the command line is read: the processes, stage 1, the captioner."""
     best = best_path = None
     if config.eval or config.pair:  # the trained captioner decides the model settings and holds stage 1's
-        config, best, best_path = load_trained(config, out_dir)
+        best_path = Path(config.checkpoint or out_dir / "ckpt_best.pt")
+        settings, best = load_trained(best_path, MODEL_KEYS)
+        config = dataclasses.replace(config, **settings)
     release = best is not None and release_stage(best) == 2
     if release and config.dtype == "auto":  # the reference decodes in float32 (its CLIP in fp16): bf16 autocast
         config = dataclasses.replace(config, dtype="float32")  # on a GPU would flip its near-ties (BENCHMARKS.md section 12)
-    dist_, dtype, ctx, scaler = adapt.setup(config)  # DDP from torchrun's environment, autocast, GradScaler
-    config = dataclasses.replace(config, num_workers=runtime.loader_workers(config.num_workers, dist_.device))
-    runtime.seed_everything(config.seed + dist_.rank)
+    dist_, dtype, ctx, scaler = setup(config)  # DDP from torchrun's environment, autocast, GradScaler
+    config = dataclasses.replace(config, num_workers=loader_workers(config.num_workers, dist_.device))
+    seed_everything(config.seed + dist_.rank)
     root = data.dataset_root(config.data, config.data_root or None)
     if config.data == "synth" and not config.pair:  # drawn first: the tokenizer reads its vocabulary file
         if dist_.master:
             synth.ensure_synth(root, synth.SynthConfig(pairs=config.synth_pairs))
         if dist_.ddp:
             dist.barrier()
-    stage1 = load_stage1(config, None if best is None or release else best, best_path)
+    stage1 = load_stage1(config.encoder_ckpt, config.data, config.intra_layers,
+                         None if best is None or release else best, best_path)
     positions = stage1.encoder.clip.positional_embedding.shape[0]  # the decoder's, tied to CLIP's
     for name in ("max_words", "max_len"):
-        runtime.check_length(name, getattr(config, name), 2 if name == "max_words" else 1, positions,
-                             f"the decoder has {positions} positions, CLIP's")
+        check_length(name, getattr(config, name), 2 if name == "max_words" else 1, positions,
+                     f"the decoder has {positions} positions, CLIP's")
     # --pair reads no data: the vocabulary is the one the checkpoint keeps (else the dataset's, else OpenAI's)
-    tokenizer = (runtime.checkpoint_tokenizer(stage1.state, data.bpe_path(config.data, root)) if config.pair
+    tokenizer = (checkpoint_tokenizer(stage1.state, data.bpe_path(config.data, root)) if config.pair
                  else clip.get_tokenizer(data.bpe_path(config.data, root)))
     if tokenizer.vocab_size != stage1.encoder.clip.config.vocab_size:
-        raise runtime.ConfigError(f"the tokenizer of {config.data} has {tokenizer.vocab_size} tokens but the stage-1 "
-                                  f"model {stage1.path} has {stage1.encoder.clip.config.vocab_size}: it was trained "
-                                  f"on another dataset" + runtime.vocabulary_hint(tokenizer))
+        raise ConfigError(f"the tokenizer of {config.data} has {tokenizer.vocab_size} tokens but the stage-1 "
+                          f"model {stage1.path} has {stage1.encoder.clip.config.vocab_size}: it was trained "
+                          f"on another dataset" + vocabulary_hint(tokenizer))
     if release:  # the reference's decoder, sized from its tensors and loaded strictly
         captioner = Captioner(release_decoder(best, 2 * (stage1.encoder.n_patches + 1)), None, clip.PAD_ID)
     else:
@@ -808,4 +679,4 @@ def job(config: Config, out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    runtime.run(main, "caption.py")
+    run(main, "caption.py")

@@ -1,29 +1,31 @@
-"""Image-pair datasets for image difference captioning: readers, images, caption tokens, the samples of each stage.
+"""Image-pair datasets for image difference captioning: the pair record, caption tokens, each stage's samples.
 
 An image difference captioning (IDC) dataset is a set of image pairs (before, after) with sentences that
 say what changed. CLIP4IDC (Guo et al., 2022) trains on them twice: stage 1, "IDC adaptation" (paper
 section 3.2), contrasts pair embeddings with caption embeddings; stage 2, "IDC finetuning" (section 3.3),
 trains a captioner. This file turns the datasets people download into the samples of both stages.
 
-It holds, top to bottom:
-  1. ImagePair, the one record every reader returns, and the readers of the published layouts:
-     CLEVR-Change, Spot-the-Diff, Image-Editing-Request (IER) and a simple JSON format for your own pairs;
-     the synthetic dataset (`--data synth`, the project's default) is drawn by synth.py in the CLEVR-Change
-     layout and read here like CLEVR-Change;
-  2. images: loading with readable errors, CLIP4IDC's preprocessing, an opt-in cache of preprocessed pixels,
-     and the cache it extends: each image's intra-image tokens, when the intra-image blocks are frozen;
-  3. caption token ids;
-  4. the samples: stage 1 (one per pair and caption), stage 2 (one per pair, plus the no-change pair),
+It holds, top to bottom, the lesson first:
+  1. ImagePair, the one record every reader returns, and which of its captions a model may learn to write;
+  2. caption token ids: stage 1's text tokens, stage 2's decoder input and target;
+  3. the samples: stage 1 (one per pair and caption), stage 2 (one per pair, plus the no-change pair),
      evaluation pairs with the scorer's ids and reference lists, ids per change type (stage 0's samples of
-     single synthetic scenes are synth.py's SceneSamples);
-  5. a contact sheet of pairs with their captions, a check of a download, the command line.
+     single synthetic scenes are synth.py's SceneSamples), and to_device, where a batch meets the GPU;
+then the file handling:
+  4. the readers of the published layouts: CLEVR-Change, Spot-the-Diff, Image-Editing-Request (IER) and a simple
+     JSON format for your own pairs; the synthetic dataset (`--data synth`, the project's default) is drawn by
+     synth.py in the CLEVR-Change layout and read here like CLEVR-Change;
+  5. images: loading with readable errors, CLIP4IDC's preprocessing, the image reader.
+The caches of preprocessed pixels, intra-image tokens and pair features are caches.py's; checking a download and
+drawing a contact sheet, check.py's.
 
-The layouts (REFERENCE.md section 5), under the default roots (a `root` argument overrides them):
+The layouts, under the default roots (a `root` argument overrides them):
   data/clevr_change  images/CLEVR_default_XXXXXX.png, sc_images/CLEVR_semantic_XXXXXX.png,
                      nsc_images/CLEVR_nonsemantic_XXXXXX.png, change_captions.json, no_change_captions.json
                      (both keyed by the default image's file name), splits.json ({"train": [int, ...], ...};
                      some ids are in no split), type_mapping.json ({"color": ["XXXXXX.png", ...], ...});
-                     optionally RCC's change_captions_with_bbox.json, the changed object's box in each image:
+                     optionally RCC's (Robust Change Captioning, github.com/Seth-Park/RobustChangeCaptioning)
+                     change_captions_with_bbox.json, the changed object's box in each image:
                      {"123": {"bbox_before": [x, y, w, h] or null, "bbox_after": [x, y, w, h] or null}, ...}
                      (pixels of the stored image; null where the object is not in that image: add, drop).
   data/spot          reformat_{train,val,test}.json, or the raw annotations/{train,val,test}.json whose
@@ -38,7 +40,7 @@ The layouts (REFERENCE.md section 5), under the default roots (a `root` argument
                      bpe_synth_vocab.txt.gz (its BPE merges, OpenAI's format) and synth_scenes.json (what was
                      drawn, for tests).
 
-What differs from the reference:
+What differs from the reference (github.com/sushizixin/CLIP4IDC at commit ca49461, "the reference" in this file):
   - one reader per layout returns the same ImagePair records; the reference has a loader class per dataset
     and stage, and branches on the dataset's name; here "train on the no-change pair too" is the flag
     use_no_change_pair and the before/distractor swap happens wherever a pair has a distractor;
@@ -52,24 +54,15 @@ What differs from the reference:
     convert("RGB") turns it white.
 
 Run:  python data.py                                   write a pair of your own in a temp folder, print its samples
-      python data.py --show [--data synth] [--split test] [--n 6] [--model-view] [--out sheet.png]
-      python data.py --check --data clevr|spot|ier|pairs [--data_root DIR]   after downloading: is it complete?
+      python check.py --data clevr|spot|ier|pairs [--data_root DIR]   after downloading: is it complete?
 
 Shape letters: B pairs in a batch, R image side after preprocessing (224), T caption tokens (max_words, 32),
-H, W height and width of a stored image (320 x 480 for CLEVR-Change and the synthetic set),
-N+1 tokens per image and D vision width (encoder.py's intra-image tokens).
+H, W height and width of a stored image (320 x 480 for CLEVR-Change and the synthetic set).
 """
-import argparse
-import errno
 import gzip
-import hashlib
 import json
-import multiprocessing
 import os
-import shutil
-import sys
 import tempfile
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -77,14 +70,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from PIL import Image, ImageDraw, ImageFont, UnidentifiedImageError
-from torch.utils.data import DataLoader, Dataset, default_collate
+from PIL import Image, ImageDraw, UnidentifiedImageError
+from torch.utils.data import Dataset, default_collate
 
 import clip
 
-IMAGE_SIZE = 224           # CLIP4IDC resizes every image straight to 224 x 224 (REFERENCE 2.4)
-MAX_WORDS = 32             # caption length in tokens, SOT and EOT included (REFERENCE 2.3, 3.3)
+IMAGE_SIZE = 224           # CLIP4IDC resizes every image straight to 224 x 224 (the reference's rawimage_util.py)
+MAX_WORDS = 32             # caption length in tokens, start (SOT) and end of text (EOT) included (the reference: 32)
 SWAP_PROB = 0.5            # stage 1, train only: chance that the before image is replaced by the distractor view
 SPLITS = ("train", "val", "test")
 CHANGE_TYPES = ("color", "material", "add", "drop", "move")  # CLEVR-Change's type_mapping.json keys
@@ -98,47 +90,8 @@ class DataError(ValueError):
     """Bad or missing input data; the message says what, where and how to fix it."""
 
 
-class DiskFull(OSError):
-    """Not enough free space for a file this project writes; the message says how much it needs, and where."""
-
-
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a full quota
-
-
-def size_text(size: int) -> str:
-    """Bytes for a person: '18.1 GB', '340.0 MB', '12 bytes'."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if size >= scale:
-            return f"{size / scale:.1f} {unit}"
-    return f"{size} bytes"
-
-
-def no_space(what: Path, folder: Path, needed: int, fix: str) -> DiskFull:
-    """The DiskFull to raise when `what` (needed bytes) does not fit in `folder`."""
-    try:
-        free = f"{size_text(shutil.disk_usage(folder).free)} free"
-    except OSError:
-        free = "free space unknown"
-    return DiskFull(f"not enough space for {what}: it needs {size_text(needed)}, {folder} has {free}; {fix}")
-
-
-def reserve_space(file, size: int, what: Path, fix: str) -> None:
-    """Check that `size` bytes fit beside the open file `file` (its folder's free space), then reserve them
-    (os.posix_fallocate, where the system has it): a disk that fills later cannot take them. DiskFull otherwise."""
-    folder = Path(what).parent
-    if shutil.disk_usage(folder).free < size - os.fstat(file.fileno()).st_blocks * 512:
-        raise no_space(what, folder, size, fix)
-    if hasattr(os, "posix_fallocate"):
-        try:
-            os.posix_fallocate(file.fileno(), 0, size)
-        except OSError as error:
-            if error.errno in NO_SPACE:
-                raise no_space(what, folder, size, fix) from None
-            # EOPNOTSUPP, EINVAL: a file system without it; the free space was checked above
-
-
 # ---------------------------------------------------------------------------------------------------
-# 1. Image pairs and the readers of the published layouts
+# 1. The image pair
 # ---------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -153,6 +106,226 @@ class ImagePair:
     no_change_captions: list[str] = field(default_factory=list)  # captions of the pair (before, distractor)
     change_boxes: dict | None = None     # {"before", "after": [x, y, w, h] or None}: the changed object, where known
 
+
+def training_captions(captions: list[str]) -> list[str]:
+    """The captions a model may learn to write: all but the empty and whitespace-only ones."""
+    # differs from reference: its dataloader_spot_caption.py trains on Spot-the-Diff's empty sentences too ([SOT, EOT]
+    # as the target)
+    return [caption for caption in captions if caption.strip()]
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2. Caption token ids
+# ---------------------------------------------------------------------------------------------------
+
+def text_tokens(tokenizer: clip.SimpleTokenizer, text: str, max_words: int = MAX_WORDS) -> torch.Tensor:
+    """Stage 1 (the reference's dataloader_clevr_retrieval.py, `_get_text`): [SOT] + ids cut to max_words - 1 in
+    all, then EOT, padded with PAD_ID -> (T,)."""
+    ids = ([tokenizer.sot_id] + tokenizer.encode(text))[:max_words - 1] + [tokenizer.eot_id]
+    tokens = torch.full((max_words,), clip.PAD_ID, dtype=torch.long)
+    tokens[:len(ids)] = torch.tensor(ids)
+    return tokens  # (T,)
+
+
+def caption_tokens(tokenizer: clip.SimpleTokenizer, text: str, max_words: int = MAX_WORDS) -> dict[str, torch.Tensor]:
+    """Stage 2 (the reference's dataloader_clevr_caption.py, `_get_text`): the caption cut to max_words - 1 ids;
+    input [SOT] + ids, target ids + [EOT], padded."""
+    ids = tokenizer.encode(text)[:max_words - 1]
+    caption_in = torch.full((max_words,), clip.PAD_ID, dtype=torch.long)
+    caption_out = torch.full((max_words,), clip.PAD_ID, dtype=torch.long)
+    caption_in[:len(ids) + 1] = torch.tensor([tokenizer.sot_id, *ids])
+    caption_out[:len(ids) + 1] = torch.tensor([*ids, tokenizer.eot_id])
+    return {"caption_in": caption_in, "caption_out": caption_out}  # (T,) each
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. The samples of each stage, and evaluation
+# ---------------------------------------------------------------------------------------------------
+
+def random_index(n: int) -> int:
+    """A uniform index below n from torch's generator, which DataLoader seeds in every worker."""
+    # differs from reference: its dataloader_clevr_caption.py draws captions with Python's random.choice
+    return int(torch.randint(n, ()))
+
+
+class AdaptationSamples(Dataset):
+    """Stage 1: one sample per (pair, change caption), as the reference's dataloader_clevr_retrieval.py; empty
+    captions give no sample.
+
+    In training, with probability swap_prob the before image is replaced by the pair's distractor view
+    (pairs without one, as in Spot-the-Diff, never swap); the caption stays the change caption.
+    A sample: {"before": (3, R, R), "after": (3, R, R), "caption": (T,), "pair_index": int, "swapped": bool}.
+    """
+
+    def __init__(self, pairs: list[ImagePair], tokenizer: clip.SimpleTokenizer, train: bool,
+                 images: "ImageReader | None" = None, max_words: int = MAX_WORDS, swap_prob: float = SWAP_PROB):
+        self.pairs, self.tokenizer, self.train = pairs, tokenizer, train
+        self.images, self.max_words, self.swap_prob = images or ImageReader(), max_words, swap_prob
+        self.samples = [(p, c) for p, pair in enumerate(pairs)
+                        for c, caption in enumerate(pair.captions) if caption.strip()]  # see training_captions
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict:
+        p, c = self.samples[i]
+        pair = self.pairs[p]
+        # differs from reference: torch's generator (seeded per DataLoader worker) instead of Python's random
+        swapped = self.train and pair.distractor is not None and float(torch.rand(())) < self.swap_prob
+        return {"before": self.images(pair.distractor if swapped else pair.before),
+                "after": self.images(pair.after),
+                "caption": text_tokens(self.tokenizer, pair.captions[c], self.max_words),
+                "pair_index": p, "swapped": swapped}
+
+
+def collate_text(samples: list[dict]) -> dict:
+    """A stage-1 (or stage-0) batch, its captions (B, T) cut after the batch's last end-of-text token, the
+    largest id: the columns after it are padding in every row, and in the causal text tower no token sees the
+    ones after it. Cut here, on the host, from the token ids: the training step never waits for the device
+    to learn a length."""
+    batch = default_collate(samples)
+    batch["caption"] = batch["caption"][:, :int(batch["caption"].argmax(dim=-1).max()) + 1]  # (B, T')
+    return batch
+
+
+def evaluation_pairs(pairs: list[ImagePair], use_no_change_pair: bool) -> list[ImagePair]:
+    """The pairs a split is scored on: every change pair, then (use_no_change_pair) every distractor pair.
+
+    A distractor pair is (before, distractor) with id "<id>_n", the no-change captions as references and
+    type DISTRACTOR, as the CLEVR-Change toolkit scores them (RECIPES.md, "Stage 2"). Row i is pair i's change
+    pair; row len(pairs) + i its no-change pair: the rows of stage 2's feature cache.
+    """
+    if not use_no_change_pair:
+        return list(pairs)
+    for pair in pairs:
+        if pair.distractor is None or not pair.no_change_captions:
+            raise DataError(f"pair {pair.id} has no distractor image or no no-change captions, which "
+                            f"use_no_change_pair needs; turn it off for this dataset")
+    return [*pairs, *(ImagePair(id=p.id + NO_CHANGE_SUFFIX, before=p.before, after=p.distractor,
+                                captions=p.no_change_captions, change_type=DISTRACTOR) for p in pairs)]
+
+
+def references(pairs: list[ImagePair]) -> dict[str, list[str]]:
+    """Evaluation id -> reference captions, the ground truth metrics.score_captions reads."""
+    return {pair.id: pair.captions for pair in pairs}
+
+
+def ids_by_type(pairs: list[ImagePair]) -> dict[str, list[str]]:
+    """Change type (color, material, add, drop, move, distractor) -> evaluation ids, for the per-type scores."""
+    groups: dict[str, list[str]] = {}
+    for pair in pairs:
+        if pair.change_type is not None:
+            groups.setdefault(pair.change_type, []).append(pair.id)
+    return groups
+
+
+def retrieval_texts(pairs: list[ImagePair]) -> tuple[list[str], list[int]]:
+    """Stage 1 evaluation (the reference's main_task_retrieval.py, `eval_epoch`): every change caption, and the
+    index of the pair it belongs to.
+
+    Empty captions are ranked too, as the reference does: some Spot-the-Diff pairs have no other.
+    """
+    texts = [c for pair in pairs for c in pair.captions]
+    text_to_pair = [p for p, pair in enumerate(pairs) for _ in pair.captions]
+    return texts, text_to_pair
+
+
+class PairImages(Dataset):
+    """The images of evaluation pairs, without captions: {"before", "after": (3, R, R), "row": int, "id": str}.
+
+    Stage 2 encodes every pair of a split once through this (feature cache), and decodes from it.
+    """
+
+    def __init__(self, pairs: list[ImagePair], images: "ImageReader | None" = None):
+        self.pairs, self.images = pairs, images or ImageReader()
+
+    def __len__(self):
+        return len(self.pairs)
+
+    def __getitem__(self, i: int) -> dict:
+        pair = self.pairs[i]
+        return {"before": self.images(pair.before), "after": self.images(pair.after), "row": i, "id": pair.id}
+
+
+class CaptionItems(Dataset):
+    """Stage 2 training: one item per pair per epoch with a random change caption (the reference's
+    dataloader_clevr_caption.py and dataloader_spot_caption.py).
+
+    Empty captions are never drawn, and a pair with no other caption is left out (see training_captions).
+
+    With use_no_change_pair (CLEVR-Change, synth), the item also holds a random no-change caption for
+    the pair (before, distractor); the reference sums the two losses. "row" and "no_change_row" index the
+    rows of evaluation_pairs(pairs, use_no_change_pair), so cached pair features can stand in for images;
+    with images, the item also holds the pixels.
+    An item: {"row", "caption_in" (T,), "caption_out" (T,)[, "before", "after" (3, R, R)]} and, with the
+    no-change pair, {"no_change_row", "no_change_caption_in", "no_change_caption_out"[, "distractor"]}.
+    """
+
+    def __init__(self, pairs: list[ImagePair], tokenizer: clip.SimpleTokenizer, use_no_change_pair: bool,
+                 images: "ImageReader | None" = None, max_words: int = MAX_WORDS):
+        evaluation_pairs(pairs, use_no_change_pair)  # checks that every pair has what the no-change pair needs
+        self.pairs, self.tokenizer, self.use_no_change_pair = pairs, tokenizer, use_no_change_pair
+        self.images, self.max_words = images, max_words
+        self.trained = [i for i, pair in enumerate(pairs) if training_captions(pair.captions)
+                        and (not use_no_change_pair or training_captions(pair.no_change_captions))]
+
+    def __len__(self):
+        return len(self.trained)
+
+    def __getitem__(self, k: int) -> dict:
+        i = self.trained[k]  # the pair's row, also when pairs without a usable caption are left out
+        pair = self.pairs[i]
+        captions = training_captions(pair.captions)
+        item = {"row": i, **caption_tokens(self.tokenizer, captions[random_index(len(captions))], self.max_words)}
+        if self.images is not None:
+            item["before"], item["after"] = self.images(pair.before), self.images(pair.after)
+        if self.use_no_change_pair:
+            no_change_captions = training_captions(pair.no_change_captions)
+            no_change = caption_tokens(self.tokenizer, no_change_captions[random_index(len(no_change_captions))],
+                                       self.max_words)
+            item["no_change_row"] = len(self.pairs) + i
+            item["no_change_caption_in"] = no_change["caption_in"]
+            item["no_change_caption_out"] = no_change["caption_out"]
+            if self.images is not None:
+                item["distractor"] = self.images(pair.distractor)
+        return item
+
+
+def collate_captions(items: list[dict]) -> dict:
+    """A stage-2 batch of CaptionItems, cut to its longest caption, change and no-change captions alike (the
+    columns after it are padding in every row), with, for each kind of caption, the positions the loss reads:
+    "<kind>_targets", the flat indices into (B x T') of the targets that are not padding. Both come from the
+    token ids, here on the host: the training step never waits for the device to count a mask."""
+    batch = default_collate(items)
+    kinds = [kind for kind in ("caption", "no_change_caption") if f"{kind}_out" in batch]
+    length = max(int((batch[f"{kind}_out"] != clip.PAD_ID).sum(dim=1).max()) for kind in kinds)
+    for kind in kinds:
+        batch[f"{kind}_in"] = batch[f"{kind}_in"][:, :length]    # (B, T')
+        batch[f"{kind}_out"] = batch[f"{kind}_out"][:, :length]  # (B, T')
+        batch[f"{kind}_targets"] = (batch[f"{kind}_out"] != clip.PAD_ID).flatten().nonzero().squeeze(1)  # (n,)
+    return batch
+
+
+def to_device(batch: dict, device: torch.device, keys=None) -> dict:
+    """The tensors of a batch (those named in keys, default all) on the device, widened there: uint8 pixels
+    (B, R, R, 3) normalised to float32 (B, 3, R, R) by clip.normalize, float16 pair tokens to float32.
+
+    The DataLoader pins its batches when training on CUDA, so each copy is asynchronous: the host goes on to
+    queue the step while the pixels travel.
+    """
+    # differs from reference: its loader hands over float64 arrays, cast in the model; here uint8 travels
+    out = {}
+    for key, value in batch.items():
+        if torch.is_tensor(value) and (keys is None or key in keys):
+            value = value.to(device, non_blocking=True)
+            out[key] = clip.normalize(value) if value.dtype == torch.uint8 else \
+                value.float() if value.dtype == torch.float16 else value
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4. Reading a dataset: the published layouts
+# ---------------------------------------------------------------------------------------------------
 
 def read_json(path: Path, what: str):
     if not path.is_file():
@@ -176,7 +349,7 @@ def checked_captions(captions, pair_id: str, where: Path) -> list[str]:
     """A non-empty list of strings, or an error naming the pair.
 
     Empty and whitespace-only strings are kept: the published Spot-the-Diff files hold some, and the papers'
-    ground truth (C4I's gt/spot_total_change_captions_reformat.json) scores against them; training leaves
+    ground truth (the reference's gt/spot_total_change_captions_reformat.json) scores against them; training leaves
     them out (training_captions).
     """
     if not isinstance(captions, list) or not captions:
@@ -187,12 +360,6 @@ def checked_captions(captions, pair_id: str, where: Path) -> list[str]:
         if not isinstance(caption, str):
             raise DataError(f"pair {pair_id}: caption {caption!r} in {where} is not text; captions are strings")
     return captions
-
-
-def training_captions(captions: list[str]) -> list[str]:
-    """The captions a model may learn to write: all but the empty and whitespace-only ones."""
-    # differs from reference: C4I trains on Spot-the-Diff's empty sentences too ([SOT, EOT] as the target)
-    return [caption for caption in captions if caption.strip()]
 
 
 def checked_items(items, keys: tuple[str, ...], path: Path) -> list[dict]:
@@ -207,7 +374,7 @@ def checked_items(items, keys: tuple[str, ...], path: Path) -> list[dict]:
 
 
 def checked_files(pairs: list[ImagePair], fix: str = "download the dataset's images again") -> list[ImagePair]:
-    """Fail now, naming the file, rather than hours into training when a worker reaches it (`--check` lists all);
+    """Fail now, naming the file, rather than hours into training when a worker reaches it (check.py lists all);
     fix: what to do about a missing image (Source.repair)."""
     for pair in pairs:
         for path in (pair.before, pair.after, pair.distractor):
@@ -238,10 +405,10 @@ def read_clevr_change(root: Path, split: str) -> list[ImagePair]:
     where = f"{root / 'splits.json'}, split {split!r}"
     for number in checked_type(splits[split], list, where, "a list of pair numbers"):
         checked_type(number, int, f"{where}, item {number!r}", "a whole number")  # ids are not contiguous: some
-        # are in no split (REFERENCE 5.1)
+        # are in no split (197 in the published splits.json)
         key = f"CLEVR_default_{number:06d}.png"  # the caption files are keyed by the default image's name
         pair_id = f"{number:06d}.png"
-        if key not in change:  # differs from reference: an error naming the id where C4I asserts
+        if key not in change:  # differs from reference: an error naming the id where its dataloaders assert
             raise DataError(f"split {split} id {number}: {key} has no entry in {root / 'change_captions.json'}")
         if key not in no_change:
             raise DataError(f"split {split} id {number}: {key} has no entry in {root / 'no_change_captions.json'}")
@@ -431,11 +598,11 @@ def bpe_path(data: str, root: str | os.PathLike | None = None) -> Path | None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# 2. Images: loading, CLIP4IDC's preprocessing, the opt-in cache
+# 5. Images: loading, CLIP4IDC's preprocessing, the reader
 # ---------------------------------------------------------------------------------------------------
 
-def load_image(path: Path, fix: str = "replace it with a readable copy (python data.py --check lists every "
-                                     "unreadable image of a dataset)") -> Image.Image:
+def load_image(path: Path, fix: str = "replace it with a readable copy (python check.py lists every unreadable "
+                                     "image of a dataset)") -> Image.Image:
     """The image at path as 8-bit RGB (rgb_view), decoded now; an error naming the file and saying how to fix it
     (fix: what the reader of its dataset advises) when it is missing, unreadable or past Pillow's size limit."""
     try:
@@ -486,221 +653,15 @@ def preprocess_uint8(path: Path, image_size: int) -> np.ndarray:
     return clip.resize_to_uint8(load_image(path), image_size)
 
 
-class ImageCache:
-    """Preprocessed uint8 pixels of a list of image files: one .npy (n, R, R, 3), read memory-mapped.
-
-    The index beside it (.json) lists the files and a fingerprint of their sizes and modification times;
-    a cache whose files changed is built again. The array is opened in each process on first use, so a
-    DataLoader worker shares the page cache instead of receiving a copy.
-    """
-
-    def __init__(self, array_path: Path, paths: list[str]):
-        self.array_path = array_path
-        self.row = {p: i for i, p in enumerate(paths)}
-        self.pixels = None
-
-    def __getitem__(self, path: Path) -> np.ndarray:
-        if self.pixels is None:  # copy-on-write: writable views (as torch wants them) that nothing ever writes
-            self.pixels = np.load(self.array_path, mmap_mode="c")  # (n, R, R, 3) uint8
-        if str(path) not in self.row:
-            raise DataError(f"image {path} is not in the cache {self.array_path}; delete the cache to build it again")
-        return self.pixels[self.row[str(path)]]  # (R, R, 3)
-
-    def __getstate__(self):  # a worker opens its own memory map
-        return {**self.__dict__, "pixels": None}
-
-
-class _Preprocess(Dataset):
-    def __init__(self, paths: list[Path], image_size: int):
-        self.paths, self.image_size = paths, image_size
-
-    def __len__(self):
-        return len(self.paths)
-
-    def __getitem__(self, i):
-        return torch.from_numpy(preprocess_uint8(self.paths[i], self.image_size))
-
-
-def add_file_stamps(digest, paths: list) -> None:
-    """Feed each file's path, size and modification time to a hashlib digest: a changed file changes the digest."""
-    for path in paths:
-        stat = os.stat(path)
-        digest.update(f"{path}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
-
-
-def fingerprint(paths: list[Path], image_size: int) -> str:
-    digest = hashlib.sha256(str(image_size).encode())
-    add_file_stamps(digest, paths)
-    return digest.hexdigest()
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (a container may allow fewer than the machine has): drawing the synthetic
-    set and building the image cache use them all; the training scripts share them between their processes."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def image_cache(pairs: list[ImagePair], cache_dir: str | os.PathLike, name: str, image_size: int = IMAGE_SIZE,
-                workers: int | None = None) -> ImageCache:
-    """The cache of every image of pairs (before, after, distractor) in cache_dir/<name>_<R>.npy, built if needed
-    by `workers` processes (default: one per usable CPU; 0: this process alone).
-
-    It takes 3 x R x R bytes per image (150 KB at 224): about 0.9 GB for the default synthetic set,
-    18 GB for all of CLEVR-Change.
-    """
-    paths = list(dict.fromkeys(p for pair in pairs for p in (pair.before, pair.after, pair.distractor) if p))
-    cache_dir = Path(cache_dir)
-    array_path, index_path = cache_dir / f"{name}_{image_size}.npy", cache_dir / f"{name}_{image_size}.json"
-    stamp = fingerprint(paths, image_size)
-    if array_path.is_file() and index_path.is_file():
-        problem = cache_problem(array_path, index_path, stamp, [str(p) for p in paths], image_size)
-        if problem is None:
-            return ImageCache(array_path, [str(p) for p in paths])
-        if problem:  # damaged, not merely out of date
-            print(f"image cache {array_path}: {problem}; building it again", file=sys.stderr)
-    fix = "free some space there, or train with --no-image_cache (every image is decoded instead)"
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        remove_stale_partials(cache_dir)
-        partial = array_path.with_suffix(f".partial-{os.getpid()}.npy")
-        partial.unlink(missing_ok=True)
-    except OSError as error:
-        raise unwritable_cache(cache_dir, error) from None
-    pixels = loader = None
-    try:  # an error or an interrupt (Ctrl-C) anywhere from here on leaves no partial file behind
-        try:
-            pixels = np.lib.format.open_memmap(partial, mode="w+", dtype=np.uint8,
-                                               shape=(len(paths), image_size, image_size, 3))  # (n, R, R, 3)
-            # the whole file's blocks, reserved before a byte is written: a disk that fills while the cache is
-            # built would otherwise end the process with SIGBUS ("Bus error") at the first page without a block
-            with open(partial, "r+b") as file:
-                reserve_space(file, os.fstat(file.fileno()).st_size, array_path, fix)
-        except DiskFull:
-            raise
-        except OSError as error:
-            if error.errno in NO_SPACE:
-                raise no_space(array_path, cache_dir, cache_bytes(len(paths), image_size), fix) from None
-            raise unwritable_cache(cache_dir, error) from None
-        # a generator of its own: iterating a DataLoader draws a seed from the global generator, so building the
-        # cache (first run) or not (later runs) would otherwise change every random number of the training after it
-        workers = usable_cpus() if workers is None else workers
-        loader = DataLoader(_Preprocess(paths, image_size), batch_size=64, num_workers=workers,
-                            generator=torch.Generator())
-        progress = Progress(f"image cache {array_path}", len(paths))
-        row = 0
-        for batch in loader:
-            pixels[row:row + len(batch)] = batch.numpy()  # (b, R, R, 3)
-            row += len(batch)
-            progress.show(row)
-        pixels.flush()
-        pixels = None
-        os.replace(partial, array_path)
-        # the index last, atomically: an index beside an array always describes a whole array
-        index = json.dumps({"image_size": image_size, "fingerprint": stamp, "paths": [str(p) for p in paths]})
-        index_partial = index_path.with_suffix(f".partial-{os.getpid()}.json")
-        try:
-            index_partial.write_text(index, encoding="utf-8")
-            os.replace(index_partial, index_path)
-        except OSError as error:
-            index_partial.unlink(missing_ok=True)
-            if error.errno in NO_SPACE:
-                raise no_space(index_path, cache_dir, len(index), fix) from None
-            raise
-    except BaseException:
-        pixels = loader = None  # the memory map and the workers let go of the file first
-        partial.unlink(missing_ok=True)
-        raise
-    return ImageCache(array_path, [str(p) for p in paths])
-
-
-def cache_bytes(n: int, image_size: int) -> int:
-    """The size of an image cache of n images without its header (a few hundred bytes)."""
-    return n * image_size * image_size * 3
-
-
-def unwritable_cache(cache_dir: Path, error: OSError) -> DataError:
-    """The one-line error of an image cache that cannot be written (a read-only data folder)."""
-    return DataError(f"cannot write the image cache in {cache_dir} ({error.strerror or error}); train with "
-                     f"--no-image_cache (every image is decoded instead), or copy the dataset to a writable "
-                     f"folder and pass --data_root")
-
-
-def cache_problem(array_path: Path, index_path: Path, stamp: str, paths: list[str], image_size: int) -> str | None:
-    """None when the cache at array_path with its index is whole and describes these files; "" when it describes
-    other files or sizes (out of date); else what is damaged: an index that does not parse, an array whose
-    header or size does not match (a copy cut short, a disk that filled)."""
-    try:
-        index = json.loads(index_path.read_text(encoding="utf-8"))
-        if not isinstance(index, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as error:
-        return f"its index {index_path} is damaged ({error})"
-    if index.get("fingerprint") != stamp or index.get("paths") != paths:
-        return ""
-    try:
-        with open(array_path, "rb") as file:
-            version = np.lib.format.read_magic(file)
-            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
-                np.lib.format.read_array_header_2_0
-            shape, _, dtype = read_header(file)
-            size = file.tell() + int(np.prod(shape)) * dtype.itemsize
-            actual = os.fstat(file.fileno()).st_size
-    except (OSError, ValueError) as error:
-        return f"its header is damaged ({error})"
-    if shape != (len(paths), image_size, image_size, 3) or dtype != np.uint8:
-        return f"it holds {shape} {dtype}, not {len(paths)} images of {image_size} x {image_size}"
-    if actual != size:
-        return f"it has {actual:,} bytes, its header says {size:,} (cut short?)"
-    return None
-
-
-def remove_stale_partials(cache_dir: Path) -> None:
-    """Remove the partial caches and indexes (*.partial-PID.npy, .json) that a killed process left: their PID runs
-    no more."""
-    for partial in [*cache_dir.glob("*.partial-*.npy"), *cache_dir.glob("*.partial-*.json")]:
-        pid = partial.suffixes[-2].removeprefix(".partial-")
-        if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
-            partial.unlink(missing_ok=True)
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):  # another user's process, or a system that cannot tell: leave its file
-        return True
-    return True
-
-
-class Progress:
-    """'  image cache data/x.npy: 1,024/12,000, 310/s, eta 35 s' on stderr, redrawn at most once a second, and a
-    first line at the start, so a long build never looks stuck (the training scripts' line is runtime.Progress)."""
-
-    def __init__(self, what: str, total: int):
-        self.what, self.total = what, total
-        self.start = self.last = time.perf_counter()
-        self.show(0, force=True)
-
-    def show(self, done: int, force: bool = False) -> None:
-        now = time.perf_counter()
-        if not self.total or not (force or now - self.last > 1 or done == self.total):
-            return
-        rate = done / max(now - self.start, 1e-9)
-        eta = f"{(self.total - done) / rate:.0f} s" if done else "--"
-        print(f"\r  {self.what}: {done:,}/{self.total:,}, {rate:,.0f}/s, eta {eta} ",
-              end="\n" if done == self.total else "", file=sys.stderr, flush=True)
-        self.last = now
-
-
 class ImageReader:
-    """path -> uint8 pixels (R, R, 3): decoded and resized, or taken from an ImageCache.
+    """path -> uint8 pixels (R, R, 3): decoded and resized, or taken from an image cache (caches.ImageCache, whose
+    reader caches.image_reader makes).
 
     The pixels stay uint8 until they are on the training device, where to_device normalises them: a DataLoader
     worker then hands over a quarter of the bytes of float32 images, and a cached image is a memory copy.
     """
 
-    def __init__(self, image_size: int = IMAGE_SIZE, cache: ImageCache | None = None):
+    def __init__(self, image_size: int = IMAGE_SIZE, cache=None):
         self.image_size, self.cache = image_size, cache
 
     @property
@@ -714,492 +675,11 @@ class ImageReader:
         return torch.from_numpy(preprocess_uint8(path, self.image_size))  # (R, R, 3)
 
 
-def to_device(batch: dict, device: torch.device, keys=None) -> dict:
-    """The tensors of a batch (those named in keys, default all) on the device, widened there: uint8 pixels
-    (B, R, R, 3) normalised to float32 (B, 3, R, R) by clip.normalize, float16 pair tokens to float32.
-
-    The DataLoader pins its batches when training on CUDA, so each copy is asynchronous: the host goes on to
-    queue the step while the pixels travel.
-    """
-    # differs from reference: its loader hands over float64 arrays, cast in the model; here uint8 travels
-    out = {}
-    for key, value in batch.items():
-        if torch.is_tensor(value) and (keys is None or key in keys):
-            value = value.to(device, non_blocking=True)
-            out[key] = clip.normalize(value) if value.dtype == torch.uint8 else \
-                value.float() if value.dtype == torch.float16 else value
-    return out
-
-
-def image_reader(splits: dict, root: Path, resolution: int, cached: bool, dist_) -> ImageReader:
-    """The image reader of a dataset's splits, of resolution x resolution images: decoding each file, or with
-    cached, reading the image cache of every pair of every split (root/.cache/all_<R>.npy). The cache is built
-    once, by the master, while the other processes wait (dist_: runtime.Distributed, its master and ddp)."""
-    if not cached:
-        return ImageReader(resolution)
-    every_pair = [p for s in splits.values() for p in s]
-    if dist_.master:
-        image_cache(every_pair, Path(root) / ".cache", "all", resolution)
-    if dist_.ddp:
-        dist.barrier()
-    return ImageReader(resolution, image_cache(every_pair, Path(root) / ".cache", "all", resolution))
-
-
-class IntraTokens:
-    """path -> the image's intra-image tokens (N+1, D), computed once for every image of `pairs`.
-
-    Used in place of the image reader when the intra-image blocks are frozen (adapt.py --freeze_intra, and
-    caption.py --finetune_encoder on such a stage-1 checkpoint): they, and so their output, never change, and a
-    training step then starts at the join (PairEncoder.intra_pair). Evaluation still encodes the
-    pixels, all the way through. model is encoder.py's PairEncoder (its intra_image and intra_image_weights are
-    read); images is a function path -> uint8 pixels (R, R, 3), such as an ImageReader.
-
-    The tokens are kept in a file in cache_dir, named by what they depend on (the weights that compute them,
-    each image file's size and modification time, the precision): stage 2 then reads the tokens stage 1
-    computed instead of computing them again, and a changed image or weight gets a new file. Under DDP
-    (dist_) the master computes them while the other processes wait, and every process reads the file
-    memory-mapped: the processes of a machine share one copy in the page cache.
-    """
-
-    def __init__(self, model: torch.nn.Module, pairs: list, images, batch_size: int, device, ctx,
-                 cache_dir: Path, dist_=None):
-        paths = sorted({path for p in pairs for path in (p.before, p.after, p.distractor) if path is not None})
-        self.row = {path: i for i, path in enumerate(paths)}
-        master = dist_ is None or dist_.master
-        # named by the master alone (the key reads every intra-image weight and stats every image file)
-        file = Path(cache_dir) / f"intra_tokens_{self.key(model, paths, ctx)}.pt" if master else None
-        if dist_ is not None and dist_.ddp:  # the master's file: its weights are those DDP gives every process
-            shared = [file]
-            dist.broadcast_object_list(shared, src=0)
-            file = shared[0]
-        self.read_from = file if file.is_file() and (not master or self.readable(file, len(paths))) else None
-        if self.read_from is None and master:
-            self.compute(model, paths, images, batch_size, device, ctx, file)
-        if dist_ is not None and dist_.ddp:
-            dist.barrier()
-        self.tokens = torch.load(file, weights_only=True, mmap=True)  # (images, N+1, D), a plain tensor
-
-    @staticmethod
-    def readable(file: Path, images: int) -> bool:
-        """Whether the tokens kept in file read back whole, one row per image; a damaged file (a copy cut short)
-        is said so on stderr, and computed again."""
-        try:
-            tokens = torch.load(file, weights_only=True, mmap=True)
-            if not torch.is_tensor(tokens) or tokens.dim() != 3 or len(tokens) != images:
-                raise ValueError(f"it holds {type(tokens).__name__} {tuple(getattr(tokens, 'shape', ()))}, "
-                                 f"not {images} images' tokens")
-            return True
-        except Exception as error:  # torch.load's errors of a damaged zip are RuntimeErrors
-            reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:120]
-            print(f"intra-image tokens {file} are damaged ({reason}): computing them again", file=sys.stderr)
-            return False
-
-    @staticmethod
-    def compute(model: torch.nn.Module, paths: list, images, batch_size: int, device, ctx, file: Path) -> None:
-        """Every image's intra-image tokens, written whole to file, then renamed: an interrupted run leaves no
-        half-written file."""
-        chunks = []
-        with torch.no_grad():
-            for start in range(0, len(paths), batch_size):
-                pixels = torch.stack([images(path) for path in paths[start:start + batch_size]])  # (b, R, R, 3)
-                with ctx:
-                    chunks.append(model.intra_image(clip.normalize(pixels.to(device))).float().cpu())  # (b, N+1, D)
-        file.parent.mkdir(parents=True, exist_ok=True)
-        partial = file.with_suffix(f".partial-{os.getpid()}")
-        torch.save(torch.cat(chunks), partial)  # (images, N+1, D)
-        os.replace(partial, file)
-
-    @staticmethod
-    def key(model: torch.nn.Module, paths: list, ctx) -> str:
-        """A digest of what the tokens depend on: the intra-image weights, the image files, the precision."""
-        digest = hashlib.sha256(str(getattr(ctx, "fast_dtype", "float32")).encode())
-        for name, tensor in model.intra_image_weights().items():
-            digest.update(name.encode() + tensor.detach().float().cpu().numpy().tobytes())
-        add_file_stamps(digest, paths)
-        return digest.hexdigest()[:16]
-
-    @property
-    def origin(self) -> str:
-        """Where the tokens came from, for the scripts to say."""
-        return f"read from {self.read_from}" if self.read_from is not None else "computed once"
-
-    def __call__(self, path) -> torch.Tensor:
-        return self.tokens[self.row[path]]  # (N+1, D)
-
-
-# ---------------------------------------------------------------------------------------------------
-# 3. Caption token ids
-# ---------------------------------------------------------------------------------------------------
-
-def text_tokens(tokenizer: clip.SimpleTokenizer, text: str, max_words: int = MAX_WORDS) -> torch.Tensor:
-    """Stage 1 (REFERENCE 2.3): [SOT] + ids cut to max_words - 1 in all, then EOT, padded with PAD_ID -> (T,)."""
-    ids = ([tokenizer.sot_id] + tokenizer.encode(text))[:max_words - 1] + [tokenizer.eot_id]
-    tokens = torch.full((max_words,), clip.PAD_ID, dtype=torch.long)
-    tokens[:len(ids)] = torch.tensor(ids)
-    return tokens  # (T,)
-
-
-def caption_tokens(tokenizer: clip.SimpleTokenizer, text: str, max_words: int = MAX_WORDS) -> dict[str, torch.Tensor]:
-    """Stage 2 (REFERENCE 3.3): the caption cut to max_words - 1 ids; input [SOT] + ids, target ids + [EOT], padded."""
-    ids = tokenizer.encode(text)[:max_words - 1]
-    caption_in = torch.full((max_words,), clip.PAD_ID, dtype=torch.long)
-    caption_out = torch.full((max_words,), clip.PAD_ID, dtype=torch.long)
-    caption_in[:len(ids) + 1] = torch.tensor([tokenizer.sot_id, *ids])
-    caption_out[:len(ids) + 1] = torch.tensor([*ids, tokenizer.eot_id])
-    return {"caption_in": caption_in, "caption_out": caption_out}  # (T,) each
-
-
-# ---------------------------------------------------------------------------------------------------
-# 4. The samples of each stage, and evaluation
-# ---------------------------------------------------------------------------------------------------
-
-def random_index(n: int) -> int:
-    """A uniform index below n from torch's generator, which DataLoader seeds in every worker."""
-    # differs from reference: C4I draws captions with Python's random.choice
-    return int(torch.randint(n, ()))
-
-
-class AdaptationSamples(Dataset):
-    """Stage 1: one sample per (pair, change caption) (REFERENCE 2.3); empty captions give no sample.
-
-    In training, with probability swap_prob the before image is replaced by the pair's distractor view
-    (pairs without one, as in Spot-the-Diff, never swap); the caption stays the change caption.
-    A sample: {"before": (3, R, R), "after": (3, R, R), "caption": (T,), "pair_index": int, "swapped": bool}.
-    """
-
-    def __init__(self, pairs: list[ImagePair], tokenizer: clip.SimpleTokenizer, train: bool,
-                 images: ImageReader | None = None, max_words: int = MAX_WORDS, swap_prob: float = SWAP_PROB):
-        self.pairs, self.tokenizer, self.train = pairs, tokenizer, train
-        self.images, self.max_words, self.swap_prob = images or ImageReader(), max_words, swap_prob
-        self.samples = [(p, c) for p, pair in enumerate(pairs)
-                        for c, caption in enumerate(pair.captions) if caption.strip()]  # see training_captions
-
-    def __len__(self):
-        return len(self.samples)
-
-    def __getitem__(self, i: int) -> dict:
-        p, c = self.samples[i]
-        pair = self.pairs[p]
-        # differs from reference: torch's generator (seeded per DataLoader worker) instead of Python's random
-        swapped = self.train and pair.distractor is not None and float(torch.rand(())) < self.swap_prob
-        return {"before": self.images(pair.distractor if swapped else pair.before),
-                "after": self.images(pair.after),
-                "caption": text_tokens(self.tokenizer, pair.captions[c], self.max_words),
-                "pair_index": p, "swapped": swapped}
-
-
-def collate_text(samples: list[dict]) -> dict:
-    """A stage-1 (or stage-0) batch, its captions (B, T) cut after the batch's last end-of-text token, the
-    largest id: the columns after it are padding in every row, and in the causal text tower no token sees the
-    ones after it. Cut here, on the host, from the token ids: the training step never waits for the device
-    to learn a length."""
-    batch = default_collate(samples)
-    batch["caption"] = batch["caption"][:, :int(batch["caption"].argmax(dim=-1).max()) + 1]  # (B, T')
-    return batch
-
-
-def evaluation_pairs(pairs: list[ImagePair], use_no_change_pair: bool) -> list[ImagePair]:
-    """The pairs a split is scored on: every change pair, then (use_no_change_pair) every distractor pair.
-
-    A distractor pair is (before, distractor) with id "<id>_n", the no-change captions as references and
-    type DISTRACTOR, as the CLEVR-Change toolkit scores them (REFERENCE 4.2). Row i is pair i's change
-    pair; row len(pairs) + i its no-change pair: the rows of stage 2's feature cache.
-    """
-    if not use_no_change_pair:
-        return list(pairs)
-    for pair in pairs:
-        if pair.distractor is None or not pair.no_change_captions:
-            raise DataError(f"pair {pair.id} has no distractor image or no no-change captions, which "
-                            f"use_no_change_pair needs; turn it off for this dataset")
-    return [*pairs, *(ImagePair(id=p.id + NO_CHANGE_SUFFIX, before=p.before, after=p.distractor,
-                                captions=p.no_change_captions, change_type=DISTRACTOR) for p in pairs)]
-
-
-def references(pairs: list[ImagePair]) -> dict[str, list[str]]:
-    """Evaluation id -> reference captions, the ground truth metrics.score_captions reads."""
-    return {pair.id: pair.captions for pair in pairs}
-
-
-def ids_by_type(pairs: list[ImagePair]) -> dict[str, list[str]]:
-    """Change type (color, material, add, drop, move, distractor) -> evaluation ids, for the per-type scores."""
-    groups: dict[str, list[str]] = {}
-    for pair in pairs:
-        if pair.change_type is not None:
-            groups.setdefault(pair.change_type, []).append(pair.id)
-    return groups
-
-
-def retrieval_texts(pairs: list[ImagePair]) -> tuple[list[str], list[int]]:
-    """Stage 1 evaluation (REFERENCE 2.6): every change caption, and the index of the pair it belongs to.
-
-    Empty captions are ranked too, as the reference does: some Spot-the-Diff pairs have no other.
-    """
-    texts = [c for pair in pairs for c in pair.captions]
-    text_to_pair = [p for p, pair in enumerate(pairs) for _ in pair.captions]
-    return texts, text_to_pair
-
-
-class PairImages(Dataset):
-    """The images of evaluation pairs, without captions: {"before", "after": (3, R, R), "row": int, "id": str}.
-
-    Stage 2 encodes every pair of a split once through this (feature cache), and decodes from it.
-    """
-
-    def __init__(self, pairs: list[ImagePair], images: ImageReader | None = None):
-        self.pairs, self.images = pairs, images or ImageReader()
-
-    def __len__(self):
-        return len(self.pairs)
-
-    def __getitem__(self, i: int) -> dict:
-        pair = self.pairs[i]
-        return {"before": self.images(pair.before), "after": self.images(pair.after), "row": i, "id": pair.id}
-
-
-class CaptionItems(Dataset):
-    """Stage 2 training: one item per pair per epoch with a random change caption (REFERENCE 3.4).
-
-    Empty captions are never drawn, and a pair with no other caption is left out (see training_captions).
-
-    With use_no_change_pair (CLEVR-Change, synth), the item also holds a random no-change caption for
-    the pair (before, distractor); the reference sums the two losses. "row" and "no_change_row" index the
-    rows of evaluation_pairs(pairs, use_no_change_pair), so cached pair features can stand in for images;
-    with images, the item also holds the pixels.
-    An item: {"row", "caption_in" (T,), "caption_out" (T,)[, "before", "after" (3, R, R)]} and, with the
-    no-change pair, {"no_change_row", "no_change_caption_in", "no_change_caption_out"[, "distractor"]}.
-    """
-
-    def __init__(self, pairs: list[ImagePair], tokenizer: clip.SimpleTokenizer, use_no_change_pair: bool,
-                 images: ImageReader | None = None, max_words: int = MAX_WORDS):
-        evaluation_pairs(pairs, use_no_change_pair)  # checks that every pair has what the no-change pair needs
-        self.pairs, self.tokenizer, self.use_no_change_pair = pairs, tokenizer, use_no_change_pair
-        self.images, self.max_words = images, max_words
-        self.trained = [i for i, pair in enumerate(pairs) if training_captions(pair.captions)
-                        and (not use_no_change_pair or training_captions(pair.no_change_captions))]
-
-    def __len__(self):
-        return len(self.trained)
-
-    def __getitem__(self, k: int) -> dict:
-        i = self.trained[k]  # the pair's row, also when pairs without a usable caption are left out
-        pair = self.pairs[i]
-        captions = training_captions(pair.captions)
-        item = {"row": i, **caption_tokens(self.tokenizer, captions[random_index(len(captions))], self.max_words)}
-        if self.images is not None:
-            item["before"], item["after"] = self.images(pair.before), self.images(pair.after)
-        if self.use_no_change_pair:
-            no_change_captions = training_captions(pair.no_change_captions)
-            no_change = caption_tokens(self.tokenizer, no_change_captions[random_index(len(no_change_captions))],
-                                       self.max_words)
-            item["no_change_row"] = len(self.pairs) + i
-            item["no_change_caption_in"] = no_change["caption_in"]
-            item["no_change_caption_out"] = no_change["caption_out"]
-            if self.images is not None:
-                item["distractor"] = self.images(pair.distractor)
-        return item
-
-
-def collate_captions(items: list[dict]) -> dict:
-    """A stage-2 batch of CaptionItems, cut to its longest caption, change and no-change captions alike (the
-    columns after it are padding in every row), with, for each kind of caption, the positions the loss reads:
-    "<kind>_targets", the flat indices into (B x T') of the targets that are not padding. Both come from the
-    token ids, here on the host: the training step never waits for the device to count a mask."""
-    batch = default_collate(items)
-    kinds = [kind for kind in ("caption", "no_change_caption") if f"{kind}_out" in batch]
-    length = max(int((batch[f"{kind}_out"] != clip.PAD_ID).sum(dim=1).max()) for kind in kinds)
-    for kind in kinds:
-        batch[f"{kind}_in"] = batch[f"{kind}_in"][:, :length]    # (B, T')
-        batch[f"{kind}_out"] = batch[f"{kind}_out"][:, :length]  # (B, T')
-        batch[f"{kind}_targets"] = (batch[f"{kind}_out"] != clip.PAD_ID).flatten().nonzero().squeeze(1)  # (n,)
-    return batch
-
-
-# ---------------------------------------------------------------------------------------------------
-# 5. Contact sheet, checking a download, command line
-# ---------------------------------------------------------------------------------------------------
-
-def contact_sheet(pairs: list[ImagePair], out: Path, model_view: bool = False, captions: int = 3,
-                  predictions: dict[str, str] | None = None) -> Path:
-    """A PNG with one row per pair: before | after | distractor, then its id, type and captions.
-
-    With predictions ({evaluation id: caption}, as caption.py --eval writes them), each row shows the
-    predicted caption of the change pair and of the distractor pair ("<id>_n") above the references.
-    """
-    tile = (IMAGE_SIZE, IMAGE_SIZE) if model_view else (240, 160)  # the model's input, or half of 480 x 320
-    text_width, line = 470, 18
-    font = ImageFont.load_default(size=14)
-    height = max(tile[1], line * (captions + 3 + 2 * (predictions is not None))) + 8
-    sheet = Image.new("RGB", (3 * (tile[0] + 4) + text_width, height * len(pairs)), "white")
-    draw = ImageDraw.Draw(sheet)
-    for row, pair in enumerate(pairs):
-        top = row * height
-        for column, path in enumerate((pair.before, pair.after, pair.distractor)):
-            if path is not None:
-                image = Image.fromarray(preprocess_uint8(path, IMAGE_SIZE)) if model_view \
-                    else load_image(path).convert("RGB").resize(tile, Image.Resampling.BICUBIC)
-                sheet.paste(image, (column * (tile[0] + 4), top))
-        lines = [f"{pair.id}  {pair.change_type or ''}"]
-        if predictions is not None:
-            lines.append(f"predicted: {predictions.get(pair.id, '(none)')}")
-        lines += [f"reference: {c}" if predictions is not None else c for c in pair.captions[:captions]]
-        if predictions is not None and pair.id + NO_CHANGE_SUFFIX in predictions:
-            lines.append(f"distractor predicted: {predictions[pair.id + NO_CHANGE_SUFFIX]}")
-        lines += [f"distractor{' reference' if predictions is not None else ''}: {c}"
-                  for c in pair.no_change_captions[:1]]
-        for k, text in enumerate(lines):
-            draw.text((3 * (tile[0] + 4) + 6, top + 4 + k * line), text, fill="black", font=font)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    sheet.save(out)
-    return out
-
-
-# --- checking a download ---
-
-PUBLISHED = {  # (pairs, references) per split as the datasets publish them; None where no count is published
-    "clevr": {"train": (33_830, None), "val": (1_988, None), "test": (3_985, None)},  # REFERENCE 5.1
-    "spot": {"train": (8_566, 17_676), "val": (1_493, 3_310), "test": (1_270, 2_107)},  # 5.2, unique img_ids
-    "ier": {"train": (3_061, 3_061), "val": (383, 1_149), "test": (495, 1_485)},        # 5.3
-}
-CLEVR_IDS_IN_NO_SPLIT = 197     # CLEVR-Change's captioned ids that its splits.json leaves out (REFERENCE 5.1)
-SHOWN = 5                       # problems named one by one before the rest are only counted
-EXIF_ORIENTATION = 0x0112       # the EXIF tag that tells a viewer to turn or mirror a photo; 1: as stored
-CHECK_PARALLEL_MIN = 256        # --check decodes at least this many images in several processes
-
-
-def image_problem(path: Path) -> str | None:
-    """What is wrong with an image file ("missing", or why it cannot be decoded), or None when every pixel decodes.
-
-    The file is decoded whole, as training reads it: a file damaged in the middle fails here (PNG's zlib stream
-    carries a checksum), not only one cut short."""
-    return image_check(path)[0]
-
-
-def image_check(path: Path) -> tuple[str | None, bool]:
-    """image_problem's answer, and whether the image carries an EXIF orientation other than "as stored" (which
-    training ignores, as the reference does)."""
-    try:
-        with warnings.catch_warnings():  # past Pillow's size limit is a problem, as in load_image
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path) as image:
-                image.load()
-                turned = image.getexif().get(EXIF_ORIENTATION, 1) not in (1, None)
-    except FileNotFoundError:
-        return "missing", False
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError,
-            Image.DecompressionBombWarning) as error:
-        return str(error) or type(error).__name__, False
-    return None, turned
-
-
-def image_checks(images: list[Path], progress) -> list[tuple[str | None, bool]]:
-    """image_check of every image, in order; decoded by one process per usable CPU when there are many."""
-    workers = min(usable_cpus(), len(images) // CHECK_PARALLEL_MIN)
-    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        results = []
-        for path in images:
-            results.append(image_check(path))
-            progress.show(len(results))
-        return results
-    with multiprocessing.get_context("fork").Pool(workers) as pool:  # forked: Pillow's limits as set here
-        results = []
-        for result in pool.imap(image_check, images, chunksize=16):
-            results.append(result)
-            progress.show(len(results))
-        return results
-
-
-def named(problems: list[str]) -> str:
-    more = f", and {len(problems) - SHOWN:,} more" if len(problems) > SHOWN else ""
-    return ", ".join(problems[:SHOWN]) + more
-
-
-def caption_lengths(pairs: list[ImagePair], tokenizer: clip.SimpleTokenizer | None, max_words: int) -> str:
-    """Length statistics of a split's non-empty captions, in tokens with SOT and EOT (in words without a tokenizer)."""
-    captions = [c for pair in pairs for c in training_captions(pair.captions)]
-    if not captions:
-        return "no non-empty captions"
-    if tokenizer is None:
-        lengths = np.array([len(c.split()) for c in captions])
-        return (f"caption length in words (no BPE vocabulary for tokens): min {lengths.min()}, "
-                f"median {np.median(lengths):g}, mean {lengths.mean():.1f}, max {lengths.max()}")
-    lengths = np.array([len(tokenizer.encode(c)) + 2 for c in captions])  # + SOT and EOT, as text_tokens counts
-    return (f"caption length in tokens with SOT and EOT: min {lengths.min()}, median {np.median(lengths):g}, "
-            f"mean {lengths.mean():.1f}, max {lengths.max()}; {(lengths > max_words).sum():,} longer than "
-            f"max_words {max_words} (cut there in training)")
-
-
-def beside_published(found: int, published: int | None, problems: list[str], what: str, split: str) -> str:
-    """'8,566 pairs (published: 8,566)'; a different count is also added to problems."""
-    if published is None:
-        return f"{found:,} {what}"
-    if found != published:
-        problems.append(f"{split}: {found:,} {what}, {published:,} published")
-        return f"{found:,} {what} (published: {published:,}; DIFFERENT)"
-    return f"{found:,} {what} (published: {published:,})"
-
-
-def check_dataset(data: str, root: Path, tokenizer: clip.SimpleTokenizer | None, max_words: int = MAX_WORDS) -> bool:
-    """Read every split of a downloaded dataset, open every image, print what is there and what is not.
-
-    True when nothing is missing: every split reads, every image opens, the published counts are met.
-    """
-    source = SOURCES[data]
-    print(f"{source.name} in {root}", flush=True)  # before the progress line on stderr
-    if not root.is_dir():
-        print(f"  no folder {root}; {source.get_it}")
-        return False
-    problems: list[str] = []
-    splits: dict[str, list[ImagePair]] = {}
-    for split in SPLITS:
-        try:
-            splits[split] = source.reader(root, split)
-        except DataError as error:
-            problems.append(f"{split}: {error}")
-            print(f"  {split}: cannot be read: {error}")
-    images = list(dict.fromkeys(path for pairs in splits.values() for pair in pairs
-                                for path in (pair.before, pair.after, pair.distractor) if path is not None))
-    checks = image_checks(images, Progress("images (decoded whole)", len(images)))
-    bad = {path: problem for path, (problem, _) in zip(images, checks) if problem}  # path -> what is wrong with it
-    turned = [str(path) for path, (_, exif) in zip(images, checks) if exif]
-    for split, pairs in splits.items():
-        published = PUBLISHED.get(data, {}).get(split, (None, None))
-        references = sum(len(pair.captions) for pair in pairs)
-        print(f"  {split}: {beside_published(len(pairs), published[0], problems, 'pairs', split)}, "
-              f"{beside_published(references, published[1], problems, 'references', split)}")
-        if not pairs and published[0] is None:  # a published count is compared above
-            problems.append(f"{split}: 0 pairs")
-            print(f"    no pairs: training and evaluation need at least one in every split")
-        empty = references - sum(len(training_captions(pair.captions)) for pair in pairs)
-        if empty:
-            without = sum(not training_captions(pair.captions) for pair in pairs)
-            print(f"    {empty:,} empty captions ({without:,} pairs without any other): "
-                  f"evaluation references, never training targets")
-        paths = list(dict.fromkeys(p for pair in pairs for p in (pair.before, pair.after, pair.distractor) if p))
-        missing = [str(p) for p in paths if bad.get(p) == "missing"]
-        unreadable = [f"{p} ({bad[p]})" for p in paths if p in bad and bad[p] != "missing"]
-        print(f"    images: {len(paths):,}, {len(missing):,} missing, {len(unreadable):,} unreadable")
-        for kind, listed in (("missing", missing), ("unreadable", unreadable)):
-            if listed:
-                problems.append(f"{split}: {len(listed):,} image(s) {kind}")
-                print(f"      {kind}: {named(listed)}")
-        if missing or unreadable:
-            print(f"      to fix: {repair(data, root, split)}")
-        print(f"    {caption_lengths(pairs, tokenizer, max_words)}")
-    if source.reader is read_clevr_change and len(splits) == len(SPLITS):  # every split read: the files are sound
-        in_splits = {int(pair.id.removesuffix(".png")) for pairs in splits.values() for pair in pairs}
-        numbers = [key.removesuffix(".png").rsplit("_", 1)[-1] for key in read_json(root / "change_captions.json", "captions")]
-        unused = [n for n in numbers if not n.isdigit() or int(n) not in in_splits]
-        expected = f" (the published files have {CLEVR_IDS_IN_NO_SPLIT})" if data == "clevr" else ""
-        print(f"  {len(unused):,} captioned ids are in no split and never used{expected}")
-    if turned:
-        print(f"  {len(turned):,} image(s) carry an EXIF orientation, which is ignored, as in the reference: the model "
-              f"sees them as stored, not turned as a viewer shows them ({named(turned)})")
-    if problems:
-        print(f"INCOMPLETE: {'; '.join(problems)}")
-    else:
-        met = ", the published counts are met" if data in PUBLISHED else ""
-        print(f"complete: every split reads, every image opens{met}")
-    return not problems
+def usable_cpus() -> int:
+    """The CPUs this process may run on (a container may allow fewer than the machine has): drawing the synthetic
+    set (synth.py) and building the image cache (caches.py) use them all; the training scripts share them between
+    their processes (processes.py)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def demo() -> None:
@@ -1231,43 +711,5 @@ def demo() -> None:
         print(f"  evaluation ids: {[p.id for p in evaluation_pairs(pairs, use_no_change_pair=True)]}")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--show", action="store_true", help="write a contact sheet of a few pairs")
-    parser.add_argument("--check", action="store_true",
-                        help="after a download: read every split, decode every image whole, compare with the published "
-                             "counts; exit status 1 when something is missing")
-    parser.add_argument("--data", default="synth", choices=sorted(SOURCES))
-    parser.add_argument("--root", "--data_root", help="dataset folder (default: data/<name>)")
-    parser.add_argument("--max_words", type=int, default=MAX_WORDS,
-                        help="--check: count the captions longer than this many tokens (the training scripts' flag)")
-    parser.add_argument("--split", default="test", choices=SPLITS)
-    parser.add_argument("--n", type=int, default=6, help="pairs on the contact sheet")
-    parser.add_argument("--model-view", action="store_true", help="show the 224 x 224 images the model sees")
-    parser.add_argument("--out", help="contact sheet PNG (default: <root>/contact_sheet.png)")
-    args = parser.parse_args()
-    try:
-        run_command(args)
-    except DataError as error:  # a user's mistake: one line, no traceback
-        parser.exit(1, f"{parser.prog}: error: {error}\n")
-
-
-def run_command(args: argparse.Namespace) -> None:
-    if args.check:
-        root, tokenizer = dataset_root(args.data, args.root), None
-        try:
-            tokenizer = clip.get_tokenizer(bpe_path(args.data, root)) if root.is_dir() else None
-        except FileNotFoundError as error:
-            print(f"{error}\nCaption lengths are counted in words instead of tokens until then.")
-        sys.exit(0 if check_dataset(args.data, root, tokenizer, args.max_words) else 1)
-    elif args.show:
-        root = dataset_root(args.data, args.root)
-        pairs = load_split(args.data, args.split, root)[:args.n]
-        out = contact_sheet(pairs, Path(args.out) if args.out else root / "contact_sheet.png", args.model_view)
-        print(f"contact sheet of {len(pairs)} {args.split} pairs: {out}")
-    else:
-        demo()
-
-
 if __name__ == "__main__":
-    main()
+    demo()

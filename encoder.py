@@ -150,7 +150,7 @@ class PairEncoder(nn.Module):
     def intra_pair(self, before: torch.Tensor, after: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The intra-image tokens of both images, (B, N+1, D) each, from images (B, 3, R, R) (normalised, as
         clip.pair_transform makes them), or the tokens themselves when given: adapt.py computes them once per
-        image when the intra-image blocks are frozen (--freeze_intra, data.IntraTokens), and then every step
+        image when the intra-image blocks are frozen (--freeze_intra, caches.IntraTokens), and then every step
         starts at the join."""
         if before.dim() == 3:
             return before, after
@@ -216,7 +216,7 @@ class PairEncoder(nn.Module):
 
     def intra_image_weights(self) -> dict[str, torch.Tensor]:
         """CLIP's tensors that compute the intra-image tokens (intra_image_parts), by OpenAI's names, in
-        state-dict order: what data.IntraTokens keys its file on."""
+        state-dict order: what caches.IntraTokens keys its file on."""
         parts = self.intra_image_parts()
         return {name: tensor for name, tensor in self.clip.state_dict().items()
                 if any(under(name, part) for part in parts)}

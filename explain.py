@@ -39,9 +39,9 @@ from PIL import Image, ImageDraw, ImageFont
 
 import clip
 import data
-import runtime
 from decoder import CaptionDecoder, split_heads
 from encoder import PairEncoder
+from progress import Progress
 
 VIEWS = ("intra", "inter", "decoder")  # the maps the pointing game scores, and the column names of its table
 VIEW_NAMES = {"intra": "encoder, last intra-image block (each CLS over its own image)",
@@ -334,7 +334,7 @@ def localisation(encoder: PairEncoder, decoder: CaptionDecoder, pairs: list[data
     n = encoder.n_patches
     hits = {view: {} for view in VIEWS}
     chance = {}
-    progress, batches = runtime.Progress(math.ceil(len(rows) / batch_size)), 0
+    progress, batches = Progress(math.ceil(len(rows) / batch_size)), 0
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
         before = clip.normalize(torch.stack([images(pairs[i].before) for i in chunk]).to(device))  # (B, 3, R, R)

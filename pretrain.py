@@ -31,15 +31,19 @@ from torch.distributed import destroy_process_group
 import adapt
 import clip
 import data
-import runtime
 import synth
+from checkpoints import save_checkpoint, seed_everything, start_or_resume
 from encoder import PairEncoder
+from files import OutDirLock, save_json
+from flags import ConfigError, flag, parse_config
+from processes import keep_freed_memory, loader_workers, setup
+from stopping import run
 
 
 @dataclass
 class Config(adapt.Config):  # adapt.py's knobs; their defaults here are the scenes preset's
-    data: str = "scenes"           # stage 0's one dataset: single synthetic scenes (data/synth_scenes)
-    out_dir: str = ""              # checkpoints and logs ("" = runs/pretrain_scenes)
+    data: str = flag("scenes", "stage 0's one dataset: single synthetic scenes (data/synth_scenes)")
+    out_dir: str = flag("", 'checkpoints and logs ("" = runs/pretrain_scenes)')
 
     def check_split(self):
         """Stage 0 trains CLIP on single images: there is no pair encoder, so no split point to check."""
@@ -135,14 +139,14 @@ def zero_shot_attributes(model: SceneCLIP, tokenizer, config: Config, device, ct
 
 def export_clip(model: clip.CLIP, path: Path) -> Path:
     """CLIP's weights as OpenAI ships them: OpenAI's parameter names, float16; written atomically."""
-    runtime.save_checkpoint({k: v.detach().to("cpu", torch.float16) for k, v in model.state_dict().items()}, path)
+    save_checkpoint({k: v.detach().to("cpu", torch.float16) for k, v in model.state_dict().items()}, path)
     return path
 
 
 def finish_stage0(model: SceneCLIP, tokenizer, config: Config, device, ctx, out_dir: Path, say) -> None:
     """Stage 0's product: the zero-shot check, and the best epoch's CLIP as a weights file in OpenAI's names."""
     accuracy = zero_shot_attributes(model, tokenizer, config, device, ctx)
-    runtime.save_json(accuracy, out_dir / "zero_shot.json")
+    save_json(accuracy, out_dir / "zero_shot.json")
     say("zero-shot attributes of held-out single-object scenes, CLIP-style (prompts of all 96 objects): "
         + ", ".join(f"{k} {v:.1f}%" for k, v in accuracy.items()))
     path = export_clip(model.clip, out_dir / SYNTH_CLIP_FILE)
@@ -163,7 +167,7 @@ def pretrain_and_test(config: Config, dist_, dtype: str, ctx, scaler, out_dir: P
     model.to(device)
     optimizer = adapt.build_optimizer(model, config, device)
     ckpt_path = out_dir / "ckpt_last.pt"
-    state = runtime.start_or_resume(ckpt_path, config, adapt.MODEL_KEYS, dist_, model, optimizer, scaler)
+    state = start_or_resume(ckpt_path, config, adapt.MODEL_KEYS, dist_, model, optimizer, scaler)
     if state is not None and master:
         print(f"resumed {ckpt_path} at step {state['step']}")
     step = adapt.train(config, dist_, ctx, scaler, dtype, adapt.wrap(model, config, dist_), model, optimizer,
@@ -177,18 +181,18 @@ def pretrain_and_test(config: Config, dist_, dtype: str, ctx, scaler, out_dir: P
 
 
 def main(argv=None):
-    config = runtime.parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
+    config = parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
     if config.eval:
-        raise runtime.ConfigError("--eval scores a pair encoder (adapt.py); stage 0 prints its test retrieval when "
-                                  "it ends")
-    runtime.keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
-    dist_, dtype, ctx, scaler = adapt.setup(config)
-    config = dataclasses.replace(config, num_workers=runtime.loader_workers(config.num_workers, dist_.device))
-    runtime.seed_everything(config.seed + dist_.rank)
+        raise ConfigError("--eval scores a pair encoder (adapt.py); stage 0 prints its test retrieval when "
+                          "it ends")
+    keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
+    dist_, dtype, ctx, scaler = setup(config)
+    config = dataclasses.replace(config, num_workers=loader_workers(config.num_workers, dist_.device))
+    seed_everything(config.seed + dist_.rank)
     out_dir = Path(config.out_dir or "runs/pretrain_scenes")
-    with runtime.OutDirLock(out_dir, dist_.master):  # one run at a time writes there; a second is refused
+    with OutDirLock(out_dir, dist_.master):  # one run at a time writes there; a second is refused
         pretrain_and_test(config, dist_, dtype, ctx, scaler, out_dir)
 
 
 if __name__ == "__main__":
-    runtime.run(main, "pretrain.py")
+    run(main, "pretrain.py")

@@ -15,7 +15,7 @@ never need it). It holds, top to bottom:
   3. which stage a file is, and reading one as data (weights_only), never as code;
   4. the models of a release, sized from its tensors and loaded with strict=True.
 
-Use (runtime.load_encoder, caption.py):
+Use (checkpoints.load_encoder, caption.py):
     stage, state = read_release("trained/pytorch_model.bin.clevr")
     pair_encoder = release_encoder(state)                       # either stage: its clip.*
     decoder = release_decoder(state, 2 * (pair_encoder.n_patches + 1), pair_encoder.clip.token_embedding.weight,

@@ -3,10 +3,12 @@
 Run them with:  python -m pytest test_all.py -q
 
 Tests that compare against known answers (OpenAI's own CLIP outputs, the coco-caption toolkit's scores) read
-them from tests/, where a README.md in each folder says how every file was made.
+them from tests/, where a README.md in each folder says how every file was made. "The reference" is the authors'
+implementation of CLIP4IDC, github.com/sushizixin/CLIP4IDC at commit ca49461.
 """
 import collections
 import contextlib
+import dataclasses
 import errno
 import functools
 import gc
@@ -44,14 +46,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import adapt
 import bench
+import caches
 import caption
+import check
+import checkpoints
 import clip
 import data
 import explain
+import files
+import flags
 import meteor
 import metrics
 import pretrain
-import runtime
+import processes
+import progress
+import stopping
 import synth
 from decoder import CaptionDecoder, DecoderConfig, ids_to_text
 from encoder import FROZEN_IN_REFERENCE, EncoderConfig, PairEncoder, block_at_rows
@@ -223,7 +232,7 @@ def test_pair_preprocessing_resizes_straight_to_a_square_without_cropping():
 
 
 def test_normalize_turns_a_batch_of_uint8_images_into_clip_inputs():
-    white = np.full((2, 4, 4, 3), 255, dtype=np.uint8)  # (B, H, W, 3), as data.py caches them
+    white = np.full((2, 4, 4, 3), 255, dtype=np.uint8)  # (B, H, W, 3), as caches.py caches them
     x = clip.normalize(white)
     assert x.shape == (2, 3, 4, 4) and x.dtype == torch.float32
     assert math.isclose(x[0, 0, 0, 0].item(), (1 - clip.CLIP_MEAN[0]) / clip.CLIP_STD[0], rel_tol=1e-6)
@@ -819,8 +828,8 @@ def test_frozen_intra_image_blocks_train_from_their_tokens_computed_once_as_from
     pixels = dict(zip([str(tmp_path / name) for name in names], _pixels(batch=6)))
     pairs = [data.ImagePair(id=str(i), before=str(tmp_path / f"b{i}"), after=str(tmp_path / f"a{i}"), captions=["x"],
                             distractor=str(tmp_path / f"d{i}")) for i in range(2)]
-    cache = data.IntraTokens(model, pairs, pixels.__getitem__, batch_size=4, device=torch.device("cpu"),
-                             ctx=contextlib.nullcontext(), cache_dir=tmp_path)
+    cache = caches.IntraTokens(model, pairs, pixels.__getitem__, batch_size=4, device=torch.device("cpu"),
+                               ctx=contextlib.nullcontext(), cache_dir=tmp_path)
     assert len(cache.row) == 6 and cache(str(tmp_path / "d1")).shape == (N + 1, D)
     text = torch.randint(1, 900, (2, 8))
     losses = []
@@ -849,7 +858,7 @@ def test_intra_tokens_kept_in_a_file_are_read_back_and_a_changed_image_or_intra_
     images = lambda path: computed.append(path) or pixels[path]
 
     def tokens():
-        return data.IntraTokens(model, pairs, images, 4, torch.device("cpu"), contextlib.nullcontext(), tmp_path / "cache")
+        return caches.IntraTokens(model, pairs, images, 4, torch.device("cpu"), contextlib.nullcontext(), tmp_path / "cache")
 
     first = tokens()
     assert first.read_from is None and len(computed) == 3 and len(list((tmp_path / "cache").iterdir())) == 1
@@ -1520,16 +1529,16 @@ def test_ier_keeps_a_58_word_request_whole_as_a_reference_and_cuts_it_for_traini
 
 
 def check_command(monkeypatch, *args) -> int:
-    """The exit status of `python data.py --check ...`, run in this process."""
-    monkeypatch.setattr(sys, "argv", ["data.py", "--check", *args])
+    """The exit status of `python check.py ...`, run in this process."""
+    monkeypatch.setattr(sys, "argv", ["check.py", *args])
     with pytest.raises(SystemExit) as exit_:
-        data.main()
+        check.main()
     return exit_.value.code
 
 
 def test_check_says_a_complete_download_is_complete(clevr_root, synth_root, monkeypatch, capsys):
     monkeypatch.setenv("CLIP_BPE_PATH", str(synth_root / data.SYNTH_BPE_FILE))  # no download in tests
-    monkeypatch.setitem(data.PUBLISHED, "clevr", {"train": (3, None), "val": (1, None), "test": (1, None)})
+    monkeypatch.setitem(check.PUBLISHED, "clevr", {"train": (3, None), "val": (1, None), "test": (1, None)})
     captions = json.loads((clevr_root / "change_captions.json").read_text())
     write_json(clevr_root / "change_captions.json", {**captions, "CLEVR_default_000004.png": ["in no split"]})
     assert check_command(monkeypatch, "--data", "clevr", "--data_root", str(clevr_root)) == 0
@@ -1578,20 +1587,20 @@ def test_check_decodes_every_image_whole_names_one_damaged_in_the_middle_and_not
     _overwrite_middle(damaged)  # its header and end marker intact: the old check passed it
     turned = clevr_root / "sc_images" / "CLEVR_semantic_000001.png"
     exif = Image.Exif()
-    exif[data.EXIF_ORIENTATION] = 6  # "rotate 90 degrees to view"
+    exif[check.EXIF_ORIENTATION] = 6  # "rotate 90 degrees to view"
     write_png(turned)
     Image.open(turned).save(turned, exif=exif)
-    monkeypatch.setattr(data, "CHECK_PARALLEL_MIN", 4)  # 15 images: decoded by 2 processes, as a large dataset is
-    monkeypatch.setattr(data, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(check, "CHECK_PARALLEL_MIN", 4)  # 15 images: decoded by 2 processes, as a large dataset is
+    monkeypatch.setattr(check, "usable_cpus", lambda: 2)
     assert check_command(monkeypatch, "--data", "synth", "--data_root", str(clevr_root)) == 1
     out = capsys.readouterr().out
     assert f"      unreadable: {damaged} (" in out and "1 missing" not in out
     assert f"  1 image(s) carry an EXIF orientation, which is ignored, as in the reference: the model sees them as " \
            f"stored, not turned as a viewer shows them ({turned})\n" in out
     assert out.endswith("INCOMPLETE: test: 1 image(s) unreadable\n")
-    monkeypatch.setattr(data, "CHECK_PARALLEL_MIN", 10_000)  # one process: the same answers
+    monkeypatch.setattr(check, "CHECK_PARALLEL_MIN", 10_000)  # one process: the same answers
     paths = sorted(clevr_root.glob("*/*.png"))
-    assert data.image_checks(paths, data.Progress("images", len(paths))) == [data.image_check(p) for p in paths]
+    assert check.image_checks(paths, progress.Progress(len(paths), what="images")) == [check.image_check(p) for p in paths]
 
 
 def _no_space(*args, **kwargs):
@@ -1607,9 +1616,9 @@ def test_a_full_disk_while_the_image_cache_is_built_is_one_line_with_the_space_i
     else:
         monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 ** 9, 10 ** 9, 1000))
     pairs = data.read_clevr_change(clevr_root, "train")
-    with pytest.raises(data.DiskFull) as error:
-        data.image_cache(pairs, tmp_path / "cache", "all", image_size=32, workers=0)
-    assert isinstance(error.value, runtime.USER_ERRORS)  # the scripts print it as one line
+    with pytest.raises(files.DiskFull) as error:
+        caches.image_cache(pairs, tmp_path / "cache", "all", image_size=32, workers=0)
+    assert isinstance(error.value, stopping.USER_ERRORS)  # the scripts print it as one line
     assert str(error.value).startswith(f"not enough space for {tmp_path / 'cache' / 'all_32.npy'}: it needs 27.8 KB, "
                                        f"{tmp_path / 'cache'} has ")
     assert "--no-image_cache" in str(error.value) and list((tmp_path / "cache").iterdir()) == []
@@ -1622,14 +1631,14 @@ def test_a_read_only_data_folder_while_the_image_cache_is_built_is_one_line_sugg
     monkeypatch.setattr(np.lib.format, "open_memmap", read_only)
     with pytest.raises(data.DataError, match=f"cannot write the image cache in {tmp_path / 'cache'} \\(Read-only "
                                              f"file system\\); train with --no-image_cache .*writable folder"):
-        data.image_cache(data.read_clevr_change(clevr_root, "train"), tmp_path / "cache", "all", 32, workers=0)
+        caches.image_cache(data.read_clevr_change(clevr_root, "train"), tmp_path / "cache", "all", 32, workers=0)
     assert list((tmp_path / "cache").iterdir()) == []
 
 
 def test_a_half_written_image_cache_index_or_a_truncated_array_is_built_again_with_the_same_pixels(
         clevr_root, tmp_path, capsys):
     pairs = data.read_clevr_change(clevr_root, "train")
-    build = lambda: data.image_cache(pairs, tmp_path / "cache", "all", image_size=32, workers=0)
+    build = lambda: caches.image_cache(pairs, tmp_path / "cache", "all", image_size=32, workers=0)
     build()
     array, index = tmp_path / "cache" / "all_32.npy", tmp_path / "cache" / "all_32.json"
     whole, whole_index = array.read_bytes(), index.read_text()
@@ -1664,25 +1673,25 @@ class _FillingFile(io.RawIOBase):
 @pytest.mark.parametrize("full", ["while writing", "before"])
 def test_a_full_disk_during_a_checkpoint_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, full):
     path = tmp_path / "run" / "ckpt_last.pt"
-    runtime.save_checkpoint({"model": {"w": torch.zeros(1000)}, "step": 1}, path)
+    checkpoints.save_checkpoint({"model": {"w": torch.zeros(1000)}, "step": 1}, path)
     last = path.read_bytes()
     if full == "while writing":  # torch.save's own error: a RuntimeError from inline_container.cc, the OSError before
         real_save = torch.save
         monkeypatch.setattr(torch, "save", lambda state, file: real_save(state, _FillingFile(file, 3000)))
     else:
         monkeypatch.setattr(shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(10 ** 9, 10 ** 9, 1000))
-    with pytest.raises(data.DiskFull) as error:
-        runtime.save_checkpoint({"model": {"w": torch.ones(25_000)}, "step": 2}, path)
+    with pytest.raises(files.DiskFull) as error:
+        checkpoints.save_checkpoint({"model": {"w": torch.ones(25_000)}, "step": 2}, path)
     assert str(error.value).startswith(f"not enough space for {path}: it needs 100.0 KB, {path.parent} has ")
     assert str(error.value).endswith(f"free some space there, then continue with --resume ({path} keeps the "
                                      f"previous checkpoint)")
-    assert isinstance(error.value, runtime.USER_ERRORS) and path.read_bytes() == last
+    assert isinstance(error.value, stopping.USER_ERRORS) and path.read_bytes() == last
     assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt_last.pt"]  # no temporary file left
 
 
 def test_a_checkpoint_damaged_inside_a_tensor_is_refused_naming_the_file_and_the_member(tmp_path):
     path = tmp_path / "ckpt_best.pt"
-    runtime.save_checkpoint({"model": {"w": torch.arange(40_000, dtype=torch.float32)}, "config": {}}, path)
+    checkpoints.save_checkpoint({"model": {"w": torch.arange(40_000, dtype=torch.float32)}, "config": {}}, path)
     with zipfile.ZipFile(path) as archive:
         member = next(m for m in archive.infolist() if m.file_size == 160_000)  # the tensor's bytes
     raw = bytearray(path.read_bytes())
@@ -1690,9 +1699,9 @@ def test_a_checkpoint_damaged_inside_a_tensor_is_refused_naming_the_file_and_the
     raw[start:start + 8192] = b"\xff" * 8192
     path.write_bytes(bytes(raw))
     assert torch.load(path, weights_only=True)["model"]["w"][16_000].isnan()  # torch.load alone takes it
-    with pytest.raises(runtime.CheckpointError, match=f"^{path} is damaged: {member.filename} does not match its "
+    with pytest.raises(checkpoints.CheckpointError, match=f"^{path} is damaged: {member.filename} does not match its "
                                                       f"checksum .*delete it, or point to another checkpoint$"):
-        runtime.load_checkpoint(path)
+        checkpoints.load_checkpoint(path)
 
 
 def test_an_unwritable_meteor_cache_still_gives_the_paraphrase_table_with_a_note_and_writes_nothing(
@@ -1720,8 +1729,8 @@ def test_a_truncated_intra_tokens_file_is_said_and_computed_again(tmp_path, caps
     for path in pixels:
         path.write_bytes(path.name.encode())
     pairs = [data.ImagePair(id="0", before=tmp_path / "b.png", after=tmp_path / "a.png", captions=["x"])]
-    tokens = lambda: data.IntraTokens(model, pairs, pixels.__getitem__, 4, torch.device("cpu"),
-                                      contextlib.nullcontext(), tmp_path / "cache")
+    tokens = lambda: caches.IntraTokens(model, pairs, pixels.__getitem__, 4, torch.device("cpu"),
+                                        contextlib.nullcontext(), tmp_path / "cache")
     first = tokens().tokens.clone()  # a copy: the file's memory map would fault once the file is cut short
     file = next((tmp_path / "cache").iterdir())
     file.write_bytes(file.read_bytes()[:5000])  # a copy cut short
@@ -1742,13 +1751,13 @@ def test_a_repeated_id_in_the_id_caption_format_is_refused_as_in_the_list_format
 def test_a_stage_2_checkpoint_given_as_the_encoder_is_named_a_captioner_and_a_vocabulary_mismatch_names_clip_bpe_path(
         tmp_path, monkeypatch):
     path = tmp_path / "ckpt_best.pt"  # what caption.py saves: its model, config, the encoder's sha256 and sizes
-    runtime.save_checkpoint({"model": {}, "config": {}, "encoder_sha256": "0" * 64, "stage1": {}}, path)
-    with pytest.raises(runtime.ConfigError, match=f"^{path} is a captioner \\(caption.py's stage-2 checkpoint\\), "
+    checkpoints.save_checkpoint({"model": {}, "config": {}, "encoder_sha256": "0" * 64, "stage1": {}}, path)
+    with pytest.raises(flags.ConfigError, match=f"^{path} is a captioner \\(caption.py's stage-2 checkpoint\\), "
                                                   f"not a stage-1 encoder: --encoder_ckpt takes adapt.py's"):
-        runtime.load_encoder(path)
+        checkpoints.load_encoder(path)
     monkeypatch.setenv("CLIP_BPE_PATH", "/data/bpe.txt.gz")
-    assert runtime.vocabulary_hint().endswith("reads CLIP_BPE_PATH's, now /data/bpe.txt.gz, else OpenAI's: point "
-                                              "CLIP_BPE_PATH at the model's)")
+    assert checkpoints.vocabulary_hint().endswith("reads CLIP_BPE_PATH's, now /data/bpe.txt.gz, else OpenAI's: point "
+                                                  "CLIP_BPE_PATH at the model's)")
 
 
 def test_check_calls_a_split_without_pairs_incomplete(clevr_root, synth_root, monkeypatch, capsys):
@@ -1762,11 +1771,11 @@ def test_check_calls_a_split_without_pairs_incomplete(clevr_root, synth_root, mo
 def test_check_decodes_a_png_a_jpeg_and_others_whole_and_passes_a_png_that_lost_only_its_end_marker(tmp_path):
     for name, kind, lost in (("a.png", "PNG", 12), ("b.jpg", "JPEG", 30), ("c.bmp", "BMP", 30)):
         Image.new("RGB", (40, 30), (200, 10, 10)).save(tmp_path / name, kind)
-        assert data.image_problem(tmp_path / name) is None
+        assert check.image_problem(tmp_path / name) is None
         (tmp_path / name).write_bytes((tmp_path / name).read_bytes()[:-lost])  # the last bytes lost
-    assert data.image_problem(tmp_path / "a.png") is None  # only the IEND chunk is gone: every pixel is there
-    assert data.image_problem(tmp_path / "b.jpg") is not None and data.image_problem(tmp_path / "c.bmp") is not None
-    assert data.image_problem(tmp_path / "d.png") == "missing"
+    assert check.image_problem(tmp_path / "a.png") is None  # only the IEND chunk is gone: every pixel is there
+    assert check.image_problem(tmp_path / "b.jpg") is not None and check.image_problem(tmp_path / "c.bmp") is not None
+    assert check.image_problem(tmp_path / "d.png") == "missing"
 
 
 # --- images of every mode ---
@@ -1801,7 +1810,7 @@ def test_an_image_past_pillows_size_limit_is_one_line_naming_the_file(tmp_path, 
         monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", limit)
         with pytest.raises(data.DataError, match=f"image {tmp_path / 'large.png'} is too large .*shrink it below"):
             data.load_image(tmp_path / "large.png")
-        assert "exceeds limit" in data.image_problem(tmp_path / "large.png")
+        assert "exceeds limit" in check.image_problem(tmp_path / "large.png")
 
 
 def test_mixed_case_requests_tokenize_as_lower_case():
@@ -1920,11 +1929,11 @@ def test_retrieval_texts_point_to_their_pairs(clevr_root):
 
 def test_the_image_cache_gives_the_decoded_pixels_and_is_rebuilt_when_a_file_changes(clevr_root, tmp_path):
     pairs = data.read_clevr_change(clevr_root, "train")
-    cache = data.image_cache(pairs, tmp_path / "cache", "train", image_size=32)
+    cache = caches.image_cache(pairs, tmp_path / "cache", "train", image_size=32)
     assert len(cache.row) == 9
     assert np.array_equal(cache[pairs[2].after], data.preprocess_uint8(pairs[2].after, 32))
     write_png(pairs[2].after, (255, 255, 255))
-    rebuilt = data.image_cache(pairs, tmp_path / "cache", "train", image_size=32)
+    rebuilt = caches.image_cache(pairs, tmp_path / "cache", "train", image_size=32)
     assert rebuilt[pairs[2].after].min() == 255
     assert torch.equal(data.ImageReader(32, rebuilt)(pairs[0].before), data.ImageReader(32)(pairs[0].before))
 
@@ -1936,7 +1945,7 @@ def test_building_the_image_cache_draws_nothing_from_the_global_generator(synth_
     torch.manual_seed(0)
     expected = torch.rand(3)
     torch.manual_seed(0)
-    data.image_cache(pairs, tmp_path / "cache", "test")
+    caches.image_cache(pairs, tmp_path / "cache", "test")
     assert torch.equal(torch.rand(3), expected)
 
 
@@ -1949,12 +1958,12 @@ def ctrl_c_as_in_a_terminal():
 def test_an_interrupt_during_the_image_cache_build_leaves_no_partial_file(tmp_path):
     for i in range(300):
         Image.new("RGB", (8, 8), (i % 256, 0, 0)).save(tmp_path / f"{i}.png")
-    script = ("import sys, time; from pathlib import Path; import data\n"
+    script = ("import sys, time; from pathlib import Path; import caches, data\n"
               "root = Path(sys.argv[1])\n"
               "pairs = [data.ImagePair(str(i), root / f'{i}.png', root / f'{i}.png', ['x']) for i in range(300)]\n"
-              "decode = data.preprocess_uint8\n"
-              "data.preprocess_uint8 = lambda path, size: (time.sleep(0.02), decode(path, size))[1]  # 6 s in all\n"
-              "data.image_cache(pairs, root / 'cache', 'all', image_size=16, workers=0)\n")
+              "decode = caches.preprocess_uint8\n"
+              "caches.preprocess_uint8 = lambda path, size: (time.sleep(0.02), decode(path, size))[1]  # 6 s in all\n"
+              "caches.image_cache(pairs, root / 'cache', 'all', image_size=16, workers=0)\n")
     process = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=HERE, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, preexec_fn=ctrl_c_as_in_a_terminal)
     said = b""
@@ -1974,17 +1983,17 @@ def test_a_partial_image_cache_of_a_dead_process_is_removed_at_the_next_build(cl
     stale = tmp_path / "cache" / f"all_32.partial-{dead.pid}.npy"
     for path in (living, stale):
         write_json(path, [])
-    data.image_cache(data.read_clevr_change(clevr_root, "train"), tmp_path / "cache", "all", image_size=32)
+    caches.image_cache(data.read_clevr_change(clevr_root, "train"), tmp_path / "cache", "all", image_size=32)
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["all_32.json", "all_32.npy", living.name]
 
 
 def test_the_scripts_image_reader_reads_every_splits_images_from_one_cache_at_the_encoders_resolution(clevr_root):
     splits = {s: data.load_split("clevr", s, clevr_root) for s in data.SPLITS}
     alone = types.SimpleNamespace(master=True, ddp=False)  # one process: it builds the cache itself
-    reader = data.image_reader(splits, clevr_root, 32, cached=True, dist_=alone)
+    reader = caches.image_reader(splits, clevr_root, 32, cached=True, dist_=alone)
     assert reader.cache_dir == clevr_root / ".cache" and reader.cache.array_path.name == "all_32.npy"
     pair = splits["test"][0]
-    assert torch.equal(reader(pair.after), data.image_reader(splits, clevr_root, 32, False, alone)(pair.after))
+    assert torch.equal(reader(pair.after), caches.image_reader(splits, clevr_root, 32, False, alone)(pair.after))
 
 
 # ======== synth.py ========
@@ -2703,10 +2712,10 @@ def test_pausing_the_garbage_collector_changes_no_score_and_turns_it_back_on(mon
     assert paused["corpus"] == running["corpus"] and paused["items"] == running["items"]
 
 
-# ======== runtime.py ========
+# ======== flags.py, files.py, progress.py, checkpoints.py, stopping.py, processes.py, batches.py ========
 
 KEEP_FREED_MEMORY_PROBE = """
-import ctypes, resource, torch, runtime
+import ctypes, resource, torch, processes
 def step():  # a training step's pattern: many large blocks alive at once, then all freed
     blocks = [torch.ones(5_000_000) for _ in range(12)]  # 12 x 20 MB
 def faults_per_step():  # the fewest of steps 3 to 6: where the heap's history left a gap, one step maps afresh
@@ -2717,10 +2726,10 @@ def faults_per_step():  # the fewest of steps 3 to 6: where the heap's history l
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     return min(faults[2:])
 libc = ctypes.CDLL("libc.so.6")
-libc.mallopt(runtime.M_MMAP_THRESHOLD, 128 * 1024)  # glibc's starting values, held fixed (its own threshold moves
-libc.mallopt(runtime.M_TRIM_THRESHOLD, 128 * 1024)  # with the history of frees, so the default is not repeatable)
+libc.mallopt(processes.M_MMAP_THRESHOLD, 128 * 1024)  # glibc's starting values, held fixed (its own threshold moves
+libc.mallopt(processes.M_TRIM_THRESHOLD, 128 * 1024)  # with the history of frees, so the default is not repeatable)
 held = faults_per_step()
-kept = runtime.keep_freed_memory()
+kept = processes.keep_freed_memory()
 print(kept, held, faults_per_step())
 """
 
@@ -2742,23 +2751,25 @@ def test_keep_freed_memory_lets_a_repeated_step_reuse_its_pages():
 
 
 def test_config_flags_follow_the_dataset_preset_then_the_command_line():
-    config = runtime.parse_config(adapt.Config, adapt.PRESETS, ["--data", "spot", "--lr", "3e-4"])
+    config = flags.parse_config(adapt.Config, adapt.PRESETS, ["--data", "spot", "--lr", "3e-4"])
     assert (config.epochs, config.lr, config.clip_lr_scale) == (20, 3e-4, 1e-3)
     with pytest.raises(SystemExit):
-        runtime.parse_config(adapt.Config, adapt.PRESETS, ["--data", "spot", "--learning_rate", "3e-4"])
+        flags.parse_config(adapt.Config, adapt.PRESETS, ["--data", "spot", "--learning_rate", "3e-4"])
 
 
-def test_a_flags_help_is_its_field_comment_with_the_comment_lines_below_it_in_the_same_column():
-    comments = runtime._field_comments(adapt.Config)
-    assert comments["lr"] == "learning rate of the new joint parameters"  # one line
-    # continued over four lines; the section comment "# run" below the last field of its group is not taken in
-    assert comments["grad_accum"].startswith("micro-batches per optimizer step: the global batch runs in this many")
-    assert comments["grad_accum"].endswith("captions as negatives, a different loss")
-    assert "# " not in comments["grad_accum"] and "  " not in comments["grad_accum"]
-    assert comments["grad_clip"] == "global gradient-norm clipping"
+def test_a_flags_help_is_the_text_its_config_field_was_declared_with(capsys):
+    helps = {f.name: f.metadata["help"] for f in dataclasses.fields(adapt.Config)}  # flags.flag(default, help)
+    assert helps["lr"] == "learning rate of the new joint parameters"
+    with pytest.raises(SystemExit):
+        flags.parse_config(adapt.Config, adapt.PRESETS, ["--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # as argparse wraps it
+    assert "--lr LR learning rate of the new joint parameters (default: 0.0001)" in shown
+    assert "the global batch runs in this many pieces, one after another, when it does not fit in memory" in shown
+    for config in (adapt.Config, caption.Config, pretrain.Config):  # every flag says what it does
+        assert all(f.metadata.get("help") for f in dataclasses.fields(config))
     for config in (adapt.Config, caption.Config):  # what a GPU user needs is explained, not only named
-        assert all(len(runtime._field_comments(config)[flag]) > 100 for flag in ("num_workers", "grad_accum", "device",
-                                                                                 "dtype"))
+        helps = {f.name: f.metadata["help"] for f in dataclasses.fields(config)}
+        assert all(len(helps[flag]) > 100 for flag in ("num_workers", "grad_accum", "device", "dtype"))
 
 
 @pytest.mark.parametrize("capability, expected", [((7, 0), "float16"), ((7, 5), "float16"), ((8, 0), "bfloat16"),
@@ -2768,8 +2779,8 @@ def test_dtype_auto_on_a_gpu_is_bfloat16_only_where_it_is_native(monkeypatch, ca
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-32GB")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    assert runtime.resolve_dtype("auto", torch.device("cuda")) == expected
-    assert runtime.resolve_dtype("bfloat16", torch.device("cuda")) == "bfloat16"  # asked for: given, with a note
+    assert processes.resolve_dtype("auto", torch.device("cuda")) == expected
+    assert processes.resolve_dtype("bfloat16", torch.device("cuda")) == "bfloat16"  # asked for: given, with a note
     note = capsys.readouterr().err
     if expected == "float16":
         assert note.count("\n") == 1 and "no bfloat16 arithmetic" in note and "compute capability 7." in note
@@ -2778,94 +2789,94 @@ def test_dtype_auto_on_a_gpu_is_bfloat16_only_where_it_is_native(monkeypatch, ca
 
 
 def test_dtype_auto_is_float32_on_the_cpu_and_an_unknown_dtype_is_refused_with_the_choices():
-    assert runtime.resolve_dtype("auto", torch.device("cpu")) == "float32"
-    assert runtime.resolve_dtype("float16", torch.device("cpu")) == "float16"  # the GPU's fp16 path, emulated
-    with pytest.raises(runtime.ConfigError, match="--dtype 'fp16'.*auto, float32, bfloat16 or float16"):
-        runtime.resolve_dtype("fp16", torch.device("cpu"))
+    assert processes.resolve_dtype("auto", torch.device("cpu")) == "float32"
+    assert processes.resolve_dtype("float16", torch.device("cpu")) == "float16"  # the GPU's fp16 path, emulated
+    with pytest.raises(flags.ConfigError, match="--dtype 'fp16'.*auto, float32, bfloat16 or float16"):
+        processes.resolve_dtype("fp16", torch.device("cpu"))
 
 
 def test_a_bad_flag_value_is_refused_before_anything_is_read(capsys):
     with pytest.raises(SystemExit):
-        runtime.parse_config(adapt.Config, adapt.PRESETS, ["--data", "synth", "--batch_size", "0"])
+        flags.parse_config(adapt.Config, adapt.PRESETS, ["--data", "synth", "--batch_size", "0"])
     assert "--batch_size 0: it must be > 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        runtime.parse_config(caption.Config, caption.PRESETS, ["--warmup", "1"])
+        flags.parse_config(caption.Config, caption.PRESETS, ["--warmup", "1"])
     assert "--warmup 1.0: it must be in [0, 1)" in capsys.readouterr().err
 
 
 def test_a_user_error_is_one_line_and_any_other_error_keeps_its_traceback(capsys):
     def bad_setting():
-        raise runtime.ConfigError("--lr -1: it must be > 0")
+        raise flags.ConfigError("--lr -1: it must be > 0")
 
     with pytest.raises(SystemExit) as exit_:
-        runtime.run(bad_setting, "adapt.py")
+        stopping.run(bad_setting, "adapt.py")
     assert exit_.value.code == 1 and capsys.readouterr().err == "adapt.py: error: --lr -1: it must be > 0\n"
 
     def shape_bug():
         torch.zeros(2, 3) @ torch.zeros(2, 3)  # a RuntimeError from inside torch: a bug, not the user's input
 
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
-        runtime.run(shape_bug, "adapt.py")
+        stopping.run(shape_bug, "adapt.py")
 
 
 def test_float_flags_accept_finite_values_only(capsys):
     for value in ("inf", "nan"):
         with pytest.raises(SystemExit):
-            runtime.parse_config(adapt.Config, adapt.PRESETS, ["--lr", value])
+            flags.parse_config(adapt.Config, adapt.PRESETS, ["--lr", value])
         assert f"--lr {value}: it must be a finite number, > 0" in capsys.readouterr().err
 
 
 def test_caption_lengths_outside_what_the_model_holds_are_refused_before_any_work(capsys):
-    for script, flags, expected in ((adapt, ["--max_words", "2"], "--max_words 2: it must be in [3, 77]"),
-                                    (adapt, ["--max_words", "78"], "--max_words 78: it must be in [3, 77]"),
-                                    (caption, ["--max_words", "1"], "--max_words 1: it must be in [2, 77]")):
+    for script, argv, expected in ((adapt, ["--max_words", "2"], "--max_words 2: it must be in [3, 77]"),
+                                   (adapt, ["--max_words", "78"], "--max_words 78: it must be in [3, 77]"),
+                                   (caption, ["--max_words", "1"], "--max_words 1: it must be in [2, 77]")):
         with pytest.raises(SystemExit):
-            runtime.parse_config(script.Config, script.PRESETS, flags)
+            flags.parse_config(script.Config, script.PRESETS, argv)
         assert expected in capsys.readouterr().err
 
 
 def test_more_intra_image_layers_than_the_model_has_are_refused_with_its_number_of_blocks(capsys):
     with pytest.raises(SystemExit):
-        runtime.parse_config(adapt.Config, adapt.PRESETS, ["--clip_model", "scratch", "--intra_layers", "7"])
+        flags.parse_config(adapt.Config, adapt.PRESETS, ["--clip_model", "scratch", "--intra_layers", "7"])
     assert "--intra_layers 7: the scratch model has --scratch_layers 6 vision blocks" in capsys.readouterr().err
     config = adapt.Config(data="synth", clip_model="synth-ViT/32", intra_layers=7)  # a model of 6 vision blocks
-    with pytest.raises(runtime.ConfigError, match=r"--intra_layers 7: synth-ViT/32 has 6 vision blocks.*\[1, 6\]"):
+    with pytest.raises(flags.ConfigError, match=r"--intra_layers 7: synth-ViT/32 has 6 vision blocks.*\[1, 6\]"):
         adapt.build_encoder(config, clip.load("synth-ViT/32")[0].config.vocab_size)
 
 
 def test_a_device_that_is_not_there_is_refused_in_one_line():
-    assert runtime.check_device("cpu") == "cpu"
-    with pytest.raises(runtime.ConfigError, match="--device 'gpu' is not a device"):
-        runtime.check_device("gpu")
+    assert flags.check_device("cpu") == "cpu"
+    with pytest.raises(flags.ConfigError, match="--device 'gpu' is not a device"):
+        flags.check_device("gpu")
     if not torch.cuda.is_available():
-        with pytest.raises(runtime.ConfigError, match="--device cuda: this torch .* use --device cpu"):
-            adapt.setup(adapt.Config(device="cuda"))
+        with pytest.raises(flags.ConfigError, match="--device cuda: this torch .* use --device cpu"):
+            processes.setup(adapt.Config(device="cuda"))
 
 
 def test_an_explain_path_pil_cannot_write_is_refused_before_the_work(capsys):
     with pytest.raises(SystemExit):
-        runtime.parse_config(caption.Config, caption.PRESETS, ["--pair", "a.png", "b.png", "--explain", "why.txt"])
+        flags.parse_config(caption.Config, caption.PRESETS, ["--pair", "a.png", "b.png", "--explain", "why.txt"])
     assert "--explain why.txt: PIL cannot write an image *.txt; end the name with .png" in capsys.readouterr().err
-    assert runtime.parse_config(caption.Config, caption.PRESETS, ["--explain", "why.jpg"]).explain == "why.jpg"
+    assert flags.parse_config(caption.Config, caption.PRESETS, ["--explain", "why.jpg"]).explain == "why.jpg"
 
 
 def test_a_non_finite_loss_stops_training_at_the_next_check_naming_its_first_step_but_a_skipped_float16_step_does_not():
     finite, inf, nan = torch.tensor(2.0), torch.tensor(math.inf), torch.tensor(math.nan)
     float32, float16 = (torch.amp.GradScaler("cpu", enabled=e) for e in (False, True))
-    watch = runtime.DivergenceWatch(float32, ddp=False)
+    watch = stopping.DivergenceWatch(float32, ddp=False)
     watch.add(6, 1e-3, finite, torch.tensor(3.0))
     watch.check()  # finite: nothing happens, and what was checked is forgotten
     assert watch.steps == []
-    watch = runtime.DivergenceWatch(float16, ddp=False)
+    watch = stopping.DivergenceWatch(float16, ddp=False)
     watch.add(7, 1e-3, finite, inf)  # overflowed scaled gradients: expected in float16, GradScaler skips the step
     watch.check()
     for step, loss in ((7, finite), (8, nan), (9, nan)):  # the loss turns NaN at step 8; the check comes at step 9
         watch.add(step, 1e-3, loss, torch.tensor(3.0))
-    with pytest.raises(runtime.Diverged, match=r"at step 8: loss nan, gradient norm 3, learning rate 0.001.*--lr"):
+    with pytest.raises(stopping.Diverged, match=r"at step 8: loss nan, gradient norm 3, learning rate 0.001.*--lr"):
         watch.check()
-    watch = runtime.DivergenceWatch(float32, ddp=False)
+    watch = stopping.DivergenceWatch(float32, ddp=False)
     watch.add(7, 1e-3, finite, inf)
-    with pytest.raises(runtime.Diverged, match="at step 7: loss 2, gradient norm inf"):
+    with pytest.raises(stopping.Diverged, match="at step 7: loss 2, gradient norm inf"):
         watch.check()
 
 
@@ -2877,7 +2888,7 @@ def test_partial_files_of_killed_processes_are_removed_and_those_of_a_running_on
     finished = tmp_path / "ckpt_last.pt"
     for path in (killed, running, finished):
         path.write_bytes(b"x")
-    runtime.remove_partial_files(tmp_path)
+    files.remove_partial_files(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([running.name, finished.name])
 
 
@@ -2924,7 +2935,7 @@ def test_learning_rate_warms_up_linearly_then_follows_the_reference_cosine():
 
 def cpu_precision(dtype: str):
     """The precision context the scripts' setup() makes for this dtype on the CPU (autocast, or none)."""
-    return adapt.setup(adapt.Config(device="cpu", dtype=dtype))[2]
+    return processes.setup(adapt.Config(device="cpu", dtype=dtype))[2]
 
 def applied_gradient_norms(optimizer) -> list:
     """Record, at each optimizer step, the norm of the gradients that the step applies.
@@ -3261,7 +3272,7 @@ def test_torchrun_with_two_cpu_processes_trains_and_only_rank_0_writes(synth40_r
     evaluated = run_adapt("--data_root", synth40_root, "--out_dir", out, "--eval", torchrun=True)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert evaluated.stdout.count("test retrieval of") == 1  # rank 0 alone scores the test split; rank 1 waits
-    rank1 = runtime.Distributed(True, 1, 1, 2, torch.device("cpu"), False)
+    rank1 = processes.Distributed(True, 1, 1, 2, torch.device("cpu"), False)
     missing = adapt.Config(checkpoint=str(tmp_path / "missing.pt"))  # read by rank 0 only: rank 1 opens nothing
     adapt.evaluate_checkpoint(missing, rank1, contextlib.nullcontext(), tmp_path)
     caption.evaluate(caption.Config(), rank1, contextlib.nullcontext(), tmp_path / "none", None, None, None, tmp_path)
@@ -3280,7 +3291,7 @@ def test_a_compiled_model_trains_under_two_process_ddp_compiled_after_the_wrap(s
     assert torch.load(out / "ckpt_last.pt", weights_only=True)["step"] > 0
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:  # the order: DDP first, compiled over it, so that DDP's bucketed all-reduce overlaps the compiled backward
-        one = runtime.Distributed(True, 0, 0, 1, torch.device("cpu"), True)
+        one = processes.Distributed(True, 0, 0, 1, torch.device("cpu"), True)
         wrapped = adapt.wrap(_tiny_encoder(), adapt.Config(compile=True), one)
         assert isinstance(wrapped, torch._dynamo.eval_frame.OptimizedModule) and isinstance(wrapped._orig_mod, DDP)
     finally:
@@ -3317,7 +3328,7 @@ def test_a_float16_run_keeps_its_loss_scale_in_the_checkpoint_and_resume_goes_on
     # give the saved scaler a state that no new GradScaler has: scale 4, doubled after every 3 steps without overflow
     state["scaler"].update(scale=4.0, growth_interval=3, _growth_tracker=0)
     state["config"]["epochs"] = 2  # as a 2-epoch run interrupted after its first: --resume refuses another schedule
-    runtime.save_checkpoint(state, out / "ckpt_last.pt")
+    checkpoints.save_checkpoint(state, out / "ckpt_last.pt")
     resumed = run_adapt(*args, "--epochs", "2", "--resume", env=env)
     assert resumed.returncode == 0, resumed.stderr
     last = torch.load(out / "ckpt_last.pt", weights_only=True)
@@ -3404,7 +3415,7 @@ def test_a_run_killed_mid_epoch_resumes_and_finishes_with_intact_checkpoints(syn
 
 
 def test_the_synth_preset_is_clip4idcs_recipe_on_the_synthetic_clip(tmp_path, monkeypatch):
-    config = runtime.parse_config(adapt.Config, adapt.PRESETS, ["--data", "synth"])
+    config = flags.parse_config(adapt.Config, adapt.PRESETS, ["--data", "synth"])
     assert config.clip_model == "synth-ViT/32" and config.clip_model in clip.MODELS
     monkeypatch.setenv("CLIP_CACHE", str(tmp_path))  # build_encoder loads it by name, through the checksummed cache
     model, _ = adapt.build_encoder(config, vocab_size=clip.load("synth-ViT/32")[0].config.vocab_size)
@@ -3474,11 +3485,11 @@ def test_zero_shot_attributes_scores_a_model_that_knows_the_answer_100_percent(s
 
 
 def test_stage_0_is_its_own_command_whose_default_is_the_scenes_preset_on_adapts_knobs(capsys):
-    config = runtime.parse_config(pretrain.Config, pretrain.PRESETS, [])
+    config = flags.parse_config(pretrain.Config, pretrain.PRESETS, [])
     assert config.data == "scenes" and config.clip_model == "scratch" and not config.freeze
     assert isinstance(config, adapt.Config) and "scenes" not in adapt.PRESETS  # adapt.py is stage 1 alone
     with pytest.raises(SystemExit):
-        runtime.parse_config(pretrain.Config, pretrain.PRESETS, ["--help"])
+        flags.parse_config(pretrain.Config, pretrain.PRESETS, ["--help"])
     help_text = capsys.readouterr().out  # adapt.py's comments, and pretrain.py's own where it changes a default
     assert "scratch model: vision width" in help_text and "runs/pretrain_scenes" in help_text
 
@@ -3636,7 +3647,7 @@ def test_a_training_step_that_is_not_a_log_step_never_makes_the_host_wait_for_th
     ctx, cpu = cpu_precision(dtype), torch.device("cpu")
     pixels = lambda seed: _pixels(4, seed)  # uint8 (B, R, R, 3), as the DataLoader hands them over
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, enabled=dtype == "float16")
-    watch = runtime.DivergenceWatch(scaler, ddp=False)
+    watch = stopping.DivergenceWatch(scaler, ddp=False)
     # stage 1: the batch to the device (normalised there), the step, the divergence watch
     encoder = _tiny_encoder().train()
     config1 = adapt.Config(max_words=16)
@@ -3708,7 +3719,7 @@ def test_training_on_cached_features_then_eval_writes_predictions_scores_and_gri
     assert "localisation (pointing game)" in (out / "test_scores.txt").read_text()
     state = torch.load(out / "ckpt_best.pt", weights_only=True)  # loads without running code
     assert state["encoder_sha256"] == clip.sha256_of(stage1["encoder"])
-    assert runtime.load_encoder(stage1["encoder"])[0].config.intra_layers == 1  # the stage-1 config, rebuilt
+    assert checkpoints.load_encoder(stage1["encoder"])[0].config.intra_layers == 1  # the stage-1 config, rebuilt
 
 
 def test_the_synth_preset_finetunes_the_inter_image_blocks_and_keeps_stage_1s_frozen_intra_image_blocks(stage1,
@@ -3842,7 +3853,7 @@ def test_a_run_killed_during_training_resumes_and_keeps_every_checkpoint_loadabl
     assert last["step"] > killed_at and len(last["history"]) + last["bad_epochs"] >= 1
     assert [h["epoch"] for h in last["history"]] == list(range(len(last["history"])))  # no epoch lost or repeated
     for name in ("ckpt_best.pt", "ckpt_last.pt"):
-        runtime.load_checkpoint(out / name)
+        checkpoints.load_checkpoint(out / name)
     assert not list(out.glob(".*.tmp*"))
 
 
@@ -3853,7 +3864,7 @@ def test_a_bfloat16_run_saves_no_scaler_state_and_resumes_in_float16_with_a_new_
     state = torch.load(out / "ckpt_last.pt", weights_only=True)
     assert state["scaler"] == {}  # bfloat16: no scaler, no state
     state["config"]["epochs"] = 2  # as a 2-epoch run interrupted after its first: --resume refuses another schedule
-    runtime.save_checkpoint(state, out / "ckpt_last.pt")
+    checkpoints.save_checkpoint(state, out / "ckpt_last.pt")
     resumed = stage2(stage1, out, "--epochs", "2", "--resume", "--dtype", "float16")
     assert resumed.returncode == 0, resumed.stderr
     assert "float16 on cpu" in resumed.stdout

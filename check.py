@@ -1,0 +1,254 @@
+"""Check a downloaded dataset, and draw its pairs: what to run after a download, before hours of training.
+
+- `check_dataset` (`python check.py --data clevr`, or spot, ier, pairs, synth; `--data_root DIR`): reads every
+  split, decodes every image whole (in parallel when there are many), compares the counts with the published
+  ones, and prints what is there and what is not; exit status 1 when something is missing or unreadable.
+- `contact_sheet` (`python check.py --show [--data synth] [--split test] [--n 6] [--model-view] [--out sheet.png]`):
+  a PNG with one row per pair, its images and captions; caption.py draws its test grid with it, the predicted
+  captions above the references.
+"""
+import argparse
+import multiprocessing
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont, UnidentifiedImageError
+
+import clip
+from data import (IMAGE_SIZE, MAX_WORDS, NO_CHANGE_SUFFIX, SOURCES, SPLITS, DataError, ImagePair, bpe_path,
+                  dataset_root, load_image, load_split, preprocess_uint8, read_clevr_change, read_json, repair,
+                  training_captions, usable_cpus)
+from progress import Progress
+
+# -----------------------------------------------------------------------------
+# Checking a download
+
+PUBLISHED = {  # (pairs, references) per split as the datasets publish them; None where no count is published
+    "clevr": {"train": (33_830, None), "val": (1_988, None), "test": (3_985, None)},  # RCC's splits.json
+    "spot": {"train": (8_566, 17_676), "val": (1_493, 3_310), "test": (1_270, 2_107)},  # spot-the-diff's, unique img_ids
+    "ier": {"train": (3_061, 3_061), "val": (383, 1_149), "test": (495, 1_485)},        # VisualRelationships' adobe
+}
+
+CLEVR_IDS_IN_NO_SPLIT = 197     # CLEVR-Change's captioned ids that its splits.json leaves out (597, 857, ...)
+SHOWN = 5                       # problems named one by one before the rest are only counted
+EXIF_ORIENTATION = 0x0112       # the EXIF tag that tells a viewer to turn or mirror a photo; 1: as stored
+CHECK_PARALLEL_MIN = 256        # the check decodes at least this many images in several processes
+
+
+def image_problem(path: Path) -> str | None:
+    """What is wrong with an image file ("missing", or why it cannot be decoded), or None when every pixel decodes.
+
+    The file is decoded whole, as training reads it: a file damaged in the middle fails here (PNG's zlib stream
+    carries a checksum), not only one cut short."""
+    return image_check(path)[0]
+
+
+def image_check(path: Path) -> tuple[str | None, bool]:
+    """image_problem's answer, and whether the image carries an EXIF orientation other than "as stored" (which
+    training ignores, as the reference does)."""
+    try:
+        with warnings.catch_warnings():  # past Pillow's size limit is a problem, as in load_image
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                image.load()
+                turned = image.getexif().get(EXIF_ORIENTATION, 1) not in (1, None)
+    except FileNotFoundError:
+        return "missing", False
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError,
+            Image.DecompressionBombWarning) as error:
+        return str(error) or type(error).__name__, False
+    return None, turned
+
+
+def image_checks(images: list[Path], progress) -> list[tuple[str | None, bool]]:
+    """image_check of every image, in order; decoded by one process per usable CPU when there are many."""
+    workers = min(usable_cpus(), len(images) // CHECK_PARALLEL_MIN)
+    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        results = []
+        for path in images:
+            results.append(image_check(path))
+            progress.show(len(results))
+        return results
+    with multiprocessing.get_context("fork").Pool(workers) as pool:  # forked: Pillow's limits as set here
+        results = []
+        for result in pool.imap(image_check, images, chunksize=16):
+            results.append(result)
+            progress.show(len(results))
+        return results
+
+
+def named(problems: list[str]) -> str:
+    more = f", and {len(problems) - SHOWN:,} more" if len(problems) > SHOWN else ""
+    return ", ".join(problems[:SHOWN]) + more
+
+
+def caption_lengths(pairs: list[ImagePair], tokenizer: clip.SimpleTokenizer | None, max_words: int) -> str:
+    """Length statistics of a split's non-empty captions, in tokens with SOT and EOT (in words without a tokenizer)."""
+    captions = [c for pair in pairs for c in training_captions(pair.captions)]
+    if not captions:
+        return "no non-empty captions"
+    if tokenizer is None:
+        lengths = np.array([len(c.split()) for c in captions])
+        return (f"caption length in words (no BPE vocabulary for tokens): min {lengths.min()}, "
+                f"median {np.median(lengths):g}, mean {lengths.mean():.1f}, max {lengths.max()}")
+    lengths = np.array([len(tokenizer.encode(c)) + 2 for c in captions])  # + SOT and EOT, as text_tokens counts
+    return (f"caption length in tokens with SOT and EOT: min {lengths.min()}, median {np.median(lengths):g}, "
+            f"mean {lengths.mean():.1f}, max {lengths.max()}; {(lengths > max_words).sum():,} longer than "
+            f"max_words {max_words} (cut there in training)")
+
+
+def beside_published(found: int, published: int | None, problems: list[str], what: str, split: str) -> str:
+    """'8,566 pairs (published: 8,566)'; a different count is also added to problems."""
+    if published is None:
+        return f"{found:,} {what}"
+    if found != published:
+        problems.append(f"{split}: {found:,} {what}, {published:,} published")
+        return f"{found:,} {what} (published: {published:,}; DIFFERENT)"
+    return f"{found:,} {what} (published: {published:,})"
+
+
+def check_dataset(data: str, root: Path, tokenizer: clip.SimpleTokenizer | None, max_words: int = MAX_WORDS) -> bool:
+    """Read every split of a downloaded dataset, open every image, print what is there and what is not.
+
+    True when nothing is missing: every split reads, every image opens, the published counts are met.
+    """
+    source = SOURCES[data]
+    print(f"{source.name} in {root}", flush=True)  # before the progress line on stderr
+    if not root.is_dir():
+        print(f"  no folder {root}; {source.get_it}")
+        return False
+    problems: list[str] = []
+    splits: dict[str, list[ImagePair]] = {}
+    for split in SPLITS:
+        try:
+            splits[split] = source.reader(root, split)
+        except DataError as error:
+            problems.append(f"{split}: {error}")
+            print(f"  {split}: cannot be read: {error}")
+    images = list(dict.fromkeys(path for pairs in splits.values() for pair in pairs
+                                for path in (pair.before, pair.after, pair.distractor) if path is not None))
+    checks = image_checks(images, Progress(len(images), what="images (decoded whole)"))
+    bad = {path: problem for path, (problem, _) in zip(images, checks) if problem}  # path -> what is wrong with it
+    turned = [str(path) for path, (_, exif) in zip(images, checks) if exif]
+    for split, pairs in splits.items():
+        published = PUBLISHED.get(data, {}).get(split, (None, None))
+        references = sum(len(pair.captions) for pair in pairs)
+        print(f"  {split}: {beside_published(len(pairs), published[0], problems, 'pairs', split)}, "
+              f"{beside_published(references, published[1], problems, 'references', split)}")
+        if not pairs and published[0] is None:  # a published count is compared above
+            problems.append(f"{split}: 0 pairs")
+            print(f"    no pairs: training and evaluation need at least one in every split")
+        empty = references - sum(len(training_captions(pair.captions)) for pair in pairs)
+        if empty:
+            without = sum(not training_captions(pair.captions) for pair in pairs)
+            print(f"    {empty:,} empty captions ({without:,} pairs without any other): "
+                  f"evaluation references, never training targets")
+        paths = list(dict.fromkeys(p for pair in pairs for p in (pair.before, pair.after, pair.distractor) if p))
+        missing = [str(p) for p in paths if bad.get(p) == "missing"]
+        unreadable = [f"{p} ({bad[p]})" for p in paths if p in bad and bad[p] != "missing"]
+        print(f"    images: {len(paths):,}, {len(missing):,} missing, {len(unreadable):,} unreadable")
+        for kind, listed in (("missing", missing), ("unreadable", unreadable)):
+            if listed:
+                problems.append(f"{split}: {len(listed):,} image(s) {kind}")
+                print(f"      {kind}: {named(listed)}")
+        if missing or unreadable:
+            print(f"      to fix: {repair(data, root, split)}")
+        print(f"    {caption_lengths(pairs, tokenizer, max_words)}")
+    if source.reader is read_clevr_change and len(splits) == len(SPLITS):  # every split read: the files are sound
+        in_splits = {int(pair.id.removesuffix(".png")) for pairs in splits.values() for pair in pairs}
+        numbers = [key.removesuffix(".png").rsplit("_", 1)[-1] for key in read_json(root / "change_captions.json", "captions")]
+        unused = [n for n in numbers if not n.isdigit() or int(n) not in in_splits]
+        expected = f" (the published files have {CLEVR_IDS_IN_NO_SPLIT})" if data == "clevr" else ""
+        print(f"  {len(unused):,} captioned ids are in no split and never used{expected}")
+    if turned:
+        print(f"  {len(turned):,} image(s) carry an EXIF orientation, which is ignored, as in the reference: the model "
+              f"sees them as stored, not turned as a viewer shows them ({named(turned)})")
+    if problems:
+        print(f"INCOMPLETE: {'; '.join(problems)}")
+    else:
+        met = ", the published counts are met" if data in PUBLISHED else ""
+        print(f"complete: every split reads, every image opens{met}")
+    return not problems
+
+
+# -----------------------------------------------------------------------------
+# A contact sheet of pairs
+
+
+def contact_sheet(pairs: list[ImagePair], out: Path, model_view: bool = False, captions: int = 3,
+                  predictions: dict[str, str] | None = None) -> Path:
+    """A PNG with one row per pair: before | after | distractor, then its id, type and captions.
+
+    With predictions ({evaluation id: caption}, as caption.py --eval writes them), each row shows the
+    predicted caption of the change pair and of the distractor pair ("<id>_n") above the references.
+    """
+    tile = (IMAGE_SIZE, IMAGE_SIZE) if model_view else (240, 160)  # the model's input, or half of 480 x 320
+    text_width, line = 470, 18
+    font = ImageFont.load_default(size=14)
+    height = max(tile[1], line * (captions + 3 + 2 * (predictions is not None))) + 8
+    sheet = Image.new("RGB", (3 * (tile[0] + 4) + text_width, height * len(pairs)), "white")
+    draw = ImageDraw.Draw(sheet)
+    for row, pair in enumerate(pairs):
+        top = row * height
+        for column, path in enumerate((pair.before, pair.after, pair.distractor)):
+            if path is not None:
+                image = Image.fromarray(preprocess_uint8(path, IMAGE_SIZE)) if model_view \
+                    else load_image(path).convert("RGB").resize(tile, Image.Resampling.BICUBIC)
+                sheet.paste(image, (column * (tile[0] + 4), top))
+        lines = [f"{pair.id}  {pair.change_type or ''}"]
+        if predictions is not None:
+            lines.append(f"predicted: {predictions.get(pair.id, '(none)')}")
+        lines += [f"reference: {c}" if predictions is not None else c for c in pair.captions[:captions]]
+        if predictions is not None and pair.id + NO_CHANGE_SUFFIX in predictions:
+            lines.append(f"distractor predicted: {predictions[pair.id + NO_CHANGE_SUFFIX]}")
+        lines += [f"distractor{' reference' if predictions is not None else ''}: {c}"
+                  for c in pair.no_change_captions[:1]]
+        for k, text in enumerate(lines):
+            draw.text((3 * (tile[0] + 4) + 6, top + 4 + k * line), text, fill="black", font=font)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sheet.save(out)
+    return out
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", default="synth", choices=sorted(SOURCES))
+    parser.add_argument("--root", "--data_root", help="dataset folder (default: data/<name>)")
+    parser.add_argument("--max_words", type=int, default=MAX_WORDS,
+                        help="count the captions longer than this many tokens (the training scripts' flag)")
+    parser.add_argument("--show", action="store_true",
+                        help="instead of the check, write a contact sheet of a few pairs")
+    parser.add_argument("--split", default="test", choices=SPLITS, help="--show: the split to draw from")
+    parser.add_argument("--n", type=int, default=6, help="--show: pairs on the contact sheet")
+    parser.add_argument("--model-view", action="store_true", help="--show: the 224 x 224 images the model sees")
+    parser.add_argument("--out", help="--show: contact sheet PNG (default: <root>/contact_sheet.png)")
+    args = parser.parse_args()
+    try:
+        run_command(args)
+    except DataError as error:  # a user's mistake: one line, no traceback
+        parser.exit(1, f"{parser.prog}: error: {error}\n")
+
+
+def run_command(args: argparse.Namespace) -> None:
+    root = dataset_root(args.data, args.root)
+    if args.show:
+        pairs = load_split(args.data, args.split, root)[:args.n]
+        out = contact_sheet(pairs, Path(args.out) if args.out else root / "contact_sheet.png", args.model_view)
+        print(f"contact sheet of {len(pairs)} {args.split} pairs: {out}")
+        return
+    tokenizer = None
+    try:
+        tokenizer = clip.get_tokenizer(bpe_path(args.data, root)) if root.is_dir() else None
+    except FileNotFoundError as error:
+        print(f"{error}\nCaption lengths are counted in words instead of tokens until then.")
+    sys.exit(0 if check_dataset(args.data, root, tokenizer, args.max_words) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,350 @@
+"""Checkpoints: what a run saves, how it resumes, and which stage-1 encoder a captioner stands on.
+
+- `save_checkpoint` / `load_checkpoint`: one dict, written atomically (temporary file, fsync, rename), read back
+  with `torch.load(weights_only=True)`, which never runs code, once the CRC-32 of every member is checked.
+- `rng_state` / `set_rng_state`: the random generators as plain tensors and lists, so that a resumed run draws the
+  numbers it would have drawn; `start_or_resume` begins a run or continues one, refusing other settings.
+- `load_encoder`: a stage-1 pair encoder from adapt.py's checkpoint or a CLIP4IDC release file (release.py);
+  `checkpoint_tokenizer`: the vocabulary a model was trained with; `Stage1`, `load_stage1`, `load_trained`: what a
+  captioner builds on, and a trained captioner's settings. caption.py passes its flags' values: nothing imports it.
+"""
+import dataclasses
+import functools
+import os
+import random
+import shutil
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import clip
+from encoder import EncoderConfig, PairEncoder
+from files import NO_SPACE, fsync_dir, no_space, remove_partial_files, signals_deferred
+from flags import ConfigError
+from progress import LOG_NAME, trim_log
+from release import RELEASE, release_encoder, release_stage
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read: corrupt, truncated, or not one of this project's."""
+
+
+# -----------------------------------------------------------------------------
+# Random state: saved as tensors and lists so that weights_only loading accepts it
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(internal), gauss],
+             "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():  # this process's GPU only, so that a machine with fewer GPUs can resume it
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# -----------------------------------------------------------------------------
+# One dict, written atomically, read without running code
+
+
+def save_checkpoint(state: dict, path) -> None:
+    """torch.save to a temporary file in the same folder, fsync, then rename over `path`.
+
+    A reader, or a run killed at any instant, sees either the old complete file or the new complete file. A Ctrl-C
+    during the save takes effect when it is done (torch.save interrupted half-way raises another error instead).
+    A full disk (checked before, or met while writing) is files.DiskFull, one line naming the file and the space it
+    needs; the temporary file is removed and the previous checkpoint at `path` kept.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    needed = state_bytes(state)
+    kept = f" ({path} keeps the previous checkpoint)" if path.exists() else ""
+    fix = f"free some space there, then continue with --resume{kept}"
+    if shutil.disk_usage(path.parent).free < needed:
+        raise no_space(path, path.parent, needed, fix)
+    with signals_deferred():
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except Exception as error:  # torch.save reports a failed write as a RuntimeError, the OSError its context
+            if any(isinstance(e, OSError) and e.errno in NO_SPACE for e in _chain(error)):
+                tmp.unlink(missing_ok=True)
+                raise no_space(path, path.parent, needed, fix) from None
+            raise
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        fsync_dir(path.parent)
+
+
+def _chain(error: BaseException):
+    """An exception and those it was raised from or while handling, newest first."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def state_bytes(state) -> int:
+    """The bytes of the tensors in a checkpoint's dict (each storage once: tied weights share one): about the size
+    of its file, which adds a few KB of pickled structure."""
+    storages = {}
+    def visit(value):
+        if torch.is_tensor(value):
+            storage = value.untyped_storage()
+            storages[(value.device, storage.data_ptr())] = storage.nbytes()
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+    visit(state)
+    return sum(storages.values())
+
+
+def load_checkpoint(path, required=("model", "config"), release: bool = False) -> dict:
+    """Read a checkpoint with `weights_only=True`: tensors and plain containers only, never code.
+
+    release=True also accepts a CLIP4IDC release file, the reference's bare state dict (release.py).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}: train first, or pass the right path")
+    expected = "a checkpoint of this project" + (f", or {RELEASE}" if release else "")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {reason}); expected "
+                              f"{expected}. It may be truncated or corrupt: delete it, or point to another "
+                              f"checkpoint.") from None
+    check_checksums(path)
+    if release and release_stage(state) is not None:
+        return state
+    missing = [k for k in required if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CheckpointError(f"{path} lacks {missing}: expected {expected}")
+    return state
+
+
+def check_checksums(path) -> None:
+    """Refuse a checkpoint whose bytes do not match the CRC-32 of its members (torch.save writes a zip archive, and
+    torch.load does not compare them: 8 KB overwritten inside a tensor loads, as other numbers). Reading the file
+    again costs about 0.3 s per GB from the page cache (BENCHMARKS.md section 9)."""
+    if not zipfile.is_zipfile(path):  # torch.save's legacy format (before torch 1.6) has no checksums
+        return
+    member = None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for member in archive.infolist():
+                with archive.open(member) as file:
+                    while file.read(1 << 24):  # the CRC-32 is compared at the member's end
+                        pass
+    except (zipfile.BadZipFile, OSError, EOFError) as error:
+        raise CheckpointError(f"{path} is damaged: {member.filename if member else 'its index'} does not match its "
+                              f"checksum ({error}); delete it, or point to another checkpoint") from None
+
+
+# -----------------------------------------------------------------------------
+# Starting a run, or resuming one
+
+
+def check_config(saved: dict, current: dict, keys, path) -> None:
+    """Refuse to resume from a checkpoint whose settings `keys` (those that shape the model or change what the
+    training computes: batch, schedule, rates, lengths) differ from this run's."""
+    different = [f"--{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}"
+                 for k in keys if saved.get(k) != current.get(k)]
+    if different:
+        raise ConfigError(f"{path} was written by a run with another configuration ("
+                          + "; ".join(different) + "). Use the same flags, or a new --out_dir.")
+
+
+def start_or_resume(path, config, model_keys, dist_, model, optimizer, scaler) -> dict | None:
+    """The start of a run whose last checkpoint is `path`: None for a new run; with --resume, the checkpoint,
+    after restoring the model, optimizer, scaler and random generators from it.
+
+    The half-written files of a killed save are removed first. A new run never overwrites a finished one, and a
+    checkpoint whose model-shaping settings (`model_keys`) differ from this run's is refused.
+    """
+    path = Path(path)
+    if dist_.master:
+        remove_partial_files(path.parent)
+    if not config.resume:
+        if dist_.master and path.exists():
+            raise FileExistsError(f"{path} exists: pass --resume to continue that run, or choose another --out_dir")
+        if dist_.master:  # a run stopped before its first checkpoint left a log of steps that this run repeats
+            (path.parent / LOG_NAME).unlink(missing_ok=True)
+        return None
+    state = load_checkpoint(path)
+    check_config(state["config"], dataclasses.asdict(config), model_keys, path)
+    if dist_.master:
+        trim_log(path.parent / LOG_NAME, state["step"])
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    # float16: the loss scale and its growth count go on where they were. A float32 or bfloat16 run's checkpoint
+    # has no scaler state (an empty dict); resumed in float16, the scaler starts at its initial scale.
+    if state["scaler"] or not scaler.is_enabled():
+        scaler.load_state_dict(state["scaler"])
+    if dist_.master:              # the master draws what it would have drawn; the others only need new numbers
+        set_rng_state(state["rng"])
+    else:
+        seed_everything(config.seed + dist_.rank + state["step"])
+    return state
+
+
+# -----------------------------------------------------------------------------
+# A stage-1 encoder and its vocabulary
+
+
+def load_encoder(path, intra_layers: int = 9) -> tuple[PairEncoder, dict]:
+    """A stage-1 pair encoder in eval mode, and what else its file holds: adapt.py's checkpoint, or a CLIP4IDC
+    release file of either stage (its clip.* is the adapted encoder; its vocabulary is OpenAI's, bpe_path None).
+
+    intra_layers: a release's split point, which its file does not hold (the reference's --intra_num_hidden_layers,
+    9 in all its scripts); adapt.py's checkpoints record their own.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no stage-1 checkpoint at {path}: run adapt.py for this dataset first "
+                                f"(python adapt.py --data ...), or pass --encoder_ckpt")
+    state = load_checkpoint(path, required=("model",), release=True)
+    release = release_stage(state) is not None
+    if not release and "encoder_sha256" in state:
+        raise ConfigError(f"{path} is a captioner (caption.py's stage-2 checkpoint), not a stage-1 encoder: "
+                          f"--encoder_ckpt takes adapt.py's checkpoint (runs/adapt_<data>/ckpt_best.pt) or a CLIP4IDC "
+                          f"release; a captioner is given with --checkpoint")
+    missing = [k for k in ("clip_config", "encoder_config") if not release and k not in state]
+    if missing:
+        raise CheckpointError(f"{path} lacks {missing}: expected a checkpoint of this project, or {RELEASE}")
+    if release:
+        blocks = len({k.split(".")[4] for k in state if k.startswith("clip.visual.transformer.resblocks.")})
+        if not 0 < intra_layers <= blocks:
+            raise ConfigError(f"--intra_layers {intra_layers}: {path} has {blocks} vision blocks, so it must be in "
+                              f"[1, {blocks}] (the reference's split point is 9)")
+        model = release_encoder(state, EncoderConfig(intra_layers))
+        return model, {"clip_config": dataclasses.asdict(model.clip.config), "bpe_path": None, "release": True}
+    return encoder_from_state(state), state
+
+
+def encoder_from_state(state: dict) -> PairEncoder:
+    """A pair encoder in eval mode, rebuilt from the sizes a checkpoint records (clip_config, encoder_config) and
+    its weights ("model"; without them the weights are random, for a captioner that holds its encoder's)."""
+    model = PairEncoder(clip.CLIP(clip.CLIPConfig(**state["clip_config"])), EncoderConfig(**state["encoder_config"]))
+    if "model" in state:
+        model.load_state_dict(state["model"])
+    return model.eval()
+
+
+@functools.cache
+def vocabulary_tensor(bpe_path) -> torch.Tensor:
+    """A vocabulary file's bytes as a uint8 tensor: kept inside a checkpoint, so the checkpoint travels alone. Read
+    once per process: a run saves it with every checkpoint, and the file does not change meanwhile."""
+    return torch.frombuffer(bytearray(Path(bpe_path).read_bytes()), dtype=torch.uint8)
+
+
+def vocabulary_hint(tokenizer=None) -> str:
+    """What a vocabulary-mismatch error adds: which file the tokenizer read, and how to choose another."""
+    read = f"the tokenizer read {tokenizer.bpe_path}; " if tokenizer is not None else ""
+    env = os.environ.get("CLIP_BPE_PATH")
+    return (f" ({read}a dataset without its own vocabulary file reads CLIP_BPE_PATH's"
+            f"{f', now {env}' if env else ', not set'}, else OpenAI's: point CLIP_BPE_PATH at the model's)")
+
+
+def checkpoint_tokenizer(state: dict, data_vocabulary=None) -> clip.SimpleTokenizer:
+    """The tokenizer a checkpoint's model was trained with: the vocabulary kept inside it; for a checkpoint
+    without one (older ones), the file at its stored path if it is still there (a hint, never a requirement),
+    else data_vocabulary (the dataset's own, data.bpe_path), else OpenAI's (a release's, found by clip.py)."""
+    if "vocabulary" in state:
+        with tempfile.TemporaryDirectory() as folder:  # read once: the tokenizer keeps its merges, not the file
+            path = Path(folder) / "bpe_vocab.txt.gz"
+            path.write_bytes(state["vocabulary"].numpy().tobytes())
+            return clip.SimpleTokenizer(path)
+    for hint in (state.get("bpe_path"), data_vocabulary):
+        if hint is not None and Path(hint).is_file():
+            return clip.get_tokenizer(hint)
+    return clip.get_tokenizer(None)
+
+
+# -----------------------------------------------------------------------------
+# What a captioner stands on: its stage-1 checkpoint, and the captioner itself
+
+
+@dataclasses.dataclass
+class Stage1:
+    """The stage-1 checkpoint stage 2 builds on."""
+    path: Path
+    sha256: str           # the captioner records it, and refuses to run on another encoder
+    encoder: PairEncoder  # in eval mode
+    state: dict           # the checkpoint's other entries: config, clip_config, vocabulary (or bpe_path)
+    freeze_intra: bool    # stage 1 froze the intra-image blocks (the synth preset): stage 2 keeps them frozen
+
+
+def load_stage1(encoder_ckpt: str, data: str, intra_layers: int, trained: dict | None = None,
+                trained_path: Path | None = None) -> Stage1:
+    """The stage-1 encoder, found in this order: `encoder_ckpt` (--encoder_ckpt) when given (a flag wins); the copy
+    of stage 1 that a trained captioner holds (--eval, --pair: its checkpoint travels alone); the file it recorded,
+    if it is still there (a hint, never a requirement); runs/adapt_<data>/ckpt_best.pt. The file is adapt.py's
+    checkpoint or a CLIP4IDC release (intra_layers: a release's split point, load_encoder).
+
+    trained: the trained captioner's checkpoint (ours), at trained_path; it recorded the sha256 of its encoder,
+    which must still be this one."""
+    if trained is not None and not encoder_ckpt and "stage1" in trained:
+        record = trained["stage1"]  # finetuned: no weights here, the captioner's encoder.* replace the random ones
+        return Stage1(trained_path, trained["encoder_sha256"], encoder_from_state(record), record,
+                      record["config"].get("freeze_intra", False))
+    hint = None if trained is None else trained.get("encoder_ckpt")
+    path = Path(encoder_ckpt or (hint if hint and Path(hint).is_file() else f"runs/adapt_{data}/ckpt_best.pt"))
+    encoder, state = load_encoder(path, intra_layers)
+    sha256 = clip.sha256_of(path)
+    if trained is not None and trained["encoder_sha256"] != sha256:
+        raise ConfigError(f"{path} is not the stage-1 checkpoint the captioner was trained on (its sha256 "
+                          f"differs); pass that one with --encoder_ckpt, or train stage 2 again")
+    return Stage1(path, sha256, encoder, state, state.get("config", {}).get("freeze_intra", False))
+
+
+def load_trained(path: Path, model_keys) -> tuple[dict, dict]:
+    """--eval, --pair: the trained captioner at `path`, ours (out_dir/ckpt_best.pt) or the captioning stage of a
+    CLIP4IDC release (--checkpoint trained/pytorch_model.bin.clevr), and the settings it decides, {flag: value}
+    for the caller's config: ours recorded its model settings (model_keys, caption.MODEL_KEYS, all but "data")."""
+    best = load_checkpoint(path, required=("model", "config"), release=True)
+    stage = release_stage(best)
+    if stage == 1:
+        raise ConfigError(f"{path} is the reference's adaptation stage (no decoder): caption with its "
+                          f"captioning stage (trained/pytorch_model.bin.*), or train a captioner on it with "
+                          f"--encoder_ckpt {path}")
+    if stage == 2:  # the release holds its encoder too; its decoder reads the pair tokens, computed once
+        return {"encoder_ckpt": str(path), "finetune_encoder": False}, best
+    if "encoder_sha256" not in best:
+        if "encoder_config" in best:
+            raise ConfigError(f"{path} is a stage-1 checkpoint (adapt.py's, no decoder): --checkpoint takes "
+                              f"a captioner (caption.py's ckpt_best.pt); to train one on this encoder, pass "
+                              f"--encoder_ckpt {path}")
+        raise CheckpointError(f"{path} lacks ['encoder_sha256']: expected a captioner of caption.py")
+    # ours: the model settings it was trained with
+    return {k: best["config"][k] for k in model_keys if k != "data"}, best

@@ -1,0 +1,139 @@
+"""Processes: a training process's set-up, the nanoGPT way: DDP from the environment, device, precision, memory.
+
+DDP is torch's DistributedDataParallel: one process per GPU, each with a copy of the model, gradients averaged.
+
+- `setup`: one of torchrun's processes (RANK is set: DDP, `init_process_group`) or the only one; its device, TF32,
+  the autocast context and the GradScaler. adapt.py, pretrain.py and caption.py all call it.
+- `Distributed`, `resolve_dtype`, `set_tf32`, `GROUP_TIMEOUT`, `loader_workers`: what the set-up fills in, the
+  precision 'auto' means (by the GPU's compute capability), TF32, how long a process waits for the master, how
+  many loader processes 'auto' means.
+- `keep_freed_memory`: glibc keeps freed blocks for reuse, so a CPU training step does not page-fault.
+"""
+import ctypes
+import dataclasses
+import datetime
+import os
+import sys
+from contextlib import nullcontext
+
+import torch
+from torch.distributed import init_process_group
+
+import data
+from flags import ConfigError, check_device
+
+# -----------------------------------------------------------------------------
+# Processes and precision
+
+
+@dataclasses.dataclass
+class Distributed:
+    ddp: bool            # True under torchrun
+    rank: int            # this process's index among all processes
+    local_rank: int      # this process's index on this machine (selects its GPU)
+    world_size: int      # number of processes
+    device: torch.device
+    master: bool         # rank 0: the only process that prints, logs and writes checkpoints
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> str:
+    """'auto' is bfloat16 on a GPU that computes it natively (compute capability 8.0 and up: A100, H100, L4, RTX
+    30xx), float16 with a GradScaler on older GPUs (V100, T4, P100), float32 on the CPU.
+
+    The capability is asked directly: torch.cuda.is_bf16_supported() also answers True where bfloat16 is only
+    emulated (a V100 can hold bf16 tensors but has no bf16 arithmetic: several times slower than float16).
+    Any dtype may be asked for on any device, and bfloat16 on an older GPU gets a one-line note: float16 on the
+    CPU runs the GPU's fp16 path (autocast and a GradScaler) slowly, which is how the tests exercise it.
+    """
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ConfigError(f"--dtype {dtype!r} is not one this project trains in: use auto, float32, bfloat16 or float16")
+    if device.type != "cuda":
+        return "float32" if dtype == "auto" else dtype
+    major, minor = torch.cuda.get_device_capability(device)
+    if dtype == "auto":
+        return "bfloat16" if major >= 8 else "float16"
+    if dtype == "bfloat16" and major < 8 and int(os.environ.get("RANK", 0)) == 0:
+        print(f"note: --dtype bfloat16 on {torch.cuda.get_device_name(device)} (compute capability {major}.{minor}), "
+              f"which has no bfloat16 arithmetic: torch emulates it, several times slower than float16; --dtype auto "
+              f"picks float16 here", file=sys.stderr)
+    return dtype
+
+
+def set_tf32(enabled: bool) -> None:
+    """float32 matrix products and convolutions on an NVIDIA GPU (Ampere and later: A100, H100) in TensorFloat-32:
+    float32's range with a 10-bit mantissa, about 8 times the IEEE float32 rate on the tensor cores. torch's defaults
+    are mixed (TF32 convolutions, IEEE matrix products); this sets both, to TF32 (--tf32, the default) or to IEEE
+    float32 (--no-tf32, to compare a run with the CPU's numbers). It changes nothing on the CPU."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled  # the settings torch 2.5 to 2.13 all read
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
+# How long a process waits in a collective (a barrier) for the others. The master alone draws the synthetic set,
+# builds the caches, validates after every epoch and scores the test split while the others wait at a barrier;
+# torch's default (10 minutes for NCCL) would end a run whose image cache (CLEVR-Change: 80,000 images decoded)
+# or stage 2's feature cache takes longer. A process that truly hangs is still stopped, after this long.
+GROUP_TIMEOUT = datetime.timedelta(hours=2)
+
+
+def loader_workers(num_workers: int, device: torch.device) -> int:
+    """--num_workers as the DataLoaders use it: -1 (auto) is, on a GPU, every CPU this process may use less one
+    (the training process's own), shared between the processes of this machine (LOCAL_WORLD_SIZE under torchrun):
+    a fast GPU eats thousands of pairs a second (BENCHMARKS.md section 8); on the CPU, 4 (a step takes seconds)."""
+    if num_workers >= 0:
+        return num_workers
+    if device.type != "cuda":
+        return 4
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return max(1, data.usable_cpus() // local_processes - 1)
+
+
+def setup(config) -> tuple[Distributed, str, object, torch.amp.GradScaler]:
+    """This process: one of torchrun's (RANK is set: DDP) or the only one; its device; the precision context.
+
+    config: a training script's Config; its device, dtype and tf32 are read. Returns the process (Distributed),
+    the precision it trains in, the autocast context and the GradScaler."""
+    device = check_device(config.device)  # auto: cuda when torch sees a GPU; a missing GPU is refused
+    ddp = int(os.environ.get("RANK", -1)) != -1
+    rank, local_rank, world_size = (int(os.environ.get(k, 0)) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if ddp and device.startswith("cuda"):
+        device = f"cuda:{local_rank}"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)  # also for one process on cuda:1: its kernels and caches go to that GPU
+        set_tf32(config.tf32)
+    if ddp:  # device_id binds NCCL to this process's GPU at once; the timeout covers the master's work alone
+        init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=GROUP_TIMEOUT,
+                           device_id=torch.device(device) if device.startswith("cuda") else None)
+    if ddp and not device.startswith("cuda"):
+        # torchrun sets OMP_NUM_THREADS=1: share this machine's cores between its local processes instead
+        torch.set_num_threads(max(1, data.usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+    dist_ = Distributed(ddp, rank, local_rank, world_size if ddp else 1, torch.device(device), rank == 0)
+    dtype = resolve_dtype(config.dtype, dist_.device)  # "auto": bf16 (or fp16) on a GPU, float32 on CPU
+    # weights stay float32; autocast runs the matrix products in bf16 or fp16
+    ctx = nullcontext() if dtype == "float32" else torch.autocast(dist_.device.type, dtype=getattr(torch, dtype))
+    # fp16 only: the loss is scaled up before backward so that small gradients do not underflow
+    scaler = torch.amp.GradScaler(dist_.device.type, enabled=(dtype == "float16"))
+    return dist_, dtype, ctx, scaler
+
+
+# -----------------------------------------------------------------------------
+# Memory: keep freed blocks in the process
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt() parameters (malloc.h)
+
+
+def keep_freed_memory(largest_block: int = 32 << 20) -> bool:
+    """Ask glibc's malloc to keep freed memory for reuse instead of handing it back to the kernel.
+
+    By default glibc serves a large block (over a threshold that grows to at most 32 MiB) with a fresh mmap and
+    unmaps it when freed. A training step's activations are such blocks, so each step gets new pages, and the
+    kernel zeroes and maps every page on first touch: 175,000 page faults and 0.6-0.8 s of system time in a
+    6 s ViT-B/32 step on 2 CPU threads, 14% of a synth stage-1 step (BENCHMARKS.md section 3). After this call
+    blocks up to largest_block come from the heap and the heap is never trimmed, so a step reuses the pages of
+    the step before (0 faults). The price: the process keeps its peak memory until it ends. This is what
+    jemalloc or tcmalloc would give, without a dependency. Returns False, doing nothing, off glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, largest_block) and libc.mallopt(M_TRIM_THRESHOLD, -1))
+    except (OSError, AttributeError):  # not Linux, or a C library without mallopt (musl)
+        return False

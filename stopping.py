@@ -1,0 +1,255 @@
+"""Stopping: how a training run ends early, and what it says then, in one line.
+
+- `run`: a script's main(), with the errors a user can fix (`USER_ERRORS`: a missing or bad file, a bad setting,
+  bad data, a full disk), a diverged run and Ctrl-C printed as one line; any other exception, a bug or an
+  out-of-memory, keeps its traceback.
+- `DivergenceWatch`, `check_finite_model`: a diverged run (Diverged) stops at the next log step, naming the step
+  where it diverged, without a wait for the GPU in every step; a model whose weights are not finite is never saved.
+- `StopSignals`, `stopped`, `stop_everywhere`: Ctrl-C and SIGTERM end the step in progress, the master saves
+  ckpt_last.pt and the run stops in one line (exit status 130, 143) with the command that resumes it
+  (`resume_hint`), every process at the same check under torchrun.
+- `data_error_stop`: a damaged image met in training saves the last step, then stops in one line naming it.
+"""
+import math
+import os
+import shlex
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+import clip
+import data
+from checkpoints import CheckpointError
+from files import STOP_SIGNALS, DiskFull
+from flags import ConfigError
+
+# -----------------------------------------------------------------------------
+# A diverged run
+
+
+class Diverged(RuntimeError):
+    """A training step whose loss or gradient norm is not finite: the run stops, saving nothing more."""
+
+
+class DivergenceWatch:
+    """Stop the run at the first optimizer step whose loss or gradient norm is inf or NaN (Diverged, one line),
+    without waiting for the device at every step.
+
+    add() keeps each step's loss and gradient norm as they are, tensors on the device; check() reads them, on the
+    log steps and before every save: reading a number from a GPU waits for every kernel queued before it, so a
+    check per step would stall the GPU once per step. A run that diverges thus stops at the next check, at most
+    --log_every steps later, naming the first bad step; a checkpoint written after it is impossible.
+
+    float16: GradScaler skips a step whose scaled gradients overflowed and halves its scale; that is expected, so
+    the gradient norm is not checked then. The loss is the model's own output in every precision: no scale mends
+    a non-finite one. Under DDP the first bad step is all-reduced, so that every process stops at the same check
+    (the losses differ between processes).
+
+    The same check says when to stop for a signal (`stop`, a StopSignals): check() returns True when a process was
+    sent SIGINT or SIGTERM. Under DDP the flag travels in the same all-reduce as the first bad step (a rank that
+    stopped alone would wait for ever in the next collective), so every process stops at the same check; alone=True
+    skips the collective, for a process that stops while the others do not (a DataError on the master).
+    """
+
+    def __init__(self, scaler, ddp: bool, stop=None, device="cpu"):
+        self.check_norm, self.ddp, self.stop, self.device = not scaler.is_enabled(), ddp, stop, torch.device(device)
+        self.steps = []  # (step, lr, loss, gradient norm) since the last check
+
+    def add(self, step: int, lr: float, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        self.steps.append((step, lr, loss.detach(), grad_norm.detach()))
+
+    def check(self, alone: bool = False) -> bool:
+        steps, self.steps = self.steps, []
+        signalled = self.stop is not None and self.stop.signal is not None
+        bad, values = [], []
+        if steps:
+            values = torch.stack([torch.stack([loss.float(), norm.float()]) for _, _, loss, norm in steps])  # (S, 2)
+            values = values.tolist()  # the one wait for the device
+            bad = [step for (step, _, _, _), (loss, norm) in zip(steps, values)
+                   if not math.isfinite(loss) or (self.check_norm and not math.isfinite(norm))]
+        first = bad[0] if bad else NO_STEP
+        if self.ddp and not alone:  # every process stops at the same check: the first bad step, or a signal, anywhere
+            everywhere = torch.tensor([first, 0 if signalled else 1], device=self.device)
+            torch.distributed.all_reduce(everywhere, op=torch.distributed.ReduceOp.MIN)
+            first, signalled = int(everywhere[0]), int(everywhere[1]) == 0
+        if first == NO_STEP:
+            return signalled
+        if first not in bad:
+            raise Diverged(f"training diverged at step {first} in another process; nothing after it was saved. Try a "
+                           f"lower --lr or a longer --warmup, with a new --out_dir")
+        (step, lr, _, _), (loss, norm) = next((s, v) for s, v in zip(steps, values) if s[0] == first)
+        raise Diverged(f"training diverged at step {step}: loss {loss:.4g}, gradient norm {norm:.4g}, learning rate "
+                       f"{lr:.3g}; nothing after it was saved. Try a lower --lr (say {lr / 10:.1g}) or a longer "
+                       f"--warmup, with a new --out_dir; in float16, --dtype bfloat16 or float32")
+
+
+NO_STEP = 2 ** 62  # DivergenceWatch: "no bad step" in the all-reduced minimum
+
+
+def check_finite_model(model: torch.nn.Module, step: int, lr: float) -> None:
+    """Before a model is scored and saved: every weight finite (a last step can make them inf with a finite loss)."""
+    bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        raise Diverged(f"training diverged at step {step}: {len(bad)} weights are not finite ({bad[0]}, ...), at "
+                       f"learning rate {lr:.3g}; this model was not saved. Try a lower --lr (say {lr / 10:.1g}) or "
+                       f"a longer --warmup, with a new --out_dir")
+
+
+# -----------------------------------------------------------------------------
+# Ctrl-C, SIGTERM and bad data: stop at a step boundary, say how to go on
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM: the one line to print (what was saved, and the command that resumes; empty on the
+    processes that print nothing), and the exit status, the shell's for that signal (128 + its number)."""
+
+    def __init__(self, message: str = "", status: int = 128 + signal.SIGINT):
+        super().__init__(message)
+        self.status = status
+
+
+SIGNAL_WORDS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)"}
+
+
+def resume_hint(path) -> str:
+    """What a stopped run's last checkpoint `path` holds and the command that continues it. The step is read from
+    the file itself: the stop may have come between a save and any note of it. mmap reads the one number, not the
+    weights."""
+    path = Path(path)
+    if not path.is_file():
+        return "before the first checkpoint: nothing was saved; run the same command again to start over"
+    step = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"]
+    argv = [a for a in sys.argv if a not in ("--resume", "--no-resume")]
+    return f"{path} holds step {step}; continue with: {shlex.join(['python', *argv, '--resume'])}"
+
+
+def interrupted(path, number: int = signal.SIGINT) -> Interrupted:
+    """The Interrupted for a run stopped by signal `number` whose last checkpoint is `path`."""
+    hint = resume_hint(path)
+    return Interrupted(f"{SIGNAL_WORDS.get(number, 'interrupted')}{' ' if hint.startswith('before') else ': '}{hint}",
+                       128 + number)
+
+
+def stopped(stop, path, dist_) -> Interrupted:
+    """The end of a run stopped at a step boundary (StopSignals) once the master has saved `path`: every process
+    leaves together (under DDP a barrier first), and the master alone says so."""
+    if dist_.ddp:
+        torch.distributed.barrier()
+    number = stop.signal or signal.SIGTERM  # another process's signal: torchrun sends the same to every process
+    return interrupted(path, number) if dist_.master else Interrupted("", 128 + number)
+
+
+def stop_everywhere(stop, dist_) -> bool:
+    """Whether some process was sent SIGINT or SIGTERM (StopSignals): under DDP an all-reduce, which every process
+    calls at the same point (it serves as the epoch's barrier too)."""
+    signalled = stop.signal is not None
+    if dist_.ddp:
+        flag = torch.tensor([int(signalled)], device=dist_.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        signalled = bool(flag)
+    return signalled
+
+
+class StopSignals:
+    """Within the block, SIGINT (Ctrl-C) and SIGTERM (what Slurm sends before preemption; torchrun forwards it to
+    every process) are noted in .signal instead of ending the process: the training loop ends the step in progress,
+    saves ckpt_last.pt at that step boundary and stops (Interrupted, exit status 130 or 143). Ctrl-\\ (SIGQUIT)
+    still ends a process at once. A signal that this process ignores (a background job's SIGINT) stays ignored;
+    outside the main thread Python gives no signals, and the block runs as it is."""
+
+    NUMBERS = STOP_SIGNALS
+
+    def __init__(self):
+        self.signal, self.previous = None, {}
+
+    def note(self, number, frame) -> None:
+        self.signal = self.signal or number
+
+    def now(self, ddp: bool) -> bool:
+        """Whether to check at this step boundary for the signal alone: at once in a single process; under DDP it
+        waits for the next check (a log step or a save), where all the processes agree without an extra wait."""
+        return self.signal is not None and not ddp
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for number in self.NUMBERS:
+                if signal.getsignal(number) is not signal.SIG_IGN:
+                    self.previous[number] = signal.signal(number, self.note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+        self.previous = {}
+
+
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """A DataLoader worker's worker_init_fn. A terminal's Ctrl-C reaches every process of the job: a worker ignores
+    it (the training process ends its workers itself, once it has saved). SIGTERM (Slurm's, which also reaches
+    every process; and the one DataLoader ends its workers with) ends a worker with exit status 0: killed by the
+    signal, it would make torch raise "DataLoader worker is killed by signal" in the training process at once,
+    inside the step that SIGTERM lets finish. A worker whose training process died exits on its own (DataLoader's
+    watchdog)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda number, frame: os._exit(0))
+
+
+def one_line(error: Exception) -> str:
+    """An error's message as one line: a DataError raised in a DataLoader worker arrives wrapped ("Caught DataError
+    in DataLoader worker process 0. Original Traceback ..."): its last line holds the original message."""
+    text = str(error).strip()
+    if "Original Traceback" in text:
+        last = text.splitlines()[-1]
+        text = last.split(": ", 1)[1] if ": " in last else last
+    return " ".join(text.split("\n"))
+
+
+def data_error_stop(error: Exception, save, step: int, watch, path, dist_) -> data.DataError:
+    """A damaged file met by the training loop's DataLoader, before step `step` + 1: the master saves ckpt_last.pt
+    (save(), at the last completed step, once the steps since the last check are known to be finite: checked by
+    this process alone, the others being inside the step), and the error becomes one line that names the file and
+    says what was saved. Under torchrun a process other than the master saves nothing: its line names the file,
+    and torchrun ends the others."""
+    if dist_.master and step > 0:
+        watch.check(alone=True)
+        save()
+        saved = resume_hint(path)
+        saved = f"stopped: {saved}" if not saved.startswith("before") else f"stopped {saved}"
+    else:
+        saved = "stopped: nothing was saved by this process" if step > 0 else "stopped before the first step"
+    return data.DataError(f"{one_line(error)}; {saved}")
+
+
+# -----------------------------------------------------------------------------
+# A script's main()
+
+
+# The errors a user can fix, by the file, flag or data they name: the scripts print these as one line.
+USER_ERRORS = (FileNotFoundError, FileExistsError, ConfigError, CheckpointError, data.DataError, clip.FileError,
+               DiskFull)
+
+
+def _terminated(number, frame):
+    raise Interrupted(SIGNAL_WORDS[signal.SIGTERM], 128 + number)
+
+
+def run(main, program: str) -> None:
+    """Call a script's main(). A USER_ERRORS error ends the process with one line on stderr and exit status 1;
+    any other exception (a bug, a shape mismatch inside torch, CUDA out of memory) keeps its traceback. Ctrl-C and
+    SIGTERM end it with one line and the shell's status for the signal, 130 or 143 (in the training loop, after a
+    save at the step boundary: StopSignals)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminated)  # outside the training loop SIGTERM ends the run as Ctrl-C does
+    try:
+        main()
+    except USER_ERRORS + (Diverged,) as error:
+        print(f"{program}: error: {one_line(error)}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C: one line, no traceback, and the shell's status for SIGINT
+        message = str(interrupt) if isinstance(interrupt, Interrupted) else "interrupted"
+        if message:
+            print(f"{program}: {message}", file=sys.stderr)
+        sys.exit(getattr(interrupt, "status", 128 + signal.SIGINT))
