@@ -2827,6 +2827,35 @@ def test_a_non_finite_loss_stops_training_at_the_next_check_naming_its_first_ste
         watch.check()
 
 
+def test_the_step_boundary_reads_the_losses_on_log_and_save_steps_and_saves_between_epochs_or_for_a_signal(tmp_path):
+    alone = runtime.Distributed(False, 0, 0, 1, torch.device("cpu"), True)
+    config = types.SimpleNamespace(log_every=4, save_every=3)
+    run = runtime.Run(config, alone, "float32", contextlib.nullcontext(), torch.amp.GradScaler("cpu", enabled=False),
+                      tmp_path)
+    saved, logged, checked = [], [], []
+    with runtime.StepBoundary(run, steps_per_epoch=6, total_steps=12, first_step=0,
+                              save=lambda path: saved.append((step, path.name))) as boundary:
+        for step in range(1, 13):  # two epochs of 6 steps
+            if boundary.after_step(step, 1e-3, torch.tensor(2.0), torch.tensor(1.0)):
+                logged.append(step)
+            if not boundary.watch.steps:  # read, the one wait for the device
+                checked.append(step)
+            boundary.save_or_stop()
+    assert logged == [4, 8, 12] and checked == [3, 4, 8, 9, 12]  # step 6 ends an epoch: the epoch's end saves it
+    assert saved == [(3, "ckpt_last.pt"), (9, "ckpt_last.pt")]
+    with runtime.StepBoundary(run, steps_per_epoch=6, total_steps=12, first_step=0,
+                              save=lambda path: saved.append((step, path.name))) as boundary:
+        step = 1
+        boundary.after_step(step, 1e-3, torch.tensor(2.0), torch.tensor(1.0))
+        boundary.save_or_stop()
+        boundary.stop.note(signal.SIGTERM, None)  # as the signal handler does, during step 2
+        step = 2
+        boundary.after_step(step, 1e-3, torch.tensor(2.0), torch.tensor(1.0))  # read at once, in one process
+        with pytest.raises(runtime.Interrupted) as stopped:
+            boundary.save_or_stop()
+    assert saved[-1] == (2, "ckpt_last.pt") and stopped.value.status == 128 + signal.SIGTERM
+
+
 def test_partial_files_of_killed_processes_are_removed_and_those_of_a_running_one_kept(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
