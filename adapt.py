@@ -21,11 +21,11 @@ evaluation; the model a step calls (DDP, torch.compile); stage 1's data; the loo
 whole run (train_and_test) and main. The process set-up (DDP from the environment, autocast, GradScaler) is
 processes.setup; the plumbing (flags, checkpoints, stopping, batches, caches) lives in files named for it.
 
-Stage 0, which made the synthetic CLIP that the synth preset adapts, is this loop one step earlier: pretrain.py
-imports it.
+Stage 0, which made the synthetic CLIP that the synth preset adapts, is pretrain.py: CLIP's own pretraining on
+single images, with this file's optimizer, schedule and retrieval.
 
-Differs from reference (github.com/sushizixin/CLIP4IDC at commit ca49461, its main_task_retrieval.py; RECIPES.md,
-"Stage 1"):
+Differs from the reference implementation (github.com/sushizixin/CLIP4IDC at commit ca49461, its
+main_task_retrieval.py and modules/; "the reference" below):
   - the best epoch is chosen on the validation split; the reference selects on the test split;
   - float32 weights, with optional autocast (bf16, or fp16 with a GradScaler), instead of fp16 weights;
   - torch's AdamW (with bias correction) instead of BertAdam (without it); LayerNorm weights not decayed;
@@ -49,6 +49,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -70,14 +71,12 @@ from files import OutDirLock, check_out_dir, save_json
 from flags import ConfigError, check_length, check_settings, flag, parse_config
 from losses import contrastive_loss
 from processes import keep_freed_memory, loader_workers, setup
-from progress import JsonlLog, Progress
-from stopping import DivergenceWatch, StopSignals, check_finite_model, data_error_stop, run, stop_everywhere, stopped
+from progress import JsonlLog
+from stopping import check_finite_model, run_main
+from loop import Run, StepBoundary
 
-IMAGE_KEYS = ("before", "after", "image")  # a batch's images: a pair, or one image (pretrain.py's scenes)
 MAX_LOGIT_SCALE = math.log(100)  # logit_scale is clamped to ln(100): a temperature of at least 0.01, as CLIP
-MODEL_KEYS = ("data", "clip_model", "intra_layers", "freeze_intra", "max_words",
-              "scratch_width", "scratch_layers", "scratch_patch", "scratch_text_width", "scratch_text_layers",
-              "scratch_embed_dim", "synth_pairs")
+MODEL_KEYS = ("data", "clip_model", "intra_layers", "freeze_intra", "max_words", "synth_pairs")
 # what --resume also refuses to change: what the training computes (its batch, schedule, rates, data order)
 TRAINING_KEYS = ("freeze", "epochs", "batch_size", "grad_accum", "lr", "clip_lr_scale", "weight_decay", "warmup",
                  "beta2", "eps", "grad_clip", "seed")
@@ -97,14 +96,8 @@ class Config:
                                 "on the CPU 4. Decoding a pair's PNGs takes about 10 ms of CPU; with --image_cache a "
                                 "worker hands over thousands of pairs a second (BENCHMARKS.md)")
     # model
-    clip_model: str = flag("ViT-B/32", 'model name (clip.MODELS) or weights file, or "scratch" (the scratch_* sizes)')
+    clip_model: str = flag("ViT-B/32", "model name (clip.MODELS) or weights file")
     intra_layers: int = flag(9, "vision blocks that see each image alone; the rest see the pair")
-    scratch_width: int = flag(256, "scratch model: vision width")
-    scratch_layers: int = flag(6, "scratch model: vision blocks")
-    scratch_patch: int = flag(32, "scratch model: patch side in pixels")
-    scratch_text_width: int = flag(256, "scratch model: text width")
-    scratch_text_layers: int = flag(3, "scratch model: text blocks")
-    scratch_embed_dim: int = flag(256, "scratch model: joint embedding width")
     freeze: bool = flag(True, "freeze the reference's set: patch, class and position embeddings, ln_pre, token "
                               "embedding")
     freeze_intra: bool = flag(False, "freeze the intra-image blocks too, and compute each image's intra tokens once")
@@ -146,36 +139,31 @@ class Config:
     checkpoint: str = flag("", '--eval: ours ("" = out_dir/ckpt_best.pt) or a release, pretrained/pytorch_model.bin.*')
 
     def __post_init__(self):  # a bad value fails here, before any data is read
-        check_settings(self, positive=("synth_pairs", "max_words", "intra_layers", "scratch_width",
-                                       "scratch_layers", "scratch_patch", "scratch_text_width",
-                                       "scratch_text_layers", "scratch_embed_dim", "epochs", "batch_size",
-                                       "grad_accum", "lr", "log_every", "save_every", "eval_batch_size"),
-                       non_negative=("clip_lr_scale", "weight_decay", "grad_clip"),
-                       fraction=("warmup",))
+        check_settings(self, positive=("synth_pairs", "max_words", "intra_layers", "epochs", "batch_size",
+                                               "grad_accum", "lr", "log_every", "save_every", "eval_batch_size"),
+                               non_negative=("clip_lr_scale", "weight_decay", "grad_clip"),
+                               fraction=("warmup",))
         if self.num_workers < -1:
             raise ConfigError(f"--num_workers {self.num_workers}: it must be >= 0, or -1 for auto")
         # at least one word between the start and end tokens; CLIP's text positions hold 77 (clip.CLIPConfig)
-        most = self.max_words if self.clip_model == "scratch" else clip.CLIPConfig.context_length
-        check_length("max_words", self.max_words, 3, most, "start token, at least one word, end token; "
-                     "CLIP's text tower has 77 positions")
-        self.check_split()
+        check_length("max_words", self.max_words, 3, self.text_positions, "start token, at least one word, "
+                             "end token; CLIP's text tower has 77 positions")
 
-    def check_split(self):
-        """The split point within a scratch model's blocks (a named model's is checked once it is loaded)."""
-        if self.clip_model == "scratch" and not 0 < self.intra_layers <= self.scratch_layers:
-            raise ConfigError(f"--intra_layers {self.intra_layers}: the scratch model has --scratch_layers "
-                              f"{self.scratch_layers} vision blocks, so it must be in [1, {self.scratch_layers}]")
+    @property
+    def text_positions(self) -> int:
+        """The text tower's positions, which max_words must fit: a pretrained CLIP's 77 (a loaded model's own are
+        checked in build_clip; pretrain.py's CLIP from scratch has max_words of them)."""
+        return clip.CLIPConfig.context_length
 
 
 # Dataset presets, applied before the command-line flags (the reference's scripts/retrieve_clevr.sh and
-# retrieve_spot.sh; RECIPES.md, "Stage 1"). IER has no reference run: we use
-# Spot-the-Diff's settings. synth is the reference's recipe scaled down to the synthetic CLIP (6 vision blocks:
-# 4 intra-image, 2 inter-image; the same frozen set) and to 2 CPU cores: 1,572 steps on 5,600 training pairs.
-# Its intra-image blocks are frozen, as the reference's 1e-7 all but freezes them, so that their tokens are
-# computed once and a step costs a quarter. The reference's two rates, scaled: the new joint parameters at
-# 1e-2, the rest of CLIP (inter-image blocks, text tower) at 1e-3. The before and after embeddings are the only
-# thing that tells the two images apart, and at 1e-3 they grew too slowly: drops were retrieved, and
-# captioned, as additions (README, "The synthetic run").
+# retrieve_spot.sh). IER has no reference run: we use Spot-the-Diff's settings. synth is the reference's recipe
+# scaled down to the synthetic CLIP (6 vision blocks: 4 intra-image, 2 inter-image; the same frozen set) and to 2 CPU
+# cores: 1,572 steps on 5,600 training pairs. Its intra-image blocks are frozen, as the reference's 1e-7 all but
+# freezes them, so that their tokens are computed once and a step costs a quarter. The reference's two rates, scaled:
+# the new joint parameters at 1e-2, the rest of CLIP (inter-image blocks, text tower) at 1e-3. The before and after
+# embeddings are the only thing that tells the two images apart, and at 1e-3 they grew too slowly: drops were
+# retrieved, and captioned, as additions (README, "The synthetic run").
 PRESETS = {
     "clevr": dict(epochs=12, batch_size=128, lr=1e-4, clip_lr_scale=1e-3),
     "spot": dict(epochs=20, batch_size=128, lr=1e-4, clip_lr_scale=1e-3),
@@ -191,16 +179,8 @@ PRESETS = {
 
 
 def build_clip(config: Config, vocab_size: int) -> clip.CLIP:
-    """CLIP from scratch at the scratch_* sizes, or pretrained: OpenAI's ViT-B/32, the synthetic CLIP, or a file."""
-    if config.clip_model == "scratch":
-        clip_config = clip.CLIPConfig(
-            embed_dim=config.scratch_embed_dim, image_resolution=data.IMAGE_SIZE,
-            vision_layers=config.scratch_layers, vision_width=config.scratch_width,
-            vision_patch_size=config.scratch_patch, context_length=config.max_words, vocab_size=vocab_size,
-            transformer_width=config.scratch_text_width, transformer_heads=max(1, config.scratch_text_width // 64),
-            transformer_layers=config.scratch_text_layers)
-        return clip.CLIP(clip_config)
-    clip_model, _ = clip.load(config.clip_model)  # OpenAI's ViT-B/32, the synthetic CLIP, or a file
+    """A pretrained CLIP: OpenAI's ViT-B/32, the synthetic CLIP (pretrain.py's), or a weights file."""
+    clip_model, _ = clip.load(config.clip_model)
     if clip_model.config.vocab_size != vocab_size:
         raise ConfigError(f"{config.clip_model} has a vocabulary of {clip_model.config.vocab_size} tokens "
                           f"but the {config.data} dataset's tokenizer has {vocab_size}; use the model's "
@@ -243,11 +223,6 @@ def get_lr(step: int, total_steps: int, config: Config) -> float:
     return config.lr * 0.5 * (1 + math.cos(math.pi * x))
 
 
-def visual_embedding(out: dict) -> torch.Tensor:
-    """The embedding the captions are contrasted with: a pair's, or an image's (pretrain.py), (B, E)."""
-    return out["pair_embedding"] if "pair_embedding" in out else out["image_embedding"]
-
-
 def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp: bool,
                logit_scale: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over grad_accum micro-batches; returns the mean loss and the gradient norm before
@@ -257,12 +232,11 @@ def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp
         # under DDP, the gradients are all-reduced only in the last micro-batch's backward
         with model.no_sync() if ddp and i < len(micro_batches) - 1 else nullcontext():
             with ctx:
-                images = [batch[k] for k in IMAGE_KEYS if k in batch]
                 # the captions come cut after the batch's last end-of-text token (data.collate_text)
-                out = model(*images, batch["caption"])
+                out = model(batch["before"], batch["after"], batch["caption"])
                 # the all-gather inside the loss sees one micro-batch per process: accumulation shrinks the
                 # set of contrastive negatives to micro-batch x processes, it does not grow it
-                loss = contrastive_loss(out["text_embedding"], visual_embedding(out), out["logit_scale"])
+                loss = contrastive_loss(out["text_embedding"], out["pair_embedding"], out["logit_scale"])
                 loss = loss / len(micro_batches)
             scaler.scale(loss).backward()
         total = total + loss.detach()
@@ -280,38 +254,41 @@ def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp
 # Evaluation: rank every caption of a split against every pair (the reference's main_task_retrieval.py, `eval_epoch`)
 
 
-def retrieval_set(split, images):
-    """(images to embed, texts, text -> row): a split's pairs, their change captions and each caption's pair. A
-    split that is a dataset of its own images (pretrain.py's scenes) gives its texts itself, retrieval_texts()."""
-    if hasattr(split, "retrieval_texts"):
-        return split, *split.retrieval_texts()
-    return data.PairImages(split, images), *data.retrieval_texts(split)
+@torch.no_grad()
+def evaluate(model: PairEncoder, split, tokenizer, images, config: Config, device, ctx) -> dict:
+    """Retrieval on a split of pairs: each change caption ranked against every pair, each pair against the
+    captions (retrieval)."""
+    was_training = model.training
+    model.eval()
+    texts, text_to_pair = data.retrieval_texts(split)  # every caption of the split, and its pair's row
+    # a generator of its own: evaluating must not draw from the global one that training's random choices use
+    loader = DataLoader(data.PairImages(split, images), batch_size=config.eval_batch_size,
+                        num_workers=config.num_workers, generator=torch.Generator(), pin_memory=device.type == "cuda")
+    pair_embeddings = []
+    for batch in loader:
+        pixels = data.to_device(batch, device, ("before", "after"))  # (B, 3, R, R) each
+        with ctx:
+            pair_embeddings.append(model(pixels["before"], pixels["after"])["pair_embedding"].float())  # (B, E)
+    scores = retrieval(model, torch.cat(pair_embeddings), texts, text_to_pair, tokenizer, config, device, ctx)
+    model.train(was_training)
+    return scores
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, split, tokenizer, images, config: Config, device, ctx) -> dict:
-    was_training = model.training
-    model.eval()
-    visual_set, texts, text_to_pair = retrieval_set(split, images)
-    # a generator of its own: evaluating must not draw from the global one that training's random choices use
-    loader = DataLoader(visual_set, batch_size=config.eval_batch_size, num_workers=config.num_workers,
-                        generator=torch.Generator(), pin_memory=device.type == "cuda")
-    pair_embeddings = []
-    for batch in loader:
-        images = data.to_device(batch, device, IMAGE_KEYS)
-        with ctx:
-            out = model(*[images[k] for k in IMAGE_KEYS if k in images])
-        pair_embeddings.append(visual_embedding(out).float())  # (B, E)
+def retrieval(model: nn.Module, visual: torch.Tensor, texts: list[str], text_to_row: list[int], tokenizer,
+              config: Config, device, ctx) -> dict:
+    """Recall at 1, 5, 10 and the median and mean rank, both ways (metrics.retrieval_metrics), of texts against the
+    visual embeddings (rows, E) by cosine similarity; text i describes row text_to_row[i]. Stage 0 (pretrain.py)
+    ranks its scenes' descriptions with it too."""
     text_embeddings = []
     for start in range(0, len(texts), config.eval_batch_size):
         tokens = torch.stack([data.text_tokens(tokenizer, t, config.max_words)
                               for t in texts[start:start + config.eval_batch_size]]).to(device)  # (B, T)
         with ctx:
             text_embeddings.append(model.encode_text(tokens).float())  # (B, E)
-    pair_e = torch.nn.functional.normalize(torch.cat(pair_embeddings), dim=-1)  # (n_pairs, E)
+    visual_e = torch.nn.functional.normalize(visual, dim=-1)  # (rows, E)
     text_e = torch.nn.functional.normalize(torch.cat(text_embeddings), dim=-1)  # (n_texts, E)
-    model.train(was_training)
-    scores = metrics.retrieval_metrics((text_e @ pair_e.T).cpu().numpy(), text_to_pair)
+    scores = metrics.retrieval_metrics((text_e @ visual_e.T).cpu().numpy(), text_to_row)
     return {f"{direction}_{name}": value for direction, by_name in scores.items() for name, value in by_name.items()}
 
 
@@ -354,8 +331,14 @@ def torch_version() -> tuple[int, int]:
 # Stage 1's data: image pairs and their change captions
 
 
-def read_pairs(config: Config, dist_, resolution: int = data.IMAGE_SIZE) -> tuple[dict, clip.SimpleTokenizer,
-                                                                                  data.ImageReader]:
+class PairData(NamedTuple):
+    """Stage 1's dataset as read: its splits of image pairs, its tokenizer and its image reader."""
+    splits: dict                      # split name -> [data.ImagePair]
+    tokenizer: clip.SimpleTokenizer   # the dataset's vocabulary (the synthetic set has its own)
+    images: data.ImageReader          # pixels of an image file, decoded or from the image cache
+
+
+def read_pairs(config: Config, dist_, resolution: int = data.IMAGE_SIZE) -> PairData:
     """The dataset's splits of image pairs, its tokenizer and image reader of resolution x resolution images (the
     synthetic set drawn if missing)."""
     root = data.dataset_root(config.data, config.data_root or None)
@@ -367,123 +350,115 @@ def read_pairs(config: Config, dist_, resolution: int = data.IMAGE_SIZE) -> tupl
     splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
     tokenizer = clip.get_tokenizer(data.bpe_path(config.data, root))
     images = image_reader(splits, root, resolution, config.image_cache, dist_)
-    return splits, tokenizer, images
+    return PairData(splits, tokenizer, images)
 
 
 # -----------------------------------------------------------------------------
 # The run
 
 
-def checkpoint(model: nn.Module, optimizer, scaler, config: Config, clip_config: dict, tokenizer, **progress) -> dict:
+def checkpoint(model: PairEncoder, optimizer, run: Run, clip_config: dict, tokenizer, **progress) -> dict:
     """What ckpt_last.pt and ckpt_best.pt hold: enough to resume, and to rebuild the encoder in stage 2."""
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
-            "config": dataclasses.asdict(config), "clip_config": clip_config,
-            "encoder_config": dataclasses.asdict(model.config) if isinstance(model, PairEncoder) else None,
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": run.scaler.state_dict(),
+            "config": dataclasses.asdict(run.config), "clip_config": clip_config,
+            "encoder_config": dataclasses.asdict(model.config),
             # the vocabulary itself, so that the file travels alone; its path only as a hint of where it came from
             "vocabulary": vocabulary_tensor(tokenizer.bpe_path), "bpe_path": str(tokenizer.bpe_path),
             **progress, "rng": rng_state()}
 
 
-def describe(config: Config, samples: int, pairs: int, micro: int, dist_, steps_per_epoch: int, dtype: str,
-             model: nn.Module) -> str:
+def describe(run: Run, samples: int, pairs: int, micro: int, steps_per_epoch: int, model: nn.Module) -> str:
     """The run in one line: how much it trains on, with which batch, where."""
+    config, dist_ = run.config, run.dist_
     return (f"{samples} training samples from {pairs} pairs; global batch {config.batch_size} = {micro} x "
             f"{dist_.world_size} processes x {config.grad_accum} accumulation; {steps_per_epoch} steps per epoch, "
-            f"{config.epochs * steps_per_epoch} in all; {dtype} on {dist_.device}; "
+            f"{config.epochs * steps_per_epoch} in all; {run.dtype} on {dist_.device}; "
             f"{sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.1f}M trainable parameters")
 
 
-def train(config: Config, dist_, ctx, scaler, dtype: str, model: nn.Module, raw_model: nn.Module, optimizer,
-          train_set, splits: dict, tokenizer, images, clip_config: dict, state: dict | None, out_dir: Path) -> int:
+def train(run: Run, raw_model: PairEncoder, optimizer, train_set, pairs: PairData, clip_config: dict,
+          state: dict | None) -> int:
     """The training loop; after every epoch, validation retrieval on the master, which keeps the best epoch in
     ckpt_best.pt. Returns the last step."""
+    config, dist_, out_dir = run.config, run.dist_, run.out_dir
     device, master = dist_.device, dist_.master
     say = print if master else (lambda *a, **k: None)
+    model = wrap(raw_model, config, dist_)  # what the step calls: under torchrun DDP's, with --compile compiled
     step, best, best_epoch, history = 0, -1.0, -1, []
     if state is not None:
         step, best, best_epoch, history = state["step"], state["best_metric"], state["best_epoch"], state["history"]
     micro, sampler, steps_per_epoch = batch_plan(train_set, config.batch_size, config.grad_accum, dist_,
                                                  config.seed)
     total_steps = config.epochs * steps_per_epoch
-    log = JsonlLog(out_dir / "log.jsonl", enabled=master)
     if master:
         save_json(dataclasses.asdict(config), out_dir / "config.json")
         say(json.dumps(dataclasses.asdict(config)))
-        say(describe(config, len(train_set), len(splits["train"]), micro, dist_, steps_per_epoch, dtype, raw_model))
+        say(describe(run, len(train_set), len(pairs.splits["train"]), micro, steps_per_epoch, raw_model))
 
-    def save(path, epoch):
-        save_checkpoint(checkpoint(raw_model, optimizer, scaler, config, clip_config, tokenizer, epoch=epoch,
-                                   step=step, best_metric=best, best_epoch=best_epoch, history=history), path)
+    def save(path):  # the checkpoint at the step and epoch the loop has reached
+        save_checkpoint(checkpoint(raw_model, optimizer, run, clip_config, pairs.tokenizer, epoch=epoch,
+                                           step=step, best_metric=best, best_epoch=best_epoch, history=history), path)
 
     loader = training_loader(train_set, sampler, micro, config.num_workers, device, data.collate_text)
-    # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (StopSignals)
-    with StopSignals() as stop:
-        # reads the losses and the stop flag on the log steps and before a save
-        watch = DivergenceWatch(scaler, dist_.ddp, stop, device)
-        progress = Progress(total_steps, first_step=step)
+    # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (StepBoundary)
+    with StepBoundary(run, steps_per_epoch, total_steps, step, save) as boundary:
         model.train()
         while step < total_steps:
             epoch = step // steps_per_epoch
             done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
-            batches = epoch_batches(loader, epoch, done_in_epoch, config.grad_accum)
+            batches = epoch_batches(loader, epoch, done_in_epoch, config.grad_accum)  # the sampler's epoch
             for _ in range(done_in_epoch, steps_per_epoch):
                 lr = get_lr(step, total_steps, config)
                 for group in optimizer.param_groups:
                     group["lr"] = lr * group["lr_scale"]
                 try:
-                    micro_batches = [data.to_device(next(batches), device, (*IMAGE_KEYS, "caption"))
+                    micro_batches = [data.to_device(next(batches), device, ("before", "after", "caption"))
                                      for _ in range(config.grad_accum)]
                 except data.DataError as error:  # a damaged image: ckpt_last.pt at the last step, then one line
-                    raise data_error_stop(error, lambda: save(out_dir / "ckpt_last.pt", epoch), step, watch,
-                                          out_dir / "ckpt_last.pt", dist_) from None
-                loss, grad_norm = train_step(model, optimizer, scaler, micro_batches, ctx, config, dist_.ddp,
+                    raise boundary.damaged(error, step) from None
+                loss, grad_norm = train_step(model, optimizer, run.scaler, micro_batches, run.ctx, config, dist_.ddp,
                                              raw_model.clip.logit_scale)
                 step += 1
-                watch.add(step, lr, loss, grad_norm)
-                saving = step % config.save_every == 0 and step % steps_per_epoch != 0
-                stopping = False
-                if step % config.log_every == 0 or step == total_steps or saving or stop.now(dist_.ddp):
-                    # stops a diverged run (the one wait for the GPU, with the .item()s below); a signal stops the
-                    # run here, or at the epoch's end when this is its last step
-                    stopping = watch.check() and step % steps_per_epoch != 0
-                if master and (step % config.log_every == 0 or step == total_steps):
+                if boundary.after_step(step, lr, loss, grad_norm):  # the master's log steps: .item() waits, here only
                     loss_value, scale = loss.item(), raw_model.clip.logit_scale.exp().item()
-                    say(progress.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=loss_value,
+                    say(boundary.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=loss_value,
                                       lr=get_lr(step, total_steps, config), temp=1 / scale if scale else math.inf),
                         flush=True)
-                    log.write(step=step, epoch=epoch, loss=loss_value, lr=get_lr(step, total_steps, config),
-                              logit_scale=scale)
-                if master and (saving or stopping):
-                    save(out_dir / "ckpt_last.pt", epoch)
-                if stopping:
-                    raise stopped(stop, out_dir / "ckpt_last.pt", dist_)
-            watch.check()
+                    boundary.log.write(step=step, epoch=epoch, loss=loss_value,
+                                       lr=get_lr(step, total_steps, config), logit_scale=scale)
+                boundary.save_or_stop()  # ckpt_last.pt every save_every steps; for Ctrl-C or SIGTERM, then stops
+            boundary.end_epoch()  # the finiteness check of the epoch's last steps
             if master:  # end of epoch: validation retrieval on the master, the others wait
                 check_finite_model(raw_model, step, lr)  # a non-finite model is never scored nor saved
-                scores = evaluate(raw_model, splits["val"], tokenizer, images, config, device, ctx)
+                scores = evaluate(raw_model, pairs.splits["val"], pairs.tokenizer, pairs.images, config, device,
+                                  run.ctx)
                 history.append({"epoch": epoch, "step": step, **scores})
                 improved = scores["text_to_pair_R1"] >= best  # a tie keeps the later epoch, as the reference
                 best, best_epoch = (scores["text_to_pair_R1"], epoch) if improved else (best, best_epoch)
                 say(f"epoch {epoch + 1} validation: {summary(scores)}" + (" (best so far)" if improved else ""))
-                log.write(step=step, epoch=epoch, split="val", **scores)
+                boundary.log.write(step=step, epoch=epoch, split="val", **scores)
                 if improved:
-                    save(out_dir / "ckpt_best.pt", epoch)
-                save(out_dir / "ckpt_last.pt", epoch)
-            if stop_everywhere(stop, dist_):  # under DDP also the epoch's barrier
-                raise stopped(stop, out_dir / "ckpt_last.pt", dist_)
+                    save(out_dir / "ckpt_best.pt")
+                save(out_dir / "ckpt_last.pt")
+            boundary.stop_if_signalled()  # Ctrl-C or SIGTERM in any process; under DDP also the epoch's barrier
     return step
 
 
-def test(model: nn.Module, splits: dict, tokenizer, images, config: Config, device, ctx, step: int,
-         out_dir: Path) -> None:
+def test(run: Run, model: PairEncoder, pairs: PairData, step: int) -> None:
     """The test split's retrieval, scored once, with the epoch chosen on validation (test_retrieval.json)."""
-    state = load_checkpoint(out_dir / "ckpt_best.pt")
-    model.load_state_dict(state["model"])
-    best_epoch = state["best_epoch"]
-    scores = evaluate(model, splits["test"], tokenizer, images, config, device, ctx)
-    JsonlLog(out_dir / "log.jsonl").write(step=step, split="test", best_epoch=best_epoch, **scores)
-    save_json({"best_epoch": best_epoch, "val_text_to_pair_R1": state["best_metric"], **scores},
-              out_dir / "test_retrieval.json")
+    best = load_checkpoint(run.out_dir / "ckpt_best.pt")
+    model.load_state_dict(best["model"])
+    scores = evaluate(model, pairs.splits["test"], pairs.tokenizer, pairs.images, run.config, run.dist_.device,
+                      run.ctx)
+    save_test(run, best, scores, step)
+
+
+def save_test(run: Run, best: dict, scores: dict, step: int) -> None:
+    """The test scores of the best epoch (best: ckpt_best.pt) in the log and in test_retrieval.json, and printed."""
+    best_epoch = best["best_epoch"]
+    JsonlLog(run.out_dir / "log.jsonl").write(step=step, split="test", best_epoch=best_epoch, **scores)
+    save_json({"best_epoch": best_epoch, "val_text_to_pair_R1": best["best_metric"], **scores},
+                      run.out_dir / "test_retrieval.json")
     print(f"test retrieval of the best epoch ({best_epoch + 1}, chosen on validation):\n{retrieval_table(scores)}")
 
 
@@ -508,31 +483,31 @@ def evaluate_checkpoint(config: Config, dist_, ctx, out_dir: Path) -> None:
     print(f"test retrieval of {path}:\n{retrieval_table(scores)}")
 
 
-def train_and_test(config: Config, dist_, dtype: str, ctx, scaler, out_dir: Path) -> None:
+def train_and_test(run: Run) -> None:
     """Stage 1: read the data, build the encoder, train it, then score the test split."""
+    config, dist_ = run.config, run.dist_
     device, master = dist_.device, dist_.master
-    splits, tokenizer, images = read_pairs(config, dist_)
-    train_set = data.AdaptationSamples(splits["train"], tokenizer, train=True, images=images,
+    pairs = read_pairs(config, dist_)
+    train_set = data.AdaptationSamples(pairs.splits["train"], pairs.tokenizer, train=True, images=pairs.images,
                                        max_words=config.max_words)
-    model, clip_config = build_encoder(config, tokenizer.vocab_size)
+    model, clip_config = build_encoder(config, pairs.tokenizer.vocab_size)
     model.to(device)
     optimizer = build_optimizer(model, config, device)
-    ckpt_path = out_dir / "ckpt_last.pt"
+    ckpt_path = run.out_dir / "ckpt_last.pt"
     state = start_or_resume(ckpt_path, config, MODEL_KEYS + TRAINING_KEYS, dist_, model, optimizer,
-                                     scaler)
+                                     run.scaler)
     if state is not None and master:
         print(f"resumed {ckpt_path} at step {state['step']}")
     if config.freeze_intra:  # training reads each image's intra tokens, computed now (by the master, under DDP)
         started = time.time()
-        train_set.images = IntraTokens(model, splits["train"], images, config.eval_batch_size, device, ctx,
-                                       images.cache_dir or out_dir, dist_)
+        train_set.images = IntraTokens(model, pairs.splits["train"], pairs.images, config.eval_batch_size,
+                                            device, run.ctx, pairs.images.cache_dir or run.out_dir, dist_)
         if master:
             print(f"intra-image tokens of {len(train_set.images.row)} training images {train_set.images.origin} "
                   f"({time.time() - started:.0f} s): the intra-image blocks are frozen")
-    step = train(config, dist_, ctx, scaler, dtype, wrap(model, config, dist_), model, optimizer, train_set, splits,
-                 tokenizer, images, clip_config, state, out_dir)
+    step = train(run, model, optimizer, train_set, pairs, clip_config, state)
     if master:
-        test(model, splits, tokenizer, images, config, device, ctx, step, out_dir)
+        test(run, model, pairs, step)
 
 
 def main(argv=None):
@@ -547,11 +522,11 @@ def main(argv=None):
         if config.eval:
             evaluate_checkpoint(config, dist_, ctx, out_dir)
         else:
-            train_and_test(config, dist_, dtype, ctx, scaler, out_dir)
+            train_and_test(Run(config, dist_, dtype, ctx, scaler, out_dir))
     if dist_.ddp:
         dist.barrier()  # every process done before any tears the group down (a gloo peer may abort otherwise)
         destroy_process_group()
 
 
 if __name__ == "__main__":
-    run(main, "adapt.py")
+    run_main(main, "adapt.py")

@@ -27,8 +27,8 @@ evaluate, train) and main. The process set-up (DDP, autocast, GradScaler) is sta
 stage-1 checkpoint a captioner builds on is checkpoints.load_stage1's, and the pair features cached on disk are
 caches.py's.
 
-Differs from reference (github.com/sushizixin/CLIP4IDC at commit ca49461, its main_task_caption.py; RECIPES.md,
-"Stage 2"):
+Differs from the reference implementation (github.com/sushizixin/CLIP4IDC at commit ca49461, its
+main_task_caption.py and modules/; "the reference" below):
   - the best epoch is chosen on the validation split (the reference uses the test split);
   - by default the decoder trains on cached encoder features (--finetune_encoder, the synth preset's, for the
     reference's way);
@@ -85,17 +85,20 @@ from files import OutDirLock, check_out_dir, save_json
 from flags import ConfigError, check_image_path, check_length, check_settings, flag, parse_config
 from losses import caption_loss
 from processes import keep_freed_memory, loader_workers, setup
-from progress import JsonlLog, Progress
+from progress import Progress
 from release import release_decoder, release_stage
-from stopping import DivergenceWatch, StopSignals, check_finite_model, data_error_stop, run, stop_everywhere, stopped
+from stopping import check_finite_model, run_main
+from loop import Run, StepBoundary
 
 MODEL_KEYS = ("data", "max_words", "finetune_encoder", "use_no_change_pair", "train_word_embedding",
               "decoder_layers", "decoder_heads", "decoder_ffn")
 # what --resume also refuses to change: what the training computes (its batch, schedule, rates, data order)
 TRAINING_KEYS = ("epochs", "batch_size", "grad_accum", "lr", "clip_lr_scale", "weight_decay", "warmup", "beta2",
                  "eps", "grad_clip", "dropout", "max_len", "seed")
+PROGRESS = ("step", "best_metric", "best_epoch", "bad_epochs", "history")  # what a checkpoint records of the loop
 SEMANTIC = "semantic change"  # the papers' "SC" row: change pairs only, no distractors
 ATTENTION_PAIRS = 4  # test pairs in test_attention.png, the first of the grid
+SCORER = metrics.FastCaptionScorer  # speed variant (metrics.py): the plain CaptionScorer's numbers, faster (tested)
 
 
 @dataclass
@@ -176,9 +179,9 @@ class Config:
             check_image_path("explain", self.explain)
 
 
-# Dataset presets (the reference's scripts/caption_clevr.sh and caption_spot.sh; RECIPES.md, "Stage 2").
-# Spot-the-Diff, IER and your own pairs have no distractor images, and on
-# Spot-the-Diff the reference trains the tied word embedding (at lr x clip_lr_scale); CLEVR freezes it.
+# Dataset presets (the reference's scripts/caption_clevr.sh and caption_spot.sh). Spot-the-Diff, IER and your own
+# pairs have no distractor images, and on Spot-the-Diff the reference trains the tied word embedding (at
+# lr x clip_lr_scale, its main_task_caption.py `main`); CLEVR freezes it.
 # synth: a decoder of width 128 trained end to end with the inter-image blocks, as the reference (CLIP, the
 # joint parameters and the word embedding at lr x 0.5 = 5e-4, the decoder at 1e-3; the intra-image blocks stay
 # frozen as in stage 1), 5,600 pairs, 4 epochs = 700 steps, no dropout, which learnt faster in our runs. The
@@ -251,11 +254,11 @@ def build_captioner(config: Config, encoder: PairEncoder, clip_config: dict, fre
                                    attention_dropout=config.dropout, vocab_size=token_embedding.shape[0],
                                    max_positions=positions.shape[0], visual_tokens=2 * (encoder.n_patches + 1))
     if config.finetune_encoder:
-        # the very Parameters of CLIP (the reference's modules/modeling.py passes them to its DecoderModel): they
-        # train or stay frozen with CLIP's settings
+        # the very Parameters of CLIP (the reference's modules/modeling.py passes them to its decoder): they train
+        # or stay frozen with CLIP's settings
         decoder = CaptionDecoder(decoder_config, token_embedding, positions)
         frozen = [p for p in FROZEN_IN_REFERENCE if not (p == "token_embedding" and config.train_word_embedding)]
-        if freeze_intra:  # the same frozen set as stage 1's (the reference's main_task_caption.py, `main`)
+        if freeze_intra:  # stage 1's frozen set (the reference's main_task_caption.py, `main`, freezes as stage 1)
             # differs from reference: frozen outright, as adapt.py --freeze_intra (the reference: lr 1e-7)
             frozen += encoder.intra_image_parts()
         # the text tower has no use in stage 2 (the reference runs it on a dummy caption and drops the output)
@@ -323,7 +326,7 @@ def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config,
 
 @torch.no_grad()
 def predict(decoder: CaptionDecoder, features: np.ndarray, pairs, tokenizer, config: Config, device, ctx,
-            what: str = "", master: bool = True) -> dict[str, str]:
+            what: str = "") -> dict[str, str]:
     """{evaluation id: greedy caption} for pairs, whose tokens are the rows of features (rows, M, E)."""
     was_training = decoder.training
     decoder.eval()
@@ -335,7 +338,7 @@ def predict(decoder: CaptionDecoder, features: np.ndarray, pairs, tokenizer, con
             ids = decoder.greedy_decode(visual.to(device), tokenizer.sot_id, tokenizer.eot_id, config.max_len)
         for pair, row in zip(pairs[start:start + config.eval_batch_size], ids.tolist()):
             predictions[pair.id] = ids_to_text(row, tokenizer.decode, tokenizer.eot_id)
-        if master and what and (b % 20 == 0 or b == batches):
+        if what and (b % 20 == 0 or b == batches):
             print(f"decoding {what}: " + progress.line(b), flush=True)
     decoder.train(was_training)
     return predictions
@@ -349,8 +352,7 @@ def score_table(predictions: dict[str, str], pairs) -> dict:
         subsets[SEMANTIC] = [p.id for p in pairs if p.change_type != data.DISTRACTOR]
     subsets.update({t: by_type[t] for t in (*data.CHANGE_TYPES, data.DISTRACTOR) if len(by_type.get(t, [])) > 1})
     started = time.perf_counter()
-    results = metrics.score_subsets(predictions, data.references(pairs), subsets,
-                                    scorer=metrics.FastCaptionScorer)  # the speed variant: the same numbers (tested)
+    results = metrics.score_subsets(predictions, data.references(pairs), subsets, scorer=SCORER)
     info = {**next(iter(results.values())).get("info", {}), "seconds": time.perf_counter() - started}
     return {"scores": {name: result["corpus"] for name, result in results.items()},
             "sizes": {name: len(ids) for name, ids in subsets.items()}, "info": info}
@@ -370,13 +372,14 @@ def format_table(table: dict) -> str:
     return "\n".join(lines)
 
 
-def evaluate_test(encoder, decoder, features: np.ndarray, pairs, test_pairs, images, tokenizer, config: Config,
-                  device, ctx, out_dir: Path) -> dict:
+def evaluate_test(run: Run, encoder: PairEncoder, decoder: CaptionDecoder, features: np.ndarray, pairs,
+                  test_pairs, images, tokenizer) -> dict:
     """Decode the test split, write predictions (COCO results format), the score table, a grid PNG and the
     attention maps of the grid's first pairs; score localisation where the pairs have boxes (explain.py).
 
     pairs are the evaluation pairs (rows of features); test_pairs the split's pairs, for the grid.
     """
+    config, device, ctx, out_dir = run.config, run.dist_.device, run.ctx, run.out_dir
     predictions = predict(decoder, features, pairs, tokenizer, config, device, ctx, what="test")
     save_json([{"image_id": i, "caption": c} for i, c in predictions.items()],
               out_dir / "test_predictions.json")
@@ -433,34 +436,35 @@ def caption_pair(config: Config, stage1: Stage1, captioner: Captioner, tokenizer
         print(f"attention maps: {config.explain}")
 
 
-def evaluate(config: Config, dist_, ctx, root: Path, stage1: Stage1, captioner: Captioner, tokenizer, out_dir: Path,
-             read=None, feature_path=None) -> None:
+def evaluate(run: Run, root: Path, stage1: Stage1, captioner: Captioner, tokenizer, read=None,
+             feature_path=None) -> None:
     """Decode and score the test split (evaluate_test): --eval, and the end of training (which passes what it
     has read already: read_splits's result and the feature files). The master alone: under torchrun the other
     processes wait for it."""
-    if not dist_.master:
+    if not run.dist_.master:
         return
-    dist_ = dataclasses.replace(dist_, ddp=False)  # what follows waits for no other process
+    run = dataclasses.replace(run, dist_=dataclasses.replace(run.dist_, ddp=False))  # it waits for no other process
+    config, dist_, ctx = run.config, run.dist_, run.ctx
     splits, images, eval_pairs = read or read_splits(config, dist_, root, stage1.encoder.clip.visual.input_resolution)
     if feature_path is None:
         cached = () if config.finetune_encoder else ("test",)
-        feature_path = feature_paths(stage1, eval_pairs, images, cached, out_dir, dist_, ctx,
+        feature_path = feature_paths(stage1, eval_pairs, images, cached, run.out_dir, dist_, ctx,
                                      batch_size=config.eval_batch_size, num_workers=config.num_workers)
     features = split_features(captioner, feature_path, "test", eval_pairs["test"], images, dist_.device, ctx,
                               batch_size=config.eval_batch_size, num_workers=config.num_workers)
-    evaluate_test(stage1.encoder, captioner.decoder, features, eval_pairs["test"], splits["test"], images, tokenizer,
-                  config, dist_.device, ctx, out_dir)
+    evaluate_test(run, stage1.encoder, captioner.decoder, features, eval_pairs["test"], splits["test"], images,
+                  tokenizer)
 
 
-def training_set(config: Config, stage1: Stage1, pairs, images, tokenizer, feature_path: dict, dist_, ctx,
-                 say, out_dir: Path) -> Dataset:
+def training_set(run: Run, stage1: Stage1, pairs, images, tokenizer, feature_path: dict, say) -> Dataset:
     """The training items: pixels (finetuning), intra-image tokens computed once (finetuning on frozen intra-image
     blocks), or cached pair tokens (the decoder alone)."""
+    config = run.config
     train_images = images if config.finetune_encoder else None
     if config.finetune_encoder and stage1.freeze_intra:  # training reads each image's intra tokens, computed now
         started = time.time()
-        train_images = IntraTokens(stage1.encoder, pairs, images, config.eval_batch_size, dist_.device, ctx,
-                                   images.cache_dir or out_dir, dist_)
+        train_images = IntraTokens(stage1.encoder, pairs, images, config.eval_batch_size, run.dist_.device,
+                                        run.ctx, images.cache_dir or run.out_dir, run.dist_)
         say(f"intra-image tokens of {len(train_images.row)} training images {train_images.origin} "
             f"({time.time() - started:.0f} s): the intra-image blocks stay frozen, as in stage 1")
     items = data.CaptionItems(pairs, tokenizer, config.use_no_change_pair, images=train_images,
@@ -469,91 +473,115 @@ def training_set(config: Config, stage1: Stage1, pairs, images, tokenizer, featu
 
 
 @torch.no_grad()
-def validate(captioner: Captioner, feature_path: dict, pairs, images, tokenizer, config: Config, device,
-             ctx) -> tuple[float, dict]:
+def validate(run: Run, captioner: Captioner, feature_path: dict, pairs, images,
+             tokenizer) -> tuple[float, dict]:
     """Validation CIDEr-D, the metric that picks the best epoch, and the captions it scored."""
+    config, device, ctx = run.config, run.dist_.device, run.ctx
     features = split_features(captioner, feature_path, "val", pairs, images, device, ctx,
                               batch_size=config.eval_batch_size, num_workers=config.num_workers)
     predictions = predict(captioner.decoder, features, pairs, tokenizer, config, device, ctx)
     cider = metrics.score_captions(predictions, data.references(pairs), metrics=("CIDEr",),
-                                   scorer=metrics.FastCaptionScorer)["corpus"]["CIDEr"]  # the speed variant (tested)
+                                   scorer=SCORER)["corpus"]["CIDEr"]
     return cider, predictions
 
 
-def describe(config: Config, samples: int, micro: int, dist_, steps_per_epoch: int, dtype: str,
-             captioner: Captioner) -> str:
+def describe(run: Run, samples: int, micro: int, steps_per_epoch: int, captioner: Captioner) -> str:
     """The run in one line: what it trains, on how much, with which batch, where."""
+    config, dist_ = run.config, run.dist_
     trainable = sum(p.numel() for p in captioner.parameters() if p.requires_grad)
     return (f"{samples} training pairs; global batch {config.batch_size} = {micro} x {dist_.world_size} processes "
             f"x {config.grad_accum} accumulation; {steps_per_epoch} steps per epoch, at most "
             f"{config.epochs * steps_per_epoch}; "
             f"{'finetuning the encoder' if config.finetune_encoder else 'cached encoder features'}; "
-            f"{dtype} on {dist_.device}; {trainable / 1e6:.1f}M trainable parameters")
+            f"{run.dtype} on {dist_.device}; {trainable / 1e6:.1f}M trainable parameters")
 
 
-def checkpoint(captioner: Captioner, optimizer, scaler, config: Config, stage1: Stage1, tokenizer,
+def checkpoint(captioner: Captioner, optimizer, run: Run, stage1: Stage1, tokenizer,
                stage1_weights: bool = False, **progress) -> dict:
     """What ckpt_last.pt and ckpt_best.pt hold: enough to resume training, and to --eval and --pair without the
     flags or the stage-1 file: "stage1" holds its sizes, its configuration and its vocabulary, and (stage1_weights:
     ckpt_best.pt) its weights when the captioner does not hold them (the encoder not finetuned)."""
     record = {"clip_config": stage1.state["clip_config"], "encoder_config": dataclasses.asdict(stage1.encoder.config),
               "config": stage1.state.get("config", {}), "vocabulary": vocabulary_tensor(tokenizer.bpe_path)}
-    if stage1_weights and not config.finetune_encoder:
+    if stage1_weights and not run.config.finetune_encoder:
         record["model"] = stage1.encoder.state_dict()
-    return {"model": captioner.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
-            "config": dataclasses.asdict(config), "stage1": record,
+    return {"model": captioner.state_dict(), "optimizer": optimizer.state_dict(), "scaler": run.scaler.state_dict(),
+            "config": dataclasses.asdict(run.config), "stage1": record,
             "encoder_ckpt": str(stage1.path.resolve()),  # where stage 1 was: a hint for older checkpoints' readers
             "encoder_sha256": stage1.sha256, "decoder_config": dataclasses.asdict(captioner.decoder.config),
             **progress, "rng": rng_state()}
 
 
-def train(config: Config, dist_, ctx, scaler, dtype: str, root: Path, stage1: Stage1, captioner: Captioner,
-          tokenizer, out_dir: Path) -> None:
-    """Train the captioner; after every epoch, validation CIDEr-D with patience; at the end, score the test split
-    with the best epoch."""
-    device, master = dist_.device, dist_.master
+def resume(run: Run, stage1: Stage1, captioner: Captioner, optimizer) -> dict:
+    """Where training starts: step 0, or with --resume where ckpt_last.pt stopped, after restoring the captioner,
+    the optimizer, the scaler and the random generators from it (start_or_resume). A checkpoint trained on
+    another stage-1 encoder is refused."""
+    path = run.out_dir / "ckpt_last.pt"
+    state = start_or_resume(path, run.config, MODEL_KEYS + TRAINING_KEYS, run.dist_, captioner, optimizer,
+                                     run.scaler)
+    if state is None:
+        return dict(zip(PROGRESS, (0, -1.0, -1, 0, [])))
+    if state["encoder_sha256"] != stage1.sha256:
+        raise ConfigError(f"{path} was trained on another stage-1 checkpoint than {stage1.path}")
+    if run.dist_.master:
+        print(f"resumed {path} at step {state['step']}")
+    return state
+
+
+def from_master(value: int, dist_) -> int:
+    """The master's value, on every process of a torchrun (a broadcast); a process alone keeps its own."""
+    if not dist_.ddp:
+        return value
+    flag = torch.tensor([value], device=dist_.device)
+    dist.broadcast(flag, 0)
+    return int(flag)
+
+
+def test(run: Run, stage1: Stage1, captioner: Captioner, tokenizer, read: tuple, feature_path: dict) -> None:
+    """The end of training: the test split decoded and scored once (evaluate), on the master, with the epoch
+    chosen on validation (ckpt_best.pt); read and feature_path: what training has read already."""
+    if not run.dist_.master:
+        return
+    best = load_checkpoint(run.out_dir / "ckpt_best.pt")
+    captioner.load_state_dict(best["model"])
+    print(f"test scores of the best epoch ({best['best_epoch'] + 1}, validation CIDEr-D {best['best_metric']:.4f}):")
+    evaluate(run, None, stage1, captioner, tokenizer, read, feature_path)
+
+
+def train(run: Run, root: Path, stage1: Stage1, captioner: Captioner, tokenizer) -> None:
+    """Train the captioner: validation CIDEr-D after every epoch, with patience; then the best epoch on the test split."""
+    config, dist_, device, master = run.config, run.dist_, run.dist_.device, run.dist_.master
     say = print if master else (lambda *a, **k: None)
     splits, images, eval_pairs = read_splits(config, dist_, root, stage1.encoder.clip.visual.input_resolution)
-    feature_path = feature_paths(stage1, eval_pairs, images, () if config.finetune_encoder else data.SPLITS, out_dir,
-                                 dist_, ctx, batch_size=config.eval_batch_size, num_workers=config.num_workers)
-    train_set = training_set(config, stage1, splits["train"], images, tokenizer, feature_path, dist_, ctx, say, out_dir)
+    feature_path = feature_paths(stage1, eval_pairs, images, () if config.finetune_encoder else data.SPLITS,
+                                 run.out_dir, dist_, run.ctx, batch_size=config.eval_batch_size,
+                                 num_workers=config.num_workers)
+    train_set = training_set(run, stage1, splits["train"], images, tokenizer, feature_path, say)
     optimizer = build_optimizer(captioner, config)
-    step, best_cider, best_epoch, bad_epochs, history = 0, -1.0, -1, 0, []
-    ckpt_path = out_dir / "ckpt_last.pt"
-    state = start_or_resume(ckpt_path, config, MODEL_KEYS + TRAINING_KEYS, dist_, captioner, optimizer,
-                                     scaler)
-    if state is not None:
-        if state["encoder_sha256"] != stage1.sha256:
-            raise ConfigError(f"{ckpt_path} was trained on another stage-1 checkpoint than {stage1.path}")
-        step, best_cider, best_epoch = state["step"], state["best_metric"], state["best_epoch"]
-        bad_epochs, history = state["bad_epochs"], state["history"]
-        say(f"resumed {ckpt_path} at step {step}")
+    state = resume(run, stage1, captioner, optimizer)
+    step, best_cider, best_epoch, bad_epochs, history = (state[k] for k in PROGRESS)
     model = DDP(captioner, device_ids=[dist_.local_rank] if device.type == "cuda" else None) if dist_.ddp else captioner
     micro, sampler, steps_per_epoch = batch_plan(train_set, config.batch_size, config.grad_accum, dist_,
                                                  config.seed, what="training pairs")
     total_steps = config.epochs * steps_per_epoch
-    log = JsonlLog(out_dir / "log.jsonl", enabled=master)
     if master:
-        save_json(dataclasses.asdict(config), out_dir / "config.json")
+        save_json(dataclasses.asdict(config), run.out_dir / "config.json")
         say(json.dumps(dataclasses.asdict(config)))
-        say(describe(config, len(train_set), micro, dist_, steps_per_epoch, dtype, captioner))
+        say(describe(run, len(train_set), micro, steps_per_epoch, captioner))
 
-    def save(path):
+    def save(path):  # the checkpoint at the step the loop has reached
         save_checkpoint(checkpoint(
-            captioner, optimizer, scaler, config, stage1, tokenizer, stage1_weights=path.name == "ckpt_best.pt",
+            captioner, optimizer, run, stage1, tokenizer, stage1_weights=path.name == "ckpt_best.pt",
             step=step, best_metric=best_cider, best_epoch=best_epoch, bad_epochs=bad_epochs, history=history), path)
 
     loader = training_loader(train_set, sampler, micro, config.num_workers, device, data.collate_captions)
-    # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (StopSignals)
-    with StopSignals() as stop:
-        # reads the losses and the stop flag on the log steps and before a save
-        watch = DivergenceWatch(scaler, dist_.ddp, stop, device)
-        progress = Progress(total_steps, first_step=step)
+    # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (StepBoundary)
+    with StepBoundary(run, steps_per_epoch, total_steps, step, save) as boundary:
         model.train()
         while step < total_steps and bad_epochs <= config.patience:
             epoch = step // steps_per_epoch
             done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
-            batches = epoch_batches(loader, epoch, done_in_epoch, config.grad_accum)
+            batches = epoch_batches(loader, epoch, done_in_epoch, config.grad_accum)  # the sampler's epoch
             for _ in range(done_in_epoch, steps_per_epoch):
                 lr = get_lr(step, total_steps, config)
                 for group in optimizer.param_groups:
@@ -561,31 +589,19 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, root: Path, stage1: St
                 try:
                     micro_batches = [data.to_device(next(batches), device) for _ in range(config.grad_accum)]
                 except data.DataError as error:  # a damaged image: ckpt_last.pt at the last step, then one line
-                    raise data_error_stop(error, lambda: save(ckpt_path), step, watch, ckpt_path,
-                                          dist_) from None
-                loss, grad_norm = train_step(model, optimizer, scaler, micro_batches, ctx, config, dist_.ddp)
+                    raise boundary.damaged(error, step) from None
+                loss, grad_norm = train_step(model, optimizer, run.scaler, micro_batches, run.ctx, config, dist_.ddp)
                 step += 1
-                watch.add(step, lr, loss, grad_norm)
-                saving = step % config.save_every == 0 and step % steps_per_epoch != 0
-                stopping = False
-                if step % config.log_every == 0 or step == total_steps or saving or stop.now(dist_.ddp):
-                    # stops a diverged run (the one wait for the GPU, with the .item() below); a signal stops the
-                    # run here, or at the epoch's end when this is its last step
-                    stopping = watch.check() and step % steps_per_epoch != 0
-                if master and (step % config.log_every == 0 or step == total_steps):
+                if boundary.after_step(step, lr, loss, grad_norm):  # the master's log steps: .item() waits, here only
                     value = loss.item()
-                    say(progress.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=value,
+                    say(boundary.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=value,
                                       lr=get_lr(step, total_steps, config)), flush=True)
-                    log.write(step=step, epoch=epoch, loss=value, lr=get_lr(step, total_steps, config))
-                if master and (saving or stopping):
-                    save(ckpt_path)
-                if stopping:
-                    raise stopped(stop, ckpt_path, dist_)
-            watch.check()
+                    boundary.log.write(step=step, epoch=epoch, loss=value, lr=get_lr(step, total_steps, config))
+                boundary.save_or_stop()  # ckpt_last.pt every save_every steps; for Ctrl-C or SIGTERM, then stops
+            boundary.end_epoch()  # the finiteness check of the epoch's last steps
             if master:  # end of epoch: validation CIDEr-D, decoded by the master alone while the others wait
                 check_finite_model(captioner, step, lr)  # a non-finite model is never scored nor saved
-                cider, predictions = validate(captioner, feature_path, eval_pairs["val"], images, tokenizer, config,
-                                              device, ctx)
+                cider, predictions = validate(run, captioner, feature_path, eval_pairs["val"], images, tokenizer)
                 improved = cider >= best_cider  # a tie keeps the later epoch, as the reference
                 best_cider, best_epoch = (cider, epoch) if improved else (best_cider, best_epoch)
                 bad_epochs = 0 if improved else bad_epochs + 1
@@ -593,23 +609,15 @@ def train(config: Config, dist_, ctx, scaler, dtype: str, root: Path, stage1: St
                 example = eval_pairs["val"][0].id
                 say(f"epoch {epoch + 1} validation CIDEr-D {cider:.4f}" + (" (best so far)" if improved else "")
                     + f"; {example}: {predictions[example]!r}")
-                log.write(step=step, epoch=epoch, split="val", CIDEr=cider)
+                boundary.log.write(step=step, epoch=epoch, split="val", CIDEr=cider)
                 if improved:
-                    save(out_dir / "ckpt_best.pt")
-                save(ckpt_path)
-            if dist_.ddp:  # everyone follows the master's patience
-                flag = torch.tensor([bad_epochs], device=device)
-                dist.broadcast(flag, 0)
-                bad_epochs = int(flag)
-            if stop_everywhere(stop, dist_):
-                raise stopped(stop, ckpt_path, dist_)
+                    save(run.out_dir / "ckpt_best.pt")
+                save(run.out_dir / "ckpt_last.pt")
+            bad_epochs = from_master(bad_epochs, dist_)  # everyone follows the master's patience
+            boundary.stop_if_signalled()  # Ctrl-C or SIGTERM in any process; under DDP also the epoch's barrier
     if bad_epochs > config.patience:
         say(f"stopped early: {bad_epochs} epochs without a better validation CIDEr-D")
-    if master:  # the test split, scored once, with the epoch chosen on validation
-        captioner.load_state_dict(load_checkpoint(out_dir / "ckpt_best.pt")["model"])
-        say(f"test scores of the best epoch ({best_epoch + 1}, validation CIDEr-D {best_cider:.4f}):")
-        evaluate(config, dist_, ctx, root, stage1, captioner, tokenizer, out_dir, (splits, images, eval_pairs),
-                 feature_path)
+    test(run, stage1, captioner, tokenizer, (splits, images, eval_pairs), feature_path)
 
 
 def main(argv=None):
@@ -667,16 +675,17 @@ def job(config: Config, out_dir: Path) -> None:
             captioner.load_state_dict(best["model"])
     captioner.to(dist_.device)
     stage1.encoder.to(dist_.device)
+    run = Run(config, dist_, dtype, ctx, scaler, out_dir)
     if config.pair:
         caption_pair(config, stage1, captioner, tokenizer, dist_.device, ctx)
     elif config.eval:
-        evaluate(config, dist_, ctx, root, stage1, captioner, tokenizer, out_dir)
+        evaluate(run, root, stage1, captioner, tokenizer)
     else:
-        train(config, dist_, ctx, scaler, dtype, root, stage1, captioner, tokenizer, out_dir)
+        train(run, root, stage1, captioner, tokenizer)
     if dist_.ddp:
         dist.barrier()  # every process done before any tears the group down (a gloo peer may abort otherwise)
         destroy_process_group()
 
 
 if __name__ == "__main__":
-    run(main, "caption.py")
+    run_main(main, "caption.py")

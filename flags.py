@@ -5,7 +5,7 @@ train.py starts with its globals. `parse_config` builds argparse from it: each f
 with `flag(default, help)` so that its --help text is the field's own metadata; a dataset preset (`--data`) is
 applied before the command-line flags; a misspelt flag fails. `check_settings`, `check_length`, `check_device`
 and `check_image_path` refuse a bad value before any data is read (ConfigError, printed as one line by
-stopping.run).
+stopping.run_main).
 
 Run `python flags.py --help` (or `python flags.py --data clevr --lr 3e-4`) for a demo of the parser.
 """

@@ -3,10 +3,12 @@
 CLIP4IDC starts from OpenAI's CLIP, pretrained on 400M web image-text pairs (CLIP paper, section 2.3), which the
 synthetic world lacks. This script makes a CLIP for it the way OpenAI did: the same clip.CLIP class, from
 scratch, on single synthetic scenes (synth.py) and sentences naming their objects, with CLIP's contrastive loss.
-It is stage 1's loop one step earlier: adapt.py's Config, optimizer, training step, loop and retrieval, imported,
-with CLIP itself (SceneCLIP) in place of the pair encoder and one image in place of a pair. It ends by checking
-CLIP-style zero-shot classification of held-out objects and by writing the weights in OpenAI's names and
-format: the file assets/synth-ViT-32.pt that clip.MODELS names "synth-ViT/32" and adapt.py's synth preset adapts.
+It is stage 1's loop one step earlier, with CLIP itself (SceneCLIP) in place of the pair encoder and one image in
+place of a pair: adapt.py's Config (and the sizes of a CLIP from scratch), optimizer, schedule and retrieval
+scores, and a loop of its own written as adapt.py's, with the same step boundary (StepBoundary). It ends
+by checking CLIP-style zero-shot classification of held-out objects and by writing the weights in OpenAI's names
+and format: the file assets/synth-ViT-32.pt that clip.MODELS names "synth-ViT/32" and adapt.py's synth preset
+adapts.
 
 Run:  python pretrain.py                      train a synthetic CLIP (draws data/synth_scenes on first use; about
                                               20 minutes of training on one core). The shipped file came from this
@@ -19,6 +21,9 @@ Shape letters: B scenes in a batch, R image side (224), T description tokens (32
 """
 import dataclasses
 import itertools
+import json
+import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,26 +32,49 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed import destroy_process_group
+from torch.utils.data import DataLoader
 
 import adapt
 import clip
 import data
 import synth
-from checkpoints import save_checkpoint, seed_everything, start_or_resume
+from checkpoints import load_checkpoint, rng_state, save_checkpoint, seed_everything, start_or_resume, vocabulary_tensor
 from encoder import PairEncoder
 from files import OutDirLock, save_json
-from flags import ConfigError, flag, parse_config
+from flags import ConfigError, check_settings, flag, parse_config
+from losses import contrastive_loss
 from processes import keep_freed_memory, loader_workers, setup
-from stopping import run
+from stopping import check_finite_model, run_main
+from batches import batch_plan, epoch_batches, training_loader
+from loop import Run, StepBoundary
+
+SCRATCH_SIZES = ("scratch_width", "scratch_layers", "scratch_patch", "scratch_text_width", "scratch_text_layers",
+                 "scratch_embed_dim")
+# what --resume refuses to change
+MODEL_KEYS = ("data", "clip_model", "intra_layers", "freeze_intra", "max_words", *SCRATCH_SIZES, "synth_pairs")
 
 
 @dataclass
-class Config(adapt.Config):  # adapt.py's knobs; their defaults here are the scenes preset's
+class Config(adapt.Config):  # adapt.py's knobs and a CLIP's sizes from scratch; the scenes preset sets their values
     data: str = flag("scenes", "stage 0's one dataset: single synthetic scenes (data/synth_scenes)")
+    clip_model: str = flag("ViT-B/32", '"scratch": a CLIP from scratch at the scratch_* sizes; or a model name '
+                                       '(clip.MODELS) or weights file, trained further')
     out_dir: str = flag("", 'checkpoints and logs ("" = runs/pretrain_scenes)')
+    scratch_width: int = flag(256, "scratch model: vision width")
+    scratch_layers: int = flag(6, "scratch model: vision blocks")
+    scratch_patch: int = flag(32, "scratch model: patch side in pixels")
+    scratch_text_width: int = flag(256, "scratch model: text width")
+    scratch_text_layers: int = flag(3, "scratch model: text blocks")
+    scratch_embed_dim: int = flag(256, "scratch model: joint embedding width")
 
-    def check_split(self):
-        """Stage 0 trains CLIP on single images: there is no pair encoder, so no split point to check."""
+    def __post_init__(self):  # adapt.py's checks, then the scratch model's sizes
+        super().__post_init__()
+        check_settings(self, positive=SCRATCH_SIZES)
+
+    @property
+    def text_positions(self) -> int:
+        """A CLIP from scratch has max_words text positions; a pretrained one its own (adapt.Config)."""
+        return self.max_words if self.clip_model == "scratch" else super().text_positions
 
 
 # The scenes preset: a CLIP of width 128 (6 vision blocks on 32-pixel patches, 2 text blocks), from scratch;
@@ -60,6 +88,19 @@ PRESETS = {
 
 # -----------------------------------------------------------------------------
 # CLIP on one image and its description
+
+
+def build_clip(config: Config, vocab_size: int) -> clip.CLIP:
+    """CLIP from scratch at the scratch_* sizes (the scenes preset), or a pretrained one (adapt.build_clip)."""
+    if config.clip_model != "scratch":
+        return adapt.build_clip(config, vocab_size)
+    clip_config = clip.CLIPConfig(
+        embed_dim=config.scratch_embed_dim, image_resolution=data.IMAGE_SIZE,
+        vision_layers=config.scratch_layers, vision_width=config.scratch_width,
+        vision_patch_size=config.scratch_patch, context_length=config.max_words, vocab_size=vocab_size,
+        transformer_width=config.scratch_text_width, transformer_heads=max(1, config.scratch_text_width // 64),
+        transformer_layers=config.scratch_text_layers)
+    return clip.CLIP(clip_config)
 
 
 class SceneCLIP(nn.Module):
@@ -86,8 +127,8 @@ class SceneCLIP(nn.Module):
 
 
 class Scenes(synth.SceneSamples):
-    """A split of single scenes, which adapt.evaluate ranks as it ranks pairs: each scene's description against
-    every scene."""
+    """A split of single scenes, which evaluate ranks as adapt.evaluate ranks pairs: each scene's description
+    against every scene."""
 
     def retrieval_texts(self) -> tuple[list[str], list[int]]:
         """(texts, text -> scene): one description per scene, in order."""
@@ -105,6 +146,60 @@ def read_scenes(config: Config, dist_) -> tuple[dict, clip.SimpleTokenizer]:
     tokenizer = clip.get_tokenizer(root / data.SYNTH_BPE_FILE)
     splits = {s: Scenes(root, s, tokenizer, train=s == "train", max_words=config.max_words) for s in data.SPLITS}
     return splits, tokenizer
+
+
+# -----------------------------------------------------------------------------
+# One training step, and the retrieval scores: stage 1's, on single images
+
+
+def train_step(model: nn.Module, optimizer, scaler, micro_batches, ctx, config: Config, ddp: bool,
+               logit_scale: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
+    """adapt.train_step with a scene in place of a pair: one optimizer step over grad_accum micro-batches; returns
+    the mean loss and the gradient norm before clipping (tensors, not synced)."""
+    total = 0.0
+    for i, batch in enumerate(micro_batches):
+        # under DDP, the gradients are all-reduced only in the last micro-batch's backward
+        with model.no_sync() if ddp and i < len(micro_batches) - 1 else nullcontext():
+            with ctx:
+                out = model(batch["image"], batch["caption"])
+                # CLIP's loss: each scene against every description of the batch, and each description against
+                # every scene
+                loss = contrastive_loss(out["text_embedding"], out["image_embedding"], out["logit_scale"])
+                loss = loss / len(micro_batches)
+            scaler.scale(loss).backward()
+        total = total + loss.detach()
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():  # a temperature below 0.01 makes the softmax too sharp to train, as CLIP found
+        logit_scale.clamp_(max=adapt.MAX_LOGIT_SCALE)
+    return total, grad_norm
+
+
+@torch.no_grad()
+def evaluate(model: SceneCLIP, split: Scenes, tokenizer, config: Config, device, ctx) -> dict:
+    """Retrieval on a split of scenes: each scene's description ranked against every scene, each scene against the
+    descriptions (adapt.retrieval)."""
+    was_training = model.training
+    model.eval()
+    texts, text_to_scene = split.retrieval_texts()
+    # a generator of its own: evaluating must not draw from the global one that training's random choices use
+    loader = DataLoader(split, batch_size=config.eval_batch_size, num_workers=config.num_workers,
+                        generator=torch.Generator(), pin_memory=device.type == "cuda")
+    image_embeddings = []
+    for batch in loader:
+        image = data.to_device(batch, device, ("image",))["image"]  # (B, 3, R, R)
+        with ctx:
+            image_embeddings.append(model(image)["image_embedding"].float())  # (B, E)
+    scores = adapt.retrieval(model, torch.cat(image_embeddings), texts, text_to_scene, tokenizer, config, device, ctx)
+    model.train(was_training)
+    return scores
+
+
+# -----------------------------------------------------------------------------
+# Stage 0's product: the zero-shot check, and the weights in OpenAI's format
 
 
 ZERO_SHOT_SCENES = 240        # stage 0's zero-shot check: held-out scenes of one object each
@@ -157,24 +252,101 @@ def finish_stage0(model: SceneCLIP, tokenizer, config: Config, device, ctx, out_
 # The run
 
 
-def pretrain_and_test(config: Config, dist_, dtype: str, ctx, scaler, out_dir: Path) -> None:
-    """Stage 0: read the scenes, build CLIP, train it with adapt.py's loop, score the test split, write the weights;
-    then the processes of a torchrun leave their group together."""
+def checkpoint(model: SceneCLIP, optimizer, run: Run, tokenizer, **progress) -> dict:
+    """What ckpt_last.pt and ckpt_best.pt hold: enough to resume (adapt.checkpoint's entries; no pair encoder)."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": run.scaler.state_dict(),
+            "config": dataclasses.asdict(run.config), "clip_config": dataclasses.asdict(model.clip.config),
+            "encoder_config": None,
+            # the vocabulary itself, so that the file travels alone; its path only as a hint of where it came from
+            "vocabulary": vocabulary_tensor(tokenizer.bpe_path), "bpe_path": str(tokenizer.bpe_path),
+            **progress, "rng": rng_state()}
+
+
+def train(run: Run, raw_model: SceneCLIP, optimizer, splits: dict, tokenizer, state: dict | None) -> int:
+    """adapt.train's loop on single scenes; after every epoch, validation retrieval on the master, which keeps the
+    best epoch in ckpt_best.pt. Returns the last step."""
+    config, dist_, out_dir = run.config, run.dist_, run.out_dir
+    device, master = dist_.device, dist_.master
+    say = print if master else (lambda *a, **k: None)
+    model = adapt.wrap(raw_model, config, dist_)  # what the step calls: under torchrun DDP's, with --compile compiled
+    step, best, best_epoch, history = 0, -1.0, -1, []
+    if state is not None:
+        step, best, best_epoch, history = state["step"], state["best_metric"], state["best_epoch"], state["history"]
+    micro, sampler, steps_per_epoch = batch_plan(splits["train"], config.batch_size, config.grad_accum, dist_,
+                                                         config.seed)
+    total_steps = config.epochs * steps_per_epoch
+    if master:
+        save_json(dataclasses.asdict(config), out_dir / "config.json")
+        say(json.dumps(dataclasses.asdict(config)))
+        say(adapt.describe(run, len(splits["train"]), len(splits["train"]), micro, steps_per_epoch, raw_model))
+
+    def save(path):  # the checkpoint at the step and epoch the loop has reached
+        save_checkpoint(checkpoint(raw_model, optimizer, run, tokenizer, epoch=epoch, step=step,
+                                           best_metric=best, best_epoch=best_epoch, history=history), path)
+
+    loader = training_loader(splits["train"], sampler, micro, config.num_workers, device, data.collate_text)
+    # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (StepBoundary)
+    with StepBoundary(run, steps_per_epoch, total_steps, step, save) as boundary:
+        model.train()
+        while step < total_steps:
+            epoch = step // steps_per_epoch
+            done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
+            batches = epoch_batches(loader, epoch, done_in_epoch, config.grad_accum)  # the sampler's epoch
+            for _ in range(done_in_epoch, steps_per_epoch):
+                lr = adapt.get_lr(step, total_steps, config)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr * group["lr_scale"]
+                try:
+                    micro_batches = [data.to_device(next(batches), device, ("image", "caption"))
+                                     for _ in range(config.grad_accum)]
+                except data.DataError as error:  # a damaged file: ckpt_last.pt at the last step, then one line
+                    raise boundary.damaged(error, step) from None
+                loss, grad_norm = train_step(model, optimizer, run.scaler, micro_batches, run.ctx, config, dist_.ddp,
+                                             raw_model.clip.logit_scale)
+                step += 1
+                if boundary.after_step(step, lr, loss, grad_norm):  # the master's log steps: .item() waits, here only
+                    loss_value, scale = loss.item(), raw_model.clip.logit_scale.exp().item()
+                    say(boundary.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=loss_value,
+                                      lr=adapt.get_lr(step, total_steps, config),
+                                      temp=1 / scale if scale else math.inf), flush=True)
+                    boundary.log.write(step=step, epoch=epoch, loss=loss_value,
+                                       lr=adapt.get_lr(step, total_steps, config), logit_scale=scale)
+                boundary.save_or_stop()  # ckpt_last.pt every save_every steps; for Ctrl-C or SIGTERM, then stops
+            boundary.end_epoch()  # the finiteness check of the epoch's last steps
+            if master:  # end of epoch: validation retrieval on the master, the others wait
+                check_finite_model(raw_model, step, lr)  # a non-finite model is never scored nor saved
+                scores = evaluate(raw_model, splits["val"], tokenizer, config, device, run.ctx)
+                history.append({"epoch": epoch, "step": step, **scores})
+                improved = scores["text_to_pair_R1"] >= best  # a tie keeps the later epoch
+                best, best_epoch = (scores["text_to_pair_R1"], epoch) if improved else (best, best_epoch)
+                say(f"epoch {epoch + 1} validation: {adapt.summary(scores)}" + (" (best so far)" if improved else ""))
+                boundary.log.write(step=step, epoch=epoch, split="val", **scores)
+                if improved:
+                    save(out_dir / "ckpt_best.pt")
+                save(out_dir / "ckpt_last.pt")
+            boundary.stop_if_signalled()  # Ctrl-C or SIGTERM in any process; under DDP also the epoch's barrier
+    return step
+
+
+def pretrain_and_test(run: Run) -> None:
+    """Stage 0: read the scenes, build CLIP, train it, score the test split, write the weights; then the processes
+    of a torchrun leave their group together."""
+    config, dist_ = run.config, run.dist_
     device, master = dist_.device, dist_.master
     splits, tokenizer = read_scenes(config, dist_)
-    model = SceneCLIP(adapt.build_clip(config, tokenizer.vocab_size))
-    clip_config = dataclasses.asdict(model.clip.config)
+    model = SceneCLIP(build_clip(config, tokenizer.vocab_size))
     model.to(device)
     optimizer = adapt.build_optimizer(model, config, device)
-    ckpt_path = out_dir / "ckpt_last.pt"
-    state = start_or_resume(ckpt_path, config, adapt.MODEL_KEYS, dist_, model, optimizer, scaler)
+    ckpt_path = run.out_dir / "ckpt_last.pt"
+    state = start_or_resume(ckpt_path, config, MODEL_KEYS, dist_, model, optimizer, run.scaler)
     if state is not None and master:
         print(f"resumed {ckpt_path} at step {state['step']}")
-    step = adapt.train(config, dist_, ctx, scaler, dtype, adapt.wrap(model, config, dist_), model, optimizer,
-                       splits["train"], splits, tokenizer, None, clip_config, state, out_dir)
-    if master:
-        adapt.test(model, splits, tokenizer, None, config, device, ctx, step, out_dir)
-        finish_stage0(model, tokenizer, config, device, ctx, out_dir, print)
+    step = train(run, model, optimizer, splits, tokenizer, state)
+    if master:  # the test split's retrieval, scored once, with the epoch chosen on validation
+        best = load_checkpoint(run.out_dir / "ckpt_best.pt")
+        model.load_state_dict(best["model"])
+        adapt.save_test(run, best, evaluate(model, splits["test"], tokenizer, config, device, run.ctx), step)
+        finish_stage0(model, tokenizer, config, device, run.ctx, run.out_dir, print)
     if dist_.ddp:
         dist.barrier()  # every process done before any tears the group down (a gloo peer may abort otherwise)
         destroy_process_group()
@@ -191,8 +363,8 @@ def main(argv=None):
     seed_everything(config.seed + dist_.rank)
     out_dir = Path(config.out_dir or "runs/pretrain_scenes")
     with OutDirLock(out_dir, dist_.master):  # one run at a time writes there; a second is refused
-        pretrain_and_test(config, dist_, dtype, ctx, scaler, out_dir)
+        pretrain_and_test(Run(config, dist_, dtype, ctx, scaler, out_dir))
 
 
 if __name__ == "__main__":
-    run(main, "pretrain.py")
+    run_main(main, "pretrain.py")

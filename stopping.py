@@ -1,6 +1,6 @@
 """Stopping: how a training run ends early, and what it says then, in one line.
 
-- `run`: a script's main(), with the errors a user can fix (`USER_ERRORS`: a missing or bad file, a bad setting,
+- `run_main`: a script's main(), with the errors a user can fix (`USER_ERRORS`: a missing or bad file, a bad setting,
   bad data, a full disk), a diverged run and Ctrl-C printed as one line; any other exception, a bug or an
   out-of-memory, keeps its traceback.
 - `DivergenceWatch`, `check_finite_model`: a diverged run (Diverged) stops at the next log step, naming the step
@@ -236,7 +236,7 @@ def _terminated(number, frame):
     raise Interrupted(SIGNAL_WORDS[signal.SIGTERM], 128 + number)
 
 
-def run(main, program: str) -> None:
+def run_main(main, program: str) -> None:
     """Call a script's main(). A USER_ERRORS error ends the process with one line on stderr and exit status 1;
     any other exception (a bug, a shape mismatch inside torch, CUDA out of memory) keeps its traceback. Ctrl-C and
     SIGTERM end it with one line and the shell's status for the signal, 130 or 143 (in the training loop, after a

@@ -55,6 +55,7 @@ import data
 import explain
 import files
 import flags
+import loop
 import meteor
 import metrics
 import pretrain
@@ -2809,14 +2810,14 @@ def test_a_user_error_is_one_line_and_any_other_error_keeps_its_traceback(capsys
         raise flags.ConfigError("--lr -1: it must be > 0")
 
     with pytest.raises(SystemExit) as exit_:
-        stopping.run(bad_setting, "adapt.py")
+        stopping.run_main(bad_setting, "adapt.py")
     assert exit_.value.code == 1 and capsys.readouterr().err == "adapt.py: error: --lr -1: it must be > 0\n"
 
     def shape_bug():
         torch.zeros(2, 3) @ torch.zeros(2, 3)  # a RuntimeError from inside torch: a bug, not the user's input
 
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
-        stopping.run(shape_bug, "adapt.py")
+        stopping.run_main(shape_bug, "adapt.py")
 
 
 def test_float_flags_accept_finite_values_only(capsys):
@@ -2835,10 +2836,7 @@ def test_caption_lengths_outside_what_the_model_holds_are_refused_before_any_wor
         assert expected in capsys.readouterr().err
 
 
-def test_more_intra_image_layers_than_the_model_has_are_refused_with_its_number_of_blocks(capsys):
-    with pytest.raises(SystemExit):
-        flags.parse_config(adapt.Config, adapt.PRESETS, ["--clip_model", "scratch", "--intra_layers", "7"])
-    assert "--intra_layers 7: the scratch model has --scratch_layers 6 vision blocks" in capsys.readouterr().err
+def test_more_intra_image_layers_than_the_model_has_are_refused_with_its_number_of_blocks():
     config = adapt.Config(data="synth", clip_model="synth-ViT/32", intra_layers=7)  # a model of 6 vision blocks
     with pytest.raises(flags.ConfigError, match=r"--intra_layers 7: synth-ViT/32 has 6 vision blocks.*\[1, 6\]"):
         adapt.build_encoder(config, clip.load("synth-ViT/32")[0].config.vocab_size)
@@ -2880,6 +2878,35 @@ def test_a_non_finite_loss_stops_training_at_the_next_check_naming_its_first_ste
         watch.check()
 
 
+def test_the_step_boundary_reads_the_losses_on_log_and_save_steps_and_saves_between_epochs_or_for_a_signal(tmp_path):
+    alone = processes.Distributed(False, 0, 0, 1, torch.device("cpu"), True)
+    config = types.SimpleNamespace(log_every=4, save_every=3)
+    run = loop.Run(config, alone, "float32", contextlib.nullcontext(), torch.amp.GradScaler("cpu", enabled=False),
+                      tmp_path)
+    saved, logged, checked = [], [], []
+    with loop.StepBoundary(run, steps_per_epoch=6, total_steps=12, first_step=0,
+                              save=lambda path: saved.append((step, path.name))) as boundary:
+        for step in range(1, 13):  # two epochs of 6 steps
+            if boundary.after_step(step, 1e-3, torch.tensor(2.0), torch.tensor(1.0)):
+                logged.append(step)
+            if not boundary.watch.steps:  # read, the one wait for the device
+                checked.append(step)
+            boundary.save_or_stop()
+    assert logged == [4, 8, 12] and checked == [3, 4, 8, 9, 12]  # step 6 ends an epoch: the epoch's end saves it
+    assert saved == [(3, "ckpt_last.pt"), (9, "ckpt_last.pt")]
+    with loop.StepBoundary(run, steps_per_epoch=6, total_steps=12, first_step=0,
+                              save=lambda path: saved.append((step, path.name))) as boundary:
+        step = 1
+        boundary.after_step(step, 1e-3, torch.tensor(2.0), torch.tensor(1.0))
+        boundary.save_or_stop()
+        boundary.stop.note(signal.SIGTERM, None)  # as the signal handler does, during step 2
+        step = 2
+        boundary.after_step(step, 1e-3, torch.tensor(2.0), torch.tensor(1.0))  # read at once, in one process
+        with pytest.raises(stopping.Interrupted) as stopped:
+            boundary.save_or_stop()
+    assert saved[-1] == (2, "ckpt_last.pt") and stopped.value.status == 128 + signal.SIGTERM
+
+
 def test_partial_files_of_killed_processes_are_removed_and_those_of_a_running_one_kept(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -2901,14 +2928,34 @@ def test_explain_py_alone_prints_its_usage_and_a_pointing_game():
 
 # ======== adapt.py ========
 
-TINY_ADAPT = ["--data", "synth", "--clip_model", "scratch", "--synth_pairs", "40", "--scratch_width", "64", "--scratch_layers", "2",
-        "--intra_layers", "1", "--scratch_text_width", "64", "--scratch_text_layers", "1",
-        "--scratch_embed_dim", "32", "--batch_size", "8", "--eval_batch_size", "16", "--log_every", "1"]
+TINY_ADAPT = ["--data", "synth", "--synth_pairs", "40", "--intra_layers", "1", "--batch_size", "8",
+              "--eval_batch_size", "16", "--log_every", "1"]
 
 
-def run_adapt(*args, env=None, torchrun=False, **kwargs):
+def write_tiny_clip(folder: Path, embed_dim: int) -> Path:
+    """An untrained CLIP of the synthetic vocabulary (2 vision blocks of width 64 on 32-pixel patches, 1 text block
+    of width 64, joint width embed_dim), written as stage 0 writes its product (pretrain.export_clip): what stage
+    1's tests adapt in seconds, in place of the shipped synthetic CLIP."""
+    folder.mkdir(parents=True, exist_ok=True)
+    synth.write_bpe(folder / data.SYNTH_BPE_FILE, synth.synth_vocabulary())
+    vocab_size = clip.get_tokenizer(folder / data.SYNTH_BPE_FILE).vocab_size
+    config = pretrain.Config(clip_model="scratch", scratch_width=64, scratch_layers=2, scratch_text_width=64,
+                             scratch_text_layers=1, scratch_embed_dim=embed_dim)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = pretrain.build_clip(config, vocab_size)
+    return pretrain.export_clip(model, folder / f"tiny-clip-{embed_dim}.pt")
+
+
+@pytest.fixture(scope="module")
+def tiny_adapt(tmp_path_factory) -> list:
+    """adapt.py's flags for a tiny run on 40 synthetic pairs: a tiny CLIP (write_tiny_clip), 1 intra-image block."""
+    return [*TINY_ADAPT, "--clip_model", str(write_tiny_clip(tmp_path_factory.mktemp("clip"), embed_dim=32))]
+
+
+def run_adapt(tiny_adapt, *args, env=None, torchrun=False, **kwargs):
     command = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun
-               else [sys.executable]) + [str(HERE / "adapt.py"), *TINY_ADAPT, *map(str, args)]
+               else [sys.executable]) + [str(HERE / "adapt.py"), *tiny_adapt, *map(str, args)]
     return subprocess.run(command, cwd=HERE, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, **kwargs)
 
@@ -3038,9 +3085,9 @@ def test_a_training_step_and_the_encoders_make_every_tensor_on_the_models_device
     assert torch.isfinite(loss) and torch.isfinite(pair).all() and torch.isfinite(text).all()
 
 
-def test_adaptation_on_tiny_synth_writes_checkpoints_that_load_without_code(synth40_root, tmp_path):
+def test_adaptation_on_tiny_synth_writes_checkpoints_that_load_without_code(synth40_root, tiny_adapt, tmp_path):
     out = tmp_path / "run"
-    result = run_adapt("--data_root", synth40_root, "--out_dir", out, "--epochs", "2")
+    result = run_adapt(tiny_adapt, "--data_root", synth40_root, "--out_dir", out, "--epochs", "2")
     assert result.returncode == 0, result.stderr
     for name in ("ckpt_last.pt", "ckpt_best.pt"):
         state = torch.load(out / name, weights_only=True)
@@ -3051,10 +3098,10 @@ def test_adaptation_on_tiny_synth_writes_checkpoints_that_load_without_code(synt
     assert [r["split"] for r in records if "split" in r] == ["val", "val", "test"]
 
 
-def test_an_existing_run_is_not_overwritten_without_resume(synth40_root, tmp_path):
+def test_an_existing_run_is_not_overwritten_without_resume(synth40_root, tiny_adapt, tmp_path):
     out = tmp_path / "run"
-    assert run_adapt("--data_root", synth40_root, "--out_dir", out, "--epochs", "1").returncode == 0
-    again = run_adapt("--data_root", synth40_root, "--out_dir", out, "--epochs", "1")
+    assert run_adapt(tiny_adapt, "--data_root", synth40_root, "--out_dir", out, "--epochs", "1").returncode == 0
+    again = run_adapt(tiny_adapt, "--data_root", synth40_root, "--out_dir", out, "--epochs", "1")
     assert again.returncode == 1 and "--resume" in again.stderr
 
 
@@ -3089,14 +3136,14 @@ def wait_for_log_step(process, out: Path, step: int, timeout: float = 240) -> No
 
 
 def test_a_second_run_in_a_busy_out_dir_is_refused_in_one_line_naming_the_first_which_finishes_untouched(
-        synth40_root, tmp_path):
+        synth40_root, tiny_adapt, tmp_path):
     out = tmp_path / "run"
     args = ["--data_root", synth40_root, "--out_dir", out]
-    command = [sys.executable, str(HERE / "adapt.py"), *TINY_ADAPT, *map(str, args), "--epochs", "12"]
+    command = [sys.executable, str(HERE / "adapt.py"), *tiny_adapt, *map(str, args), "--epochs", "12"]
     first = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
     wait_for_log_step(first, out, 1)
-    seconds = [subprocess.Popen([sys.executable, str(HERE / "adapt.py"), *TINY_ADAPT, *map(str, args), *extra],
+    seconds = [subprocess.Popen([sys.executable, str(HERE / "adapt.py"), *tiny_adapt, *map(str, args), *extra],
                                 cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for extra in (["--seed", "7"], ["--seed", "7", "--resume"], ["--eval"])]
     for second in seconds:  # another training run, a resume, and an --eval that would write test_retrieval.json
@@ -3110,14 +3157,15 @@ def test_a_second_run_in_a_busy_out_dir_is_refused_in_one_line_naming_the_first_
     assert f'{json.loads((out / "test_retrieval.json").read_text())["text_to_pair_R1"]:.2f}' == printed
     assert not (out / ".lock").exists()  # removed at the end of the run
     (out / ".lock").write_text("process 1 (a run killed long ago)\n")  # a dead process holds no lock
-    assert run_adapt(*args, "--eval").returncode == 0
+    assert run_adapt(tiny_adapt, *args, "--eval").returncode == 0
 
 
-def test_an_out_dir_that_is_a_file_or_lies_under_one_is_refused_before_any_work(synth40_root, tmp_path, stage1):
+def test_an_out_dir_that_is_a_file_or_lies_under_one_is_refused_before_any_work(synth40_root, tiny_adapt, tmp_path,
+                                                                                 stage1):
     file = tmp_path / "file"
     file.write_text("")
     for out in (file, file / "run"):
-        result = run_adapt("--data_root", synth40_root, "--out_dir", out)
+        result = run_adapt(tiny_adapt, "--data_root", synth40_root, "--out_dir", out)
         assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
         assert f"--out_dir {out} " in result.stderr and "not a folder" in result.stderr
         started = time.time()  # caption.py --eval decoded the whole test split before it found out
@@ -3126,21 +3174,23 @@ def test_an_out_dir_that_is_a_file_or_lies_under_one_is_refused_before_any_work(
         assert time.time() - started < 30
 
 
-def test_a_new_run_after_one_stopped_before_its_first_checkpoint_starts_a_fresh_log(synth40_root, tmp_path):
+def test_a_new_run_after_one_stopped_before_its_first_checkpoint_starts_a_fresh_log(synth40_root, tiny_adapt,
+                                                                                    tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / "log.jsonl").write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")  # the stopped run's step
-    assert run_adapt("--data_root", synth40_root, "--out_dir", out, "--epochs", "1").returncode == 0
+    assert run_adapt(tiny_adapt, "--data_root", synth40_root, "--out_dir", out, "--epochs", "1").returncode == 0
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in records if "split" not in r]
     assert steps == list(range(1, len(steps) + 1)) and 9.0 not in [r.get("loss") for r in records]
 
 
-def test_a_stage_1_run_killed_at_a_step_and_resumed_writes_the_uninterrupted_runs_files(synth40_root, tmp_path):
+def test_a_stage_1_run_killed_at_a_step_and_resumed_writes_the_uninterrupted_runs_files(synth40_root, tiny_adapt,
+                                                                                        tmp_path):
     args = ["--data_root", synth40_root, "--epochs", "2", "--save_every", "3"]
-    assert run_adapt(*args, "--out_dir", tmp_path / "whole").returncode == 0
+    assert run_adapt(tiny_adapt, *args, "--out_dir", tmp_path / "whole").returncode == 0
     out = tmp_path / "killed"
-    command = [sys.executable, str(HERE / "adapt.py"), *TINY_ADAPT, *map(str, args), "--out_dir", str(out)]
+    command = [sys.executable, str(HERE / "adapt.py"), *tiny_adapt, *map(str, args), "--out_dir", str(out)]
     process = subprocess.Popen(command, cwd=HERE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
     wait_for_log_step(process, out, 8)  # past the mid-epoch saves at steps 3 and 6, and logged beyond them
@@ -3148,7 +3198,7 @@ def test_a_stage_1_run_killed_at_a_step_and_resumed_writes_the_uninterrupted_run
     process.wait()
     killed_at = torch.load(out / "ckpt_last.pt", weights_only=True)["step"]
     assert killed_at % 3 == 0 and killed_at < 22  # a mid-epoch checkpoint (22 steps per epoch)
-    resumed = run_adapt(*args, "--out_dir", out, "--resume")
+    resumed = run_adapt(tiny_adapt, *args, "--out_dir", out, "--resume")
     assert resumed.returncode == 0 and f"at step {killed_at}" in resumed.stdout, resumed.stderr
     same_run_files(tmp_path / "whole", out, "test_retrieval.json")
 
@@ -3176,10 +3226,11 @@ def test_sigterm_saves_stage_2_at_the_step_boundary_exits_143_and_the_resumed_ru
     same_run_files(tmp_path / "whole", out, "test_predictions.json")
 
 
-def test_sigterm_under_torchrun_stops_every_process_at_the_same_step_after_the_master_saves(synth40_root, tmp_path):
+def test_sigterm_under_torchrun_stops_every_process_at_the_same_step_after_the_master_saves(synth40_root, tiny_adapt,
+                                                                                           tmp_path):
     out = tmp_path / "ddp"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(HERE / "adapt.py"), *TINY_ADAPT, "--data_root", str(synth40_root), "--out_dir", str(out),
+               str(HERE / "adapt.py"), *tiny_adapt, "--data_root", str(synth40_root), "--out_dir", str(out),
                "--epochs", "20", "--log_every", "3"]
     process = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -3195,6 +3246,7 @@ def test_sigterm_under_torchrun_stops_every_process_at_the_same_step_after_the_m
 
 
 def test_a_damaged_image_met_in_training_stops_in_one_line_naming_it_after_saving_the_last_step(synth40_root,
+                                                                                                tiny_adapt,
                                                                                                  tmp_path):
     root = tmp_path / "synth"
     shutil.copytree(synth40_root, root, ignore=shutil.ignore_patterns(".cache"))
@@ -3209,8 +3261,8 @@ def test_a_damaged_image_met_in_training_stops_in_one_line_naming_it_after_savin
     raw[len(raw) // 2:len(raw) // 2 + 64] = bytes(64)  # the middle of the image data
     damaged.write_bytes(bytes(raw))
     out = tmp_path / "run"
-    result = run_adapt("--data_root", root, "--out_dir", out, "--no-image_cache", "--no-freeze_intra", "--num_workers",
-                       "1")  # a worker reads the images, decoded at each step
+    result = run_adapt(tiny_adapt, "--data_root", root, "--out_dir", out, "--no-image_cache", "--no-freeze_intra",
+                       "--num_workers", "1")  # a worker reads the images, decoded at each step
     assert result.returncode == 1 and result.stderr.count("\n") == 1 and "Caught" not in result.stderr, result.stderr
     step = first_use[pair] // 8  # the steps completed before the batch that holds it (8 samples a step)
     assert result.stderr.startswith(f"adapt.py: error: image {damaged} is corrupt")
@@ -3218,22 +3270,25 @@ def test_a_damaged_image_met_in_training_stops_in_one_line_naming_it_after_savin
     assert torch.load(out / "ckpt_last.pt", weights_only=True)["step"] == step > 0
 
 
-def test_resume_refuses_a_checkpoint_of_another_model_config(synth40_root, tmp_path):
+def test_resume_refuses_a_checkpoint_of_another_model_config(synth40_root, tiny_adapt, tmp_path):
     out = tmp_path / "run"
-    assert run_adapt("--data_root", synth40_root, "--out_dir", out, "--epochs", "1").returncode == 0
-    other = run_adapt("--data_root", synth40_root, "--out_dir", out, "--epochs", "2", "--resume",
-                      "--scratch_width", "128")
-    assert other.returncode == 1 and "scratch_width" in other.stderr
+    assert run_adapt(tiny_adapt, "--data_root", synth40_root, "--out_dir", out, "--epochs", "1").returncode == 0
+    other = run_adapt(tiny_adapt, "--data_root", synth40_root, "--out_dir", out, "--epochs", "2", "--resume",
+                      "--intra_layers", "2")  # a model of another shape: both vision blocks intra-image
+    assert other.returncode == 1 and "--intra_layers: checkpoint 1 vs now 2" in other.stderr, other.stderr
     config = (out / "config.json").read_text()
     for flag, value in (("--lr", "3e-4"), ("--batch_size", "4")):  # a setting that changes what training computes
-        changed = run_adapt("--data_root", synth40_root, "--out_dir", out, "--epochs", "1", "--resume", flag, value)
+        changed = run_adapt(tiny_adapt, "--data_root", synth40_root, "--out_dir", out, "--epochs", "1", "--resume",
+                            flag, value)
         assert changed.returncode == 1 and f"{flag}: checkpoint" in changed.stderr, changed.stderr
     assert (out / "config.json").read_text() == config  # the run's record is not overwritten
 
 
-def test_a_diverging_learning_rate_stops_stage_1_at_once_in_one_line_and_saves_nothing(synth40_root, tmp_path):
+def test_a_diverging_learning_rate_stops_stage_1_at_once_in_one_line_and_saves_nothing(synth40_root, tiny_adapt,
+                                                                                       tmp_path):
     out = tmp_path / "run"
-    result = run_adapt("--data_root", synth40_root, "--out_dir", out, "--epochs", "2", "--lr", "1e30", "--warmup",
+    result = run_adapt(tiny_adapt, "--data_root", synth40_root, "--out_dir", out, "--epochs", "2", "--lr", "1e30",
+                       "--warmup",
                        "0", "--grad_clip", "1e30")
     assert result.returncode == 1 and "Traceback" not in result.stderr
     line = result.stderr.strip()
@@ -3242,10 +3297,10 @@ def test_a_diverging_learning_rate_stops_stage_1_at_once_in_one_line_and_saves_n
     assert not (out / "ckpt_best.pt").exists() and not (out / "ckpt_last.pt").exists()
 
 
-def test_ctrl_c_prints_what_was_saved_and_the_resume_command_and_exits_130(synth40_root, tmp_path):
+def test_ctrl_c_prints_what_was_saved_and_the_resume_command_and_exits_130(synth40_root, tiny_adapt, tmp_path):
     out = tmp_path / "run"
     args = ["--data_root", synth40_root, "--out_dir", out, "--epochs", "20", "--save_every", "2"]
-    command = [sys.executable, str(HERE / "adapt.py"), *TINY_ADAPT, *map(str, args)]
+    command = [sys.executable, str(HERE / "adapt.py"), *tiny_adapt, *map(str, args)]
     process = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=ctrl_c_as_in_a_terminal)
     deadline = time.time() + 240
@@ -3261,28 +3316,30 @@ def test_ctrl_c_prints_what_was_saved_and_the_resume_command_and_exits_130(synth
     assert not list(out.glob(".*.tmp*"))
 
 
-def test_torchrun_with_two_cpu_processes_trains_and_only_rank_0_writes(synth40_root, tmp_path):
+def test_torchrun_with_two_cpu_processes_trains_and_only_rank_0_writes(synth40_root, tiny_adapt, tmp_path):
     out = tmp_path / "ddp"
-    result = run_adapt("--data_root", synth40_root, "--out_dir", out, "--epochs", "1", torchrun=True)
+    result = run_adapt(tiny_adapt, "--data_root", synth40_root, "--out_dir", out, "--epochs", "1", torchrun=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "8 = 4 x 2 processes" in result.stdout  # the global batch is split over the two processes
     assert sorted(p.name for p in out.iterdir()) == ["ckpt_best.pt", "ckpt_last.pt", "config.json", "log.jsonl",
                                                    "test_retrieval.json"]
     assert torch.load(out / "ckpt_last.pt", weights_only=True)["step"] > 0
-    evaluated = run_adapt("--data_root", synth40_root, "--out_dir", out, "--eval", torchrun=True)
+    evaluated = run_adapt(tiny_adapt, "--data_root", synth40_root, "--out_dir", out, "--eval", torchrun=True)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert evaluated.stdout.count("test retrieval of") == 1  # rank 0 alone scores the test split; rank 1 waits
     rank1 = processes.Distributed(True, 1, 1, 2, torch.device("cpu"), False)
     missing = adapt.Config(checkpoint=str(tmp_path / "missing.pt"))  # read by rank 0 only: rank 1 opens nothing
     adapt.evaluate_checkpoint(missing, rank1, contextlib.nullcontext(), tmp_path)
-    caption.evaluate(caption.Config(), rank1, contextlib.nullcontext(), tmp_path / "none", None, None, None, tmp_path)
+    caption.evaluate(loop.Run(caption.Config(), rank1, "float32", contextlib.nullcontext(), None, tmp_path),
+                     tmp_path / "none", None, None, None)
     assert not (tmp_path / "test_retrieval.json").exists() and not (tmp_path / "test_predictions.json").exists()
 
 
-def test_a_compiled_model_trains_under_two_process_ddp_compiled_after_the_wrap(synth40_root, tmp_path):
+def test_a_compiled_model_trains_under_two_process_ddp_compiled_after_the_wrap(synth40_root, tiny_adapt, tmp_path):
     # torch.compile on the CPU needs a C++ compiler (this machine's and CI's gcc); about 45 s on 2 cores
     out = tmp_path / "compiled"
-    result = run_adapt("--data_root", synth40_root, "--out_dir", out, "--epochs", "1", "--compile", torchrun=True)
+    result = run_adapt(tiny_adapt, "--data_root", synth40_root, "--out_dir", out, "--epochs", "1", "--compile",
+                       torchrun=True)
     if adapt.torch_version() < adapt.COMPILED_DDP_TORCH:  # torch 2.5.1: refused in one line, before any step
         assert result.returncode != 0 and "--compile under torchrun needs torch 2.11 or newer" in result.stderr
         return
@@ -3313,14 +3370,15 @@ def pairs_run(synth_root: Path, folder: Path, per_split: int = 4) -> tuple[list,
     """adapt.py's flags and environment for the tiny model on pairs_without_distractors (6 captions per pair)."""
     root = pairs_without_distractors(synth_root, folder, per_split)
     env = {**os.environ, "CLIP_BPE_PATH": str(synth_root / data.SYNTH_BPE_FILE)}  # the synthetic vocabulary
-    return ["--data", "pairs", "--data_root", root, "--clip_model", "scratch", "--num_workers", "0"], env
+    return ["--data", "pairs", "--data_root", root, "--num_workers", "0"], env
 
 
-def test_a_float16_run_keeps_its_loss_scale_in_the_checkpoint_and_resume_goes_on_from_it(synth40_root, tmp_path):
+def test_a_float16_run_keeps_its_loss_scale_in_the_checkpoint_and_resume_goes_on_from_it(synth40_root, tiny_adapt,
+                                                                                         tmp_path):
     out = tmp_path / "run"
     args, env = pairs_run(synth40_root, tmp_path / "pairs", per_split=8)  # 48 samples: 6 steps per epoch
     args += ["--out_dir", out, "--dtype", "float16"]  # the GPU's float16 path (autocast, GradScaler), on the CPU
-    first = run_adapt(*args, "--epochs", "1", env=env)
+    first = run_adapt(tiny_adapt, *args, "--epochs", "1", env=env)
     assert first.returncode == 0, first.stderr
     assert "float16 on cpu" in first.stdout
     state = torch.load(out / "ckpt_last.pt", weights_only=True)
@@ -3329,7 +3387,7 @@ def test_a_float16_run_keeps_its_loss_scale_in_the_checkpoint_and_resume_goes_on
     state["scaler"].update(scale=4.0, growth_interval=3, _growth_tracker=0)
     state["config"]["epochs"] = 2  # as a 2-epoch run interrupted after its first: --resume refuses another schedule
     checkpoints.save_checkpoint(state, out / "ckpt_last.pt")
-    resumed = run_adapt(*args, "--epochs", "2", "--resume", env=env)
+    resumed = run_adapt(tiny_adapt, *args, "--epochs", "2", "--resume", env=env)
     assert resumed.returncode == 0, resumed.stderr
     last = torch.load(out / "ckpt_last.pt", weights_only=True)
     steps = last["step"] - state["step"]
@@ -3338,27 +3396,28 @@ def test_a_float16_run_keeps_its_loss_scale_in_the_checkpoint_and_resume_goes_on
     assert (last["scaler"]["scale"], last["scaler"]["_growth_tracker"]) == (4.0 * 2 ** (steps // 3), steps % 3)
 
 
-def start_agent(machine: int, port: int, args, env) -> subprocess.Popen:
+def start_agent(tiny_adapt, machine: int, port: int, args, env) -> subprocess.Popen:
     """One torchrun agent of a 2-machine job (c10d rendezvous on 127.0.0.1), pinned to a core of its own."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     pin = (lambda: os.sched_setaffinity(0, {cores[machine % len(cores)]})) if cores else None
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-machines",
                "--rdzv_conf=join_timeout=120", "--local_addr=127.0.0.1", "--max_restarts=0",
-               str(HERE / "adapt.py"), *TINY_ADAPT, *map(str, args)]
+               str(HERE / "adapt.py"), *tiny_adapt, *map(str, args)]
     return subprocess.Popen(command, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, preexec_fn=pin)
 
 
 def test_two_torchrun_agents_as_two_machines_train_like_one_process_and_only_global_rank_0_writes(synth40_root,
+                                                                                                   tiny_adapt,
                                                                                                    tmp_path):
     args, env = pairs_run(synth40_root, tmp_path / "pairs")  # 24 samples: 3 steps of 8 per epoch
     args += ["--epochs", "2"]
-    one = run_adapt(*args, "--out_dir", tmp_path / "one", env=env)  # one process, the global batch of 8
+    one = run_adapt(tiny_adapt, *args, "--out_dir", tmp_path / "one", env=env)  # one process, the global batch of 8
     assert one.returncode == 0, one.stderr
     # each machine gets its own --out_dir, as its own disk: only the folder of global rank 0 may appear
     port = _free_port()
-    agents = [start_agent(m, port, [*args, "--out_dir", tmp_path / f"machine{m}"], env) for m in (0, 1)]
+    agents = [start_agent(tiny_adapt, m, port, [*args, "--out_dir", tmp_path / f"machine{m}"], env) for m in (0, 1)]
     try:
         outputs = [agent.communicate(timeout=240)[0] for agent in agents]
     finally:
@@ -3384,10 +3443,10 @@ def test_two_torchrun_agents_as_two_machines_train_like_one_process_and_only_glo
         torch.testing.assert_close(weights[1][name], expected, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_a_run_killed_mid_epoch_resumes_and_finishes_with_intact_checkpoints(synth40_root, tmp_path):
+def test_a_run_killed_mid_epoch_resumes_and_finishes_with_intact_checkpoints(synth40_root, tiny_adapt, tmp_path):
     out = tmp_path / "run"
     args = ["--data_root", synth40_root, "--out_dir", out, "--epochs", "3", "--save_every", "2"]
-    command = [sys.executable, str(HERE / "adapt.py"), *TINY_ADAPT, *map(str, args)]
+    command = [sys.executable, str(HERE / "adapt.py"), *tiny_adapt, *map(str, args)]
     process = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     # wait until the first epoch is over (ckpt_best.pt) and a later mid-epoch save happened, then SIGKILL
     deadline = time.time() + 240
@@ -3402,7 +3461,7 @@ def test_a_run_killed_mid_epoch_resumes_and_finishes_with_intact_checkpoints(syn
     process.wait()
     killed_at = torch.load(out / "ckpt_last.pt", weights_only=True)["step"]
     best_before = torch.load(out / "ckpt_best.pt", weights_only=True)
-    result = run_adapt(*args, "--resume")
+    result = run_adapt(tiny_adapt, *args, "--resume")
     assert result.returncode == 0, result.stderr
     assert f"resumed {out / 'ckpt_last.pt'} at step {killed_at}" in result.stdout
     last = torch.load(out / "ckpt_last.pt", weights_only=True)
@@ -3488,6 +3547,7 @@ def test_stage_0_is_its_own_command_whose_default_is_the_scenes_preset_on_adapts
     config = flags.parse_config(pretrain.Config, pretrain.PRESETS, [])
     assert config.data == "scenes" and config.clip_model == "scratch" and not config.freeze
     assert isinstance(config, adapt.Config) and "scenes" not in adapt.PRESETS  # adapt.py is stage 1 alone
+    assert not [name for name in vars(adapt.Config()) if name.startswith("scratch_")]  # its sizes are stage 0's
     with pytest.raises(SystemExit):
         flags.parse_config(pretrain.Config, pretrain.PRESETS, ["--help"])
     help_text = capsys.readouterr().out  # adapt.py's comments, and pretrain.py's own where it changes a default
@@ -3497,8 +3557,7 @@ def test_stage_0_is_its_own_command_whose_default_is_the_scenes_preset_on_adapts
 
 # ======== caption.py ========
 
-TINY_CLIP = ["--clip_model", "scratch", "--synth_pairs", "40", "--scratch_width", "64", "--scratch_layers", "2", "--intra_layers", "1",
-             "--scratch_text_width", "64", "--scratch_text_layers", "1", "--scratch_embed_dim", "64"]
+TINY_CLIP = ["--synth_pairs", "40", "--intra_layers", "1"]  # adapt.py's, on write_tiny_clip's CLIP of joint width 64
 TINY_DECODER = ["--synth_pairs", "40", "--decoder_layers", "1", "--decoder_heads", "2", "--decoder_ffn", "128",
                 "--batch_size", "8", "--eval_batch_size", "32", "--log_every", "1"]
 
@@ -3512,8 +3571,8 @@ def run(script, *args, **kwargs):
 def stage1(tmp_path_factory):
     """A 40-pair synthetic dataset and a tiny stage-1 checkpoint, made once for this file's tests."""
     base = tmp_path_factory.mktemp("caption")
-    result = run("adapt.py", *TINY_CLIP, "--data_root", base / "synth", "--out_dir", base / "adapt", "--epochs", "1",
-                 "--batch_size", "8")
+    result = run("adapt.py", *TINY_CLIP, "--clip_model", write_tiny_clip(base / "clip", embed_dim=64), "--data_root",
+                 base / "synth", "--out_dir", base / "adapt", "--epochs", "1", "--batch_size", "8")
     assert result.returncode == 0, result.stderr
     return {"root": base / "synth", "encoder": base / "adapt" / "ckpt_best.pt"}
 
@@ -3643,12 +3702,14 @@ def test_attention_maps_are_computed_in_float32_under_autocast():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_a_training_step_that_is_not_a_log_step_never_makes_the_host_wait_for_the_device(dtype):
+def test_a_training_step_that_is_not_a_log_step_never_makes_the_host_wait_for_the_device(dtype, tmp_path):
     ctx, cpu = cpu_precision(dtype), torch.device("cpu")
     pixels = lambda seed: _pixels(4, seed)  # uint8 (B, R, R, 3), as the DataLoader hands them over
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, enabled=dtype == "float16")
-    watch = stopping.DivergenceWatch(scaler, ddp=False)
-    # stage 1: the batch to the device (normalised there), the step, the divergence watch
+    alone = processes.Distributed(False, 0, 0, 1, cpu, True)
+    run = loop.Run(types.SimpleNamespace(log_every=10, save_every=10), alone, dtype, ctx, scaler, tmp_path)
+    boundary = loop.StepBoundary(run, steps_per_epoch=100, total_steps=1000, first_step=0, save=None)
+    # stage 1: the batch to the device (normalised there), the step, the step boundary (step 1: no check)
     encoder = _tiny_encoder().train()
     config1 = adapt.Config(max_words=16)
     optimizer1 = adapt.build_optimizer(encoder, config1, cpu)
@@ -3657,10 +3718,10 @@ def test_a_training_step_that_is_not_a_log_step_never_makes_the_host_wait_for_th
     host1 = data.collate_text([{"before": b, "after": a, "caption": c} for b, a, c in zip(pixels(1), pixels(2), ids)])
 
     def stage1():
-        batch = data.to_device(host1, cpu, (*adapt.IMAGE_KEYS, "caption"))
+        batch = data.to_device(host1, cpu, ("before", "after", "caption"))
         loss, norm = adapt.train_step(encoder, optimizer1, scaler, [batch], ctx, config1, False,
                                       encoder.clip.logit_scale)
-        watch.add(1, 1e-3, loss, norm)
+        assert not boundary.after_step(1, 1e-3, loss, norm)
     assert waits_in_a_second_step(stage1) == []
     # stage 2, end to end from pixels (the change pair and the distractor pair), and on cached float16 tokens
     words = torch.tensor([[5, 7, 9], [4, 3, 0], [8, 0, 0], [6, 2, 1]])  # 0: padding
@@ -3687,7 +3748,7 @@ def test_a_training_step_that_is_not_a_log_step_never_makes_the_host_wait_for_th
         def stage2():
             loss, norm = caption.train_step(captioner, optimizer2, scaler, [data.to_device(host2, cpu)], ctx,
                                             config2, False)
-            watch.add(1, 1e-3, loss, norm)
+            assert not boundary.after_step(1, 1e-3, loss, norm)
         assert waits_in_a_second_step(stage2) == [], f"finetune_encoder={finetune}"
     with HostWaits() as waits:  # what the steps did before: a length read back, rows picked by a list, a mask
         int(ids.argmax(dim=-1).max())
