@@ -16,10 +16,11 @@ synthetic CLIP "synth-ViT/32" shipped in assets/); train with AdamW, warmup + co
 logit_scale clamping; after every epoch, rank captions against pairs on the validation split (metrics.py)
 and keep the best checkpoint; at the end, report the best checkpoint's test retrieval.
 
-The file reads in that order: the Config and presets; the model, optimizer and schedule; one training step;
-evaluation; the model a step calls (DDP, torch.compile); stage 1's data; the loop, the test split and --eval; a
-whole run (train_and_test) and main. The process set-up (DDP from the environment, autocast, GradScaler) is
-processes.setup; the plumbing (flags, checkpoints, stopping, batches, caches) lives in files named for it.
+The file reads top-down: the Config and presets; the model, optimizer, schedule and one training step; stage 1's
+data; the run: main (the set-up), train_and_test (data, model, optimizer, resume), train (the loop). What the run
+calls follows the lesson: its checkpoint, the test split and --eval, the retrieval evaluation, the DDP and
+torch.compile wrap. The process set-up (DDP from the environment, autocast, GradScaler) is processes.setup; the
+loop's step boundary (divergence check, Ctrl-C and SIGTERM, progress line, saves) is loop.StepBoundary.
 
 Stage 0, which made the synthetic CLIP that the synth preset adapts, is pretrain.py: CLIP's own pretraining on
 single images, with this file's optimizer, schedule and retrieval.
@@ -251,6 +252,211 @@ def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp
 
 
 # -----------------------------------------------------------------------------
+# Stage 1's data: image pairs and their change captions
+
+
+class PairData(NamedTuple):
+    """Stage 1's dataset as read: its splits of image pairs, its tokenizer and its image reader."""
+    splits: dict                      # split name -> [data.ImagePair]
+    tokenizer: clip.SimpleTokenizer   # the dataset's vocabulary (the synthetic set has its own)
+    images: data.ImageReader          # pixels of an image file, decoded or from the image cache
+
+
+def read_pairs(config: Config, dist_, resolution: int = data.IMAGE_SIZE) -> PairData:
+    """The dataset's splits of image pairs, its tokenizer and image reader of resolution x resolution images (the
+    synthetic set drawn if missing)."""
+    root = data.dataset_root(config.data, config.data_root or None)
+    if config.data == "synth":  # drawn once, by the master, while the other processes wait
+        if dist_.master:
+            synth.ensure_synth(root, synth.SynthConfig(pairs=config.synth_pairs))
+        if dist_.ddp:
+            dist.barrier()
+    splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
+    tokenizer = clip.get_tokenizer(data.bpe_path(config.data, root))
+    images = image_reader(splits, root, resolution, config.image_cache, dist_)
+    return PairData(splits, tokenizer, images)
+
+
+# -----------------------------------------------------------------------------
+# The run: the set-up (main), the data, the model and the optimizer (train_and_test), then the loop (train)
+
+
+def main(argv=None):
+    config = parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
+    out_dir = Path(config.out_dir or f"runs/adapt_{config.data}")
+    check_out_dir(out_dir)  # a file there is refused before any work
+    keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
+    dist_, dtype, ctx, scaler = setup(config)
+    config = dataclasses.replace(config, num_workers=loader_workers(config.num_workers, dist_.device))
+    seed_everything(config.seed + dist_.rank)
+    with OutDirLock(out_dir, dist_.master):  # one run at a time writes there; a second is refused
+        if config.eval:
+            evaluate_checkpoint(config, dist_, ctx, out_dir)
+        else:
+            train_and_test(Run(config, dist_, dtype, ctx, scaler, out_dir))
+    if dist_.ddp:
+        dist.barrier()  # every process done before any tears the group down (a gloo peer may abort otherwise)
+        destroy_process_group()
+
+
+def train_and_test(run: Run) -> None:
+    """Stage 1: read the data, build the encoder, train it, then score the test split."""
+    config, dist_ = run.config, run.dist_
+    device, master = dist_.device, dist_.master
+    pairs = read_pairs(config, dist_)
+    train_set = data.AdaptationSamples(pairs.splits["train"], pairs.tokenizer, train=True, images=pairs.images,
+                                       max_words=config.max_words)
+    model, clip_config = build_encoder(config, pairs.tokenizer.vocab_size)
+    model.to(device)
+    optimizer = build_optimizer(model, config, device)
+    ckpt_path = run.out_dir / "ckpt_last.pt"
+    state = start_or_resume(ckpt_path, config, MODEL_KEYS + TRAINING_KEYS, dist_, model, optimizer,
+                            run.scaler)
+    if state is not None and master:
+        print(f"resumed {ckpt_path} at step {state['step']}")
+    if config.freeze_intra:  # training reads each image's intra tokens, computed now (by the master, under DDP)
+        started = time.time()
+        train_set.images = IntraTokens(model, pairs.splits["train"], pairs.images, config.eval_batch_size,
+                                       device, run.ctx, pairs.images.cache_dir or run.out_dir, dist_)
+        if master:
+            print(f"intra-image tokens of {len(train_set.images.row)} training images {train_set.images.origin} "
+                  f"({time.time() - started:.0f} s): the intra-image blocks are frozen")
+    step = train(run, model, optimizer, train_set, pairs, clip_config, state)
+    if master:
+        test(run, model, pairs, step)
+
+
+def train(run: Run, raw_model: PairEncoder, optimizer, train_set, pairs: PairData, clip_config: dict,
+          state: dict | None) -> int:
+    """The training loop; after every epoch, validation retrieval on the master, which keeps the best epoch in
+    ckpt_best.pt. Returns the last step."""
+    config, dist_, out_dir = run.config, run.dist_, run.out_dir
+    device, master = dist_.device, dist_.master
+    say = print if master else (lambda *a, **k: None)
+    model = wrap(raw_model, config, dist_)  # what the step calls: under torchrun DDP's, with --compile compiled
+    step, best, best_epoch, history = 0, -1.0, -1, []
+    if state is not None:
+        step, best, best_epoch, history = state["step"], state["best_metric"], state["best_epoch"], state["history"]
+    micro, sampler, steps_per_epoch = batch_plan(train_set, config.batch_size, config.grad_accum, dist_,
+                                                 config.seed)
+    total_steps = config.epochs * steps_per_epoch
+    if master:
+        save_json(dataclasses.asdict(config), out_dir / "config.json")
+        say(json.dumps(dataclasses.asdict(config)))
+        say(describe(run, len(train_set), len(pairs.splits["train"]), micro, steps_per_epoch, raw_model))
+
+    def save(path):  # the checkpoint at the step and epoch the loop has reached
+        save_checkpoint(checkpoint(raw_model, optimizer, run, clip_config, pairs.tokenizer, epoch=epoch,
+                                   step=step, best_metric=best, best_epoch=best_epoch, history=history), path)
+
+    loader = training_loader(train_set, sampler, micro, config.num_workers, device, data.collate_text)
+    # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (StepBoundary)
+    with StepBoundary(run, steps_per_epoch, total_steps, step, save) as boundary:
+        model.train()
+        while step < total_steps:
+            epoch = step // steps_per_epoch
+            done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
+            batches = epoch_batches(loader, epoch, done_in_epoch, config.grad_accum)  # the sampler's epoch
+            for _ in range(done_in_epoch, steps_per_epoch):
+                lr = get_lr(step, total_steps, config)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr * group["lr_scale"]
+                try:
+                    micro_batches = [data.to_device(next(batches), device, ("before", "after", "caption"))
+                                     for _ in range(config.grad_accum)]
+                except data.DataError as error:  # a damaged image: ckpt_last.pt at the last step, then one line
+                    raise boundary.damaged(error, step) from None
+                loss, grad_norm = train_step(model, optimizer, run.scaler, micro_batches, run.ctx, config, dist_.ddp,
+                                             raw_model.clip.logit_scale)
+                step += 1
+                if boundary.after_step(step, lr, loss, grad_norm):  # the master's log steps: .item() waits, here only
+                    loss_value, scale = loss.item(), raw_model.clip.logit_scale.exp().item()
+                    say(boundary.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=loss_value,
+                                      lr=get_lr(step, total_steps, config), temp=1 / scale if scale else math.inf),
+                        flush=True)
+                    boundary.log.write(step=step, epoch=epoch, loss=loss_value,
+                                       lr=get_lr(step, total_steps, config), logit_scale=scale)
+                boundary.save_or_stop()  # ckpt_last.pt every save_every steps; for Ctrl-C or SIGTERM, then stops
+            boundary.end_epoch()  # the finiteness check of the epoch's last steps
+            if master:  # end of epoch: validation retrieval on the master, the others wait
+                check_finite_model(raw_model, step, lr)  # a non-finite model is never scored nor saved
+                scores = evaluate(raw_model, pairs.splits["val"], pairs.tokenizer, pairs.images, config, device,
+                                  run.ctx)
+                history.append({"epoch": epoch, "step": step, **scores})
+                improved = scores["text_to_pair_R1"] >= best  # a tie keeps the later epoch, as the reference
+                best, best_epoch = (scores["text_to_pair_R1"], epoch) if improved else (best, best_epoch)
+                say(f"epoch {epoch + 1} validation: {summary(scores)}" + (" (best so far)" if improved else ""))
+                boundary.log.write(step=step, epoch=epoch, split="val", **scores)
+                if improved:
+                    save(out_dir / "ckpt_best.pt")
+                save(out_dir / "ckpt_last.pt")
+            boundary.stop_if_signalled()  # Ctrl-C or SIGTERM in any process; under DDP also the epoch's barrier
+    return step
+
+
+# -----------------------------------------------------------------------------
+# What the run calls: its checkpoint, the test split; --eval
+
+
+def checkpoint(model: PairEncoder, optimizer, run: Run, clip_config: dict, tokenizer, **progress) -> dict:
+    """What ckpt_last.pt and ckpt_best.pt hold: enough to resume, and to rebuild the encoder in stage 2."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": run.scaler.state_dict(),
+            "config": dataclasses.asdict(run.config), "clip_config": clip_config,
+            "encoder_config": dataclasses.asdict(model.config),
+            # the vocabulary itself, so that the file travels alone; its path only as a hint of where it came from
+            "vocabulary": vocabulary_tensor(tokenizer.bpe_path), "bpe_path": str(tokenizer.bpe_path),
+            **progress, "rng": rng_state()}
+
+
+def describe(run: Run, samples: int, pairs: int, micro: int, steps_per_epoch: int, model: nn.Module) -> str:
+    """The run in one line: how much it trains on, with which batch, where."""
+    config, dist_ = run.config, run.dist_
+    return (f"{samples} training samples from {pairs} pairs; global batch {config.batch_size} = {micro} x "
+            f"{dist_.world_size} processes x {config.grad_accum} accumulation; {steps_per_epoch} steps per epoch, "
+            f"{config.epochs * steps_per_epoch} in all; {run.dtype} on {dist_.device}; "
+            f"{sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.1f}M trainable parameters")
+
+
+def test(run: Run, model: PairEncoder, pairs: PairData, step: int) -> None:
+    """The test split's retrieval, scored once, with the epoch chosen on validation (test_retrieval.json)."""
+    best = load_checkpoint(run.out_dir / "ckpt_best.pt")
+    model.load_state_dict(best["model"])
+    scores = evaluate(model, pairs.splits["test"], pairs.tokenizer, pairs.images, run.config, run.dist_.device,
+                      run.ctx)
+    save_test(run, best, scores, step)
+
+
+def save_test(run: Run, best: dict, scores: dict, step: int) -> None:
+    """The test scores of the best epoch (best: ckpt_best.pt) in the log and in test_retrieval.json, and printed."""
+    best_epoch = best["best_epoch"]
+    JsonlLog(run.out_dir / "log.jsonl").write(step=step, split="test", best_epoch=best_epoch, **scores)
+    save_json({"best_epoch": best_epoch, "val_text_to_pair_R1": best["best_metric"], **scores},
+              run.out_dir / "test_retrieval.json")
+    print(f"test retrieval of the best epoch ({best_epoch + 1}, chosen on validation):\n{retrieval_table(scores)}")
+
+
+def evaluate_checkpoint(config: Config, dist_, ctx, out_dir: Path) -> None:
+    """--eval: the test split's retrieval with a stage-1 checkpoint: adapt.py's (out_dir/ckpt_best.pt), or the
+    adaptation stage of a CLIP4IDC release (--checkpoint pretrained/pytorch_model.bin.clevr), the paper's table."""
+    if not dist_.master:  # one process scores the test split; under torchrun the others wait for it
+        return
+    path = Path(config.checkpoint or out_dir / "ckpt_best.pt")
+    model, state = load_encoder(path, config.intra_layers)
+    model.cls_rows_only = True  # speed variant (encoder.py), as the training's test: the same scores
+    if state.get("release") and config.dtype == "auto":  # scored in float32, as the reference's figures: bf16
+        ctx = nullcontext()  # autocast on a GPU moves ranks that nearly tie (BENCHMARKS.md section 12)
+    splits, tokenizer, images = read_pairs(config, dataclasses.replace(dist_, ddp=False),
+                                           model.clip.visual.input_resolution)
+    if tokenizer.vocab_size != model.clip.config.vocab_size:
+        raise ConfigError(f"{path} has a vocabulary of {model.clip.config.vocab_size} tokens but the "
+                          f"{config.data} dataset's tokenizer has {tokenizer.vocab_size}"
+                          + vocabulary_hint(tokenizer))
+    scores = evaluate(model.to(dist_.device), splits["test"], tokenizer, images, config, dist_.device, ctx)
+    save_json({"checkpoint": str(path), **scores}, out_dir / "test_retrieval.json")
+    print(f"test retrieval of {path}:\n{retrieval_table(scores)}")
+
+
+# -----------------------------------------------------------------------------
 # Evaluation: rank every caption of a split against every pair (the reference's main_task_retrieval.py, `eval_epoch`)
 
 
@@ -325,207 +531,6 @@ COMPILED_DDP_TORCH = (2, 11)
 
 def torch_version() -> tuple[int, int]:
     return tuple(int(part) for part in torch.__version__.split(".")[:2])
-
-
-# -----------------------------------------------------------------------------
-# Stage 1's data: image pairs and their change captions
-
-
-class PairData(NamedTuple):
-    """Stage 1's dataset as read: its splits of image pairs, its tokenizer and its image reader."""
-    splits: dict                      # split name -> [data.ImagePair]
-    tokenizer: clip.SimpleTokenizer   # the dataset's vocabulary (the synthetic set has its own)
-    images: data.ImageReader          # pixels of an image file, decoded or from the image cache
-
-
-def read_pairs(config: Config, dist_, resolution: int = data.IMAGE_SIZE) -> PairData:
-    """The dataset's splits of image pairs, its tokenizer and image reader of resolution x resolution images (the
-    synthetic set drawn if missing)."""
-    root = data.dataset_root(config.data, config.data_root or None)
-    if config.data == "synth":  # drawn once, by the master, while the other processes wait
-        if dist_.master:
-            synth.ensure_synth(root, synth.SynthConfig(pairs=config.synth_pairs))
-        if dist_.ddp:
-            dist.barrier()
-    splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
-    tokenizer = clip.get_tokenizer(data.bpe_path(config.data, root))
-    images = image_reader(splits, root, resolution, config.image_cache, dist_)
-    return PairData(splits, tokenizer, images)
-
-
-# -----------------------------------------------------------------------------
-# The run
-
-
-def checkpoint(model: PairEncoder, optimizer, run: Run, clip_config: dict, tokenizer, **progress) -> dict:
-    """What ckpt_last.pt and ckpt_best.pt hold: enough to resume, and to rebuild the encoder in stage 2."""
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": run.scaler.state_dict(),
-            "config": dataclasses.asdict(run.config), "clip_config": clip_config,
-            "encoder_config": dataclasses.asdict(model.config),
-            # the vocabulary itself, so that the file travels alone; its path only as a hint of where it came from
-            "vocabulary": vocabulary_tensor(tokenizer.bpe_path), "bpe_path": str(tokenizer.bpe_path),
-            **progress, "rng": rng_state()}
-
-
-def describe(run: Run, samples: int, pairs: int, micro: int, steps_per_epoch: int, model: nn.Module) -> str:
-    """The run in one line: how much it trains on, with which batch, where."""
-    config, dist_ = run.config, run.dist_
-    return (f"{samples} training samples from {pairs} pairs; global batch {config.batch_size} = {micro} x "
-            f"{dist_.world_size} processes x {config.grad_accum} accumulation; {steps_per_epoch} steps per epoch, "
-            f"{config.epochs * steps_per_epoch} in all; {run.dtype} on {dist_.device}; "
-            f"{sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.1f}M trainable parameters")
-
-
-def train(run: Run, raw_model: PairEncoder, optimizer, train_set, pairs: PairData, clip_config: dict,
-          state: dict | None) -> int:
-    """The training loop; after every epoch, validation retrieval on the master, which keeps the best epoch in
-    ckpt_best.pt. Returns the last step."""
-    config, dist_, out_dir = run.config, run.dist_, run.out_dir
-    device, master = dist_.device, dist_.master
-    say = print if master else (lambda *a, **k: None)
-    model = wrap(raw_model, config, dist_)  # what the step calls: under torchrun DDP's, with --compile compiled
-    step, best, best_epoch, history = 0, -1.0, -1, []
-    if state is not None:
-        step, best, best_epoch, history = state["step"], state["best_metric"], state["best_epoch"], state["history"]
-    micro, sampler, steps_per_epoch = batch_plan(train_set, config.batch_size, config.grad_accum, dist_,
-                                                 config.seed)
-    total_steps = config.epochs * steps_per_epoch
-    if master:
-        save_json(dataclasses.asdict(config), out_dir / "config.json")
-        say(json.dumps(dataclasses.asdict(config)))
-        say(describe(run, len(train_set), len(pairs.splits["train"]), micro, steps_per_epoch, raw_model))
-
-    def save(path):  # the checkpoint at the step and epoch the loop has reached
-        save_checkpoint(checkpoint(raw_model, optimizer, run, clip_config, pairs.tokenizer, epoch=epoch,
-                                           step=step, best_metric=best, best_epoch=best_epoch, history=history), path)
-
-    loader = training_loader(train_set, sampler, micro, config.num_workers, device, data.collate_text)
-    # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (StepBoundary)
-    with StepBoundary(run, steps_per_epoch, total_steps, step, save) as boundary:
-        model.train()
-        while step < total_steps:
-            epoch = step // steps_per_epoch
-            done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
-            batches = epoch_batches(loader, epoch, done_in_epoch, config.grad_accum)  # the sampler's epoch
-            for _ in range(done_in_epoch, steps_per_epoch):
-                lr = get_lr(step, total_steps, config)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr * group["lr_scale"]
-                try:
-                    micro_batches = [data.to_device(next(batches), device, ("before", "after", "caption"))
-                                     for _ in range(config.grad_accum)]
-                except data.DataError as error:  # a damaged image: ckpt_last.pt at the last step, then one line
-                    raise boundary.damaged(error, step) from None
-                loss, grad_norm = train_step(model, optimizer, run.scaler, micro_batches, run.ctx, config, dist_.ddp,
-                                             raw_model.clip.logit_scale)
-                step += 1
-                if boundary.after_step(step, lr, loss, grad_norm):  # the master's log steps: .item() waits, here only
-                    loss_value, scale = loss.item(), raw_model.clip.logit_scale.exp().item()
-                    say(boundary.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=loss_value,
-                                      lr=get_lr(step, total_steps, config), temp=1 / scale if scale else math.inf),
-                        flush=True)
-                    boundary.log.write(step=step, epoch=epoch, loss=loss_value,
-                                       lr=get_lr(step, total_steps, config), logit_scale=scale)
-                boundary.save_or_stop()  # ckpt_last.pt every save_every steps; for Ctrl-C or SIGTERM, then stops
-            boundary.end_epoch()  # the finiteness check of the epoch's last steps
-            if master:  # end of epoch: validation retrieval on the master, the others wait
-                check_finite_model(raw_model, step, lr)  # a non-finite model is never scored nor saved
-                scores = evaluate(raw_model, pairs.splits["val"], pairs.tokenizer, pairs.images, config, device,
-                                  run.ctx)
-                history.append({"epoch": epoch, "step": step, **scores})
-                improved = scores["text_to_pair_R1"] >= best  # a tie keeps the later epoch, as the reference
-                best, best_epoch = (scores["text_to_pair_R1"], epoch) if improved else (best, best_epoch)
-                say(f"epoch {epoch + 1} validation: {summary(scores)}" + (" (best so far)" if improved else ""))
-                boundary.log.write(step=step, epoch=epoch, split="val", **scores)
-                if improved:
-                    save(out_dir / "ckpt_best.pt")
-                save(out_dir / "ckpt_last.pt")
-            boundary.stop_if_signalled()  # Ctrl-C or SIGTERM in any process; under DDP also the epoch's barrier
-    return step
-
-
-def test(run: Run, model: PairEncoder, pairs: PairData, step: int) -> None:
-    """The test split's retrieval, scored once, with the epoch chosen on validation (test_retrieval.json)."""
-    best = load_checkpoint(run.out_dir / "ckpt_best.pt")
-    model.load_state_dict(best["model"])
-    scores = evaluate(model, pairs.splits["test"], pairs.tokenizer, pairs.images, run.config, run.dist_.device,
-                      run.ctx)
-    save_test(run, best, scores, step)
-
-
-def save_test(run: Run, best: dict, scores: dict, step: int) -> None:
-    """The test scores of the best epoch (best: ckpt_best.pt) in the log and in test_retrieval.json, and printed."""
-    best_epoch = best["best_epoch"]
-    JsonlLog(run.out_dir / "log.jsonl").write(step=step, split="test", best_epoch=best_epoch, **scores)
-    save_json({"best_epoch": best_epoch, "val_text_to_pair_R1": best["best_metric"], **scores},
-                      run.out_dir / "test_retrieval.json")
-    print(f"test retrieval of the best epoch ({best_epoch + 1}, chosen on validation):\n{retrieval_table(scores)}")
-
-
-def evaluate_checkpoint(config: Config, dist_, ctx, out_dir: Path) -> None:
-    """--eval: the test split's retrieval with a stage-1 checkpoint: adapt.py's (out_dir/ckpt_best.pt), or the
-    adaptation stage of a CLIP4IDC release (--checkpoint pretrained/pytorch_model.bin.clevr), the paper's table."""
-    if not dist_.master:  # one process scores the test split; under torchrun the others wait for it
-        return
-    path = Path(config.checkpoint or out_dir / "ckpt_best.pt")
-    model, state = load_encoder(path, config.intra_layers)
-    model.cls_rows_only = True  # speed variant (encoder.py), as the training's test: the same scores
-    if state.get("release") and config.dtype == "auto":  # scored in float32, as the reference's figures: bf16
-        ctx = nullcontext()  # autocast on a GPU moves ranks that nearly tie (BENCHMARKS.md section 12)
-    splits, tokenizer, images = read_pairs(config, dataclasses.replace(dist_, ddp=False),
-                                           model.clip.visual.input_resolution)
-    if tokenizer.vocab_size != model.clip.config.vocab_size:
-        raise ConfigError(f"{path} has a vocabulary of {model.clip.config.vocab_size} tokens but the "
-                          f"{config.data} dataset's tokenizer has {tokenizer.vocab_size}"
-                          + vocabulary_hint(tokenizer))
-    scores = evaluate(model.to(dist_.device), splits["test"], tokenizer, images, config, dist_.device, ctx)
-    save_json({"checkpoint": str(path), **scores}, out_dir / "test_retrieval.json")
-    print(f"test retrieval of {path}:\n{retrieval_table(scores)}")
-
-
-def train_and_test(run: Run) -> None:
-    """Stage 1: read the data, build the encoder, train it, then score the test split."""
-    config, dist_ = run.config, run.dist_
-    device, master = dist_.device, dist_.master
-    pairs = read_pairs(config, dist_)
-    train_set = data.AdaptationSamples(pairs.splits["train"], pairs.tokenizer, train=True, images=pairs.images,
-                                       max_words=config.max_words)
-    model, clip_config = build_encoder(config, pairs.tokenizer.vocab_size)
-    model.to(device)
-    optimizer = build_optimizer(model, config, device)
-    ckpt_path = run.out_dir / "ckpt_last.pt"
-    state = start_or_resume(ckpt_path, config, MODEL_KEYS + TRAINING_KEYS, dist_, model, optimizer,
-                                     run.scaler)
-    if state is not None and master:
-        print(f"resumed {ckpt_path} at step {state['step']}")
-    if config.freeze_intra:  # training reads each image's intra tokens, computed now (by the master, under DDP)
-        started = time.time()
-        train_set.images = IntraTokens(model, pairs.splits["train"], pairs.images, config.eval_batch_size,
-                                            device, run.ctx, pairs.images.cache_dir or run.out_dir, dist_)
-        if master:
-            print(f"intra-image tokens of {len(train_set.images.row)} training images {train_set.images.origin} "
-                  f"({time.time() - started:.0f} s): the intra-image blocks are frozen")
-    step = train(run, model, optimizer, train_set, pairs, clip_config, state)
-    if master:
-        test(run, model, pairs, step)
-
-
-def main(argv=None):
-    config = parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
-    out_dir = Path(config.out_dir or f"runs/adapt_{config.data}")
-    check_out_dir(out_dir)  # a file there is refused before any work
-    keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
-    dist_, dtype, ctx, scaler = setup(config)
-    config = dataclasses.replace(config, num_workers=loader_workers(config.num_workers, dist_.device))
-    seed_everything(config.seed + dist_.rank)
-    with OutDirLock(out_dir, dist_.master):  # one run at a time writes there; a second is refused
-        if config.eval:
-            evaluate_checkpoint(config, dist_, ctx, out_dir)
-        else:
-            train_and_test(Run(config, dist_, dtype, ctx, scaler, out_dir))
-    if dist_.ddp:
-        dist.barrier()  # every process done before any tears the group down (a gloo peer may abort otherwise)
-        destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -21,11 +21,12 @@ data knows where the changed object is (the synthetic set; CLEVR-Change with RCC
 localisation, a pointing game on the encoder's and the decoder's attention (explain.py), and writes
 test_attention.png: the attention maps of the first pairs of the grid, word by word.
 
-The file reads in that order: the Config and presets; the captioner (the stage-1 encoder, the decoder, the
-optimizer and one training step); decoding and scoring; what every job reads; the three jobs (caption one pair,
-evaluate, train) and main. The process set-up (DDP, autocast, GradScaler) is stage 1's, processes.setup; the
-stage-1 checkpoint a captioner builds on is checkpoints.load_stage1's, and the pair features cached on disk are
-caches.py's.
+The file reads top-down: the Config and presets; the captioner (the stage-1 encoder, the decoder, the optimizer
+and one training step); the run: main, job (stage 1, the tokenizer, the captioner; then --pair, --eval or
+training), train (the loop). What the jobs and the loop call follows the lesson: captioning one pair, the test
+split, the training set, validation, checkpoints, decoding and scoring. The process set-up (DDP, autocast,
+GradScaler) is stage 1's, processes.setup; the loop's step boundary is loop.StepBoundary; the stage-1 checkpoint a
+captioner builds on is checkpoints.load_stage1's, and the pair features cached on disk are caches.py's.
 
 Differs from the reference implementation (github.com/sushizixin/CLIP4IDC at commit ca49461, its
 main_task_caption.py and modules/; "the reference" below):
@@ -321,6 +322,293 @@ def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config,
 
 
 # -----------------------------------------------------------------------------
+# The run: main, then job (stage 1, the tokenizer, the captioner; --pair, --eval or training), then train (the
+# loop)
+
+
+def main(argv=None):
+    config = parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
+    if config.explain and not config.pair:
+        raise ConfigError("--explain writes the attention maps of one pair: use it with --pair BEFORE AFTER "
+                          "(--eval writes test_attention.png by itself)")
+    keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
+    out_dir = Path(config.out_dir or f"runs/caption_{config.data}")
+    if config.pair:  # writes nothing there, and reads ckpt_best.pt, which a run there replaces atomically
+        return job(config, out_dir)
+    check_out_dir(out_dir)  # a file there is refused before any work
+    # one run at a time writes there (under torchrun its master holds the lock): a second is refused at once
+    with OutDirLock(out_dir, master=int(os.environ.get("RANK", 0)) == 0):
+        job(config, out_dir)
+
+
+def job(config: Config, out_dir: Path) -> None:
+    """--pair, --eval or training, once the command line is read: the processes, stage 1, the captioner."""
+    best = best_path = None
+    if config.eval or config.pair:  # the trained captioner decides the model settings and holds stage 1's
+        best_path = Path(config.checkpoint or out_dir / "ckpt_best.pt")
+        settings, best = load_trained(best_path, MODEL_KEYS)
+        config = dataclasses.replace(config, **settings)
+    release = best is not None and release_stage(best) == 2
+    if release and config.dtype == "auto":  # the reference decodes in float32 (its CLIP in fp16): bf16 autocast
+        config = dataclasses.replace(config, dtype="float32")  # on a GPU would flip its near-ties (BENCHMARKS.md section 12)
+    dist_, dtype, ctx, scaler = setup(config)  # DDP from torchrun's environment, autocast, GradScaler
+    config = dataclasses.replace(config, num_workers=loader_workers(config.num_workers, dist_.device))
+    seed_everything(config.seed + dist_.rank)
+    root = data.dataset_root(config.data, config.data_root or None)
+    if config.data == "synth" and not config.pair:  # drawn first: the tokenizer reads its vocabulary file
+        if dist_.master:
+            synth.ensure_synth(root, synth.SynthConfig(pairs=config.synth_pairs))
+        if dist_.ddp:
+            dist.barrier()
+    stage1 = load_stage1(config.encoder_ckpt, config.data, config.intra_layers,
+                         None if best is None or release else best, best_path)
+    positions = stage1.encoder.clip.positional_embedding.shape[0]  # the decoder's, tied to CLIP's
+    for name in ("max_words", "max_len"):
+        check_length(name, getattr(config, name), 2 if name == "max_words" else 1, positions,
+                     f"the decoder has {positions} positions, CLIP's")
+    # --pair reads no data: the vocabulary is the one the checkpoint keeps (else the dataset's, else OpenAI's)
+    tokenizer = (checkpoint_tokenizer(stage1.state, data.bpe_path(config.data, root)) if config.pair
+                 else clip.get_tokenizer(data.bpe_path(config.data, root)))
+    if tokenizer.vocab_size != stage1.encoder.clip.config.vocab_size:
+        raise ConfigError(f"the tokenizer of {config.data} has {tokenizer.vocab_size} tokens but the stage-1 "
+                          f"model {stage1.path} has {stage1.encoder.clip.config.vocab_size}: it was trained "
+                          f"on another dataset" + vocabulary_hint(tokenizer))
+    if release:  # the reference's decoder, sized from its tensors and loaded strictly
+        captioner = Captioner(release_decoder(best, 2 * (stage1.encoder.n_patches + 1)), None, clip.PAD_ID)
+    else:
+        captioner = build_captioner(config, stage1.encoder, stage1.state["clip_config"], stage1.freeze_intra)
+        if best is not None:
+            captioner.load_state_dict(best["model"])
+    captioner.to(dist_.device)
+    stage1.encoder.to(dist_.device)
+    run = Run(config, dist_, dtype, ctx, scaler, out_dir)
+    if config.pair:
+        caption_pair(config, stage1, captioner, tokenizer, dist_.device, ctx)
+    elif config.eval:
+        evaluate(run, root, stage1, captioner, tokenizer)
+    else:
+        train(run, root, stage1, captioner, tokenizer)
+    if dist_.ddp:
+        dist.barrier()  # every process done before any tears the group down (a gloo peer may abort otherwise)
+        destroy_process_group()
+
+
+def train(run: Run, root: Path, stage1: Stage1, captioner: Captioner, tokenizer) -> None:
+    """Train the captioner: validation CIDEr-D after every epoch, with patience; then the best epoch on the test split."""
+    config, dist_, device, master = run.config, run.dist_, run.dist_.device, run.dist_.master
+    say = print if master else (lambda *a, **k: None)
+    splits, images, eval_pairs = read_splits(config, dist_, root, stage1.encoder.clip.visual.input_resolution)
+    feature_path = feature_paths(stage1, eval_pairs, images, () if config.finetune_encoder else data.SPLITS,
+                                 run.out_dir, dist_, run.ctx, batch_size=config.eval_batch_size,
+                                 num_workers=config.num_workers)
+    train_set = training_set(run, stage1, splits["train"], images, tokenizer, feature_path, say)
+    optimizer = build_optimizer(captioner, config)
+    state = resume(run, stage1, captioner, optimizer)
+    step, best_cider, best_epoch, bad_epochs, history = (state[k] for k in PROGRESS)
+    model = DDP(captioner, device_ids=[dist_.local_rank] if device.type == "cuda" else None) if dist_.ddp else captioner
+    micro, sampler, steps_per_epoch = batch_plan(train_set, config.batch_size, config.grad_accum, dist_,
+                                                 config.seed, what="training pairs")
+    total_steps = config.epochs * steps_per_epoch
+    if master:
+        save_json(dataclasses.asdict(config), run.out_dir / "config.json")
+        say(json.dumps(dataclasses.asdict(config)))
+        say(describe(run, len(train_set), micro, steps_per_epoch, captioner))
+
+    def save(path):  # the checkpoint at the step the loop has reached
+        save_checkpoint(checkpoint(
+            captioner, optimizer, run, stage1, tokenizer, stage1_weights=path.name == "ckpt_best.pt",
+            step=step, best_metric=best_cider, best_epoch=best_epoch, bad_epochs=bad_epochs, history=history), path)
+
+    loader = training_loader(train_set, sampler, micro, config.num_workers, device, data.collate_captions)
+    # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (StepBoundary)
+    with StepBoundary(run, steps_per_epoch, total_steps, step, save) as boundary:
+        model.train()
+        while step < total_steps and bad_epochs <= config.patience:
+            epoch = step // steps_per_epoch
+            done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
+            batches = epoch_batches(loader, epoch, done_in_epoch, config.grad_accum)  # the sampler's epoch
+            for _ in range(done_in_epoch, steps_per_epoch):
+                lr = get_lr(step, total_steps, config)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr * group["lr_scale"]
+                try:
+                    micro_batches = [data.to_device(next(batches), device) for _ in range(config.grad_accum)]
+                except data.DataError as error:  # a damaged image: ckpt_last.pt at the last step, then one line
+                    raise boundary.damaged(error, step) from None
+                loss, grad_norm = train_step(model, optimizer, run.scaler, micro_batches, run.ctx, config, dist_.ddp)
+                step += 1
+                if boundary.after_step(step, lr, loss, grad_norm):  # the master's log steps: .item() waits, here only
+                    value = loss.item()
+                    say(boundary.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=value,
+                                      lr=get_lr(step, total_steps, config)), flush=True)
+                    boundary.log.write(step=step, epoch=epoch, loss=value, lr=get_lr(step, total_steps, config))
+                boundary.save_or_stop()  # ckpt_last.pt every save_every steps; for Ctrl-C or SIGTERM, then stops
+            boundary.end_epoch()  # the finiteness check of the epoch's last steps
+            if master:  # end of epoch: validation CIDEr-D, decoded by the master alone while the others wait
+                check_finite_model(captioner, step, lr)  # a non-finite model is never scored nor saved
+                cider, predictions = validate(run, captioner, feature_path, eval_pairs["val"], images, tokenizer)
+                improved = cider >= best_cider  # a tie keeps the later epoch, as the reference
+                best_cider, best_epoch = (cider, epoch) if improved else (best_cider, best_epoch)
+                bad_epochs = 0 if improved else bad_epochs + 1
+                history.append({"epoch": epoch, "step": step, "val_CIDEr": cider})
+                example = eval_pairs["val"][0].id
+                say(f"epoch {epoch + 1} validation CIDEr-D {cider:.4f}" + (" (best so far)" if improved else "")
+                    + f"; {example}: {predictions[example]!r}")
+                boundary.log.write(step=step, epoch=epoch, split="val", CIDEr=cider)
+                if improved:
+                    save(run.out_dir / "ckpt_best.pt")
+                save(run.out_dir / "ckpt_last.pt")
+            bad_epochs = from_master(bad_epochs, dist_)  # everyone follows the master's patience
+            boundary.stop_if_signalled()  # Ctrl-C or SIGTERM in any process; under DDP also the epoch's barrier
+    if bad_epochs > config.patience:
+        say(f"stopped early: {bad_epochs} epochs without a better validation CIDEr-D")
+    test(run, stage1, captioner, tokenizer, (splits, images, eval_pairs), feature_path)
+
+
+# -----------------------------------------------------------------------------
+# What the jobs and the loop call: caption one pair, evaluate the test split, the training set, validation,
+# checkpoints
+
+
+def caption_pair(config: Config, stage1: Stage1, captioner: Captioner, tokenizer, device, ctx) -> None:
+    """Print the caption of the user's pair (--pair BEFORE AFTER); with --explain, write its attention maps."""
+    images = data.ImageReader(stage1.encoder.clip.visual.input_resolution)
+    before, after = (clip.normalize(images(Path(p)).unsqueeze(0).to(device)) for p in config.pair)  # (1, 3, R, R) each
+    with torch.no_grad(), ctx:
+        visual = stage1.encoder.eval().encode_pair(before, after)["pair_tokens"]  # (1, M, E)
+    pair = data.ImagePair(" -> ".join(Path(p).name for p in config.pair), *map(Path, config.pair), captions=[])
+    print(predict(captioner.decoder, visual.float().cpu().numpy(), [pair], tokenizer, config, device, ctx)[pair.id])
+    if config.explain:
+        explain.explain_pairs(stage1.encoder, captioner.decoder, [pair], images, tokenizer, config.max_len,
+                              Path(config.explain), device, ctx)
+        print(f"attention maps: {config.explain}")
+
+
+def evaluate(run: Run, root: Path, stage1: Stage1, captioner: Captioner, tokenizer, read=None,
+             feature_path=None) -> None:
+    """Decode and score the test split (evaluate_test): --eval, and the end of training (which passes what it
+    has read already: read_splits's result and the feature files). The master alone: under torchrun the other
+    processes wait for it."""
+    if not run.dist_.master:
+        return
+    run = dataclasses.replace(run, dist_=dataclasses.replace(run.dist_, ddp=False))  # it waits for no other process
+    config, dist_, ctx = run.config, run.dist_, run.ctx
+    splits, images, eval_pairs = read or read_splits(config, dist_, root, stage1.encoder.clip.visual.input_resolution)
+    if feature_path is None:
+        cached = () if config.finetune_encoder else ("test",)
+        feature_path = feature_paths(stage1, eval_pairs, images, cached, run.out_dir, dist_, ctx,
+                                     batch_size=config.eval_batch_size, num_workers=config.num_workers)
+    features = split_features(captioner, feature_path, "test", eval_pairs["test"], images, dist_.device, ctx,
+                              batch_size=config.eval_batch_size, num_workers=config.num_workers)
+    evaluate_test(run, stage1.encoder, captioner.decoder, features, eval_pairs["test"], splits["test"], images,
+                  tokenizer)
+
+
+def training_set(run: Run, stage1: Stage1, pairs, images, tokenizer, feature_path: dict, say) -> Dataset:
+    """The training items: pixels (finetuning), intra-image tokens computed once (finetuning on frozen intra-image
+    blocks), or cached pair tokens (the decoder alone)."""
+    config = run.config
+    train_images = images if config.finetune_encoder else None
+    if config.finetune_encoder and stage1.freeze_intra:  # training reads each image's intra tokens, computed now
+        started = time.time()
+        train_images = IntraTokens(stage1.encoder, pairs, images, config.eval_batch_size, run.dist_.device,
+                                   run.ctx, images.cache_dir or run.out_dir, run.dist_)
+        say(f"intra-image tokens of {len(train_images.row)} training images {train_images.origin} "
+            f"({time.time() - started:.0f} s): the intra-image blocks stay frozen, as in stage 1")
+    items = data.CaptionItems(pairs, tokenizer, config.use_no_change_pair, images=train_images,
+                              max_words=config.max_words)
+    return items if config.finetune_encoder else FeatureItems(items, feature_path["train"])
+
+
+@torch.no_grad()
+def validate(run: Run, captioner: Captioner, feature_path: dict, pairs, images,
+             tokenizer) -> tuple[float, dict]:
+    """Validation CIDEr-D, the metric that picks the best epoch, and the captions it scored."""
+    config, device, ctx = run.config, run.dist_.device, run.ctx
+    features = split_features(captioner, feature_path, "val", pairs, images, device, ctx,
+                              batch_size=config.eval_batch_size, num_workers=config.num_workers)
+    predictions = predict(captioner.decoder, features, pairs, tokenizer, config, device, ctx)
+    cider = metrics.score_captions(predictions, data.references(pairs), metrics=("CIDEr",),
+                                   scorer=SCORER)["corpus"]["CIDEr"]
+    return cider, predictions
+
+
+def describe(run: Run, samples: int, micro: int, steps_per_epoch: int, captioner: Captioner) -> str:
+    """The run in one line: what it trains, on how much, with which batch, where."""
+    config, dist_ = run.config, run.dist_
+    trainable = sum(p.numel() for p in captioner.parameters() if p.requires_grad)
+    return (f"{samples} training pairs; global batch {config.batch_size} = {micro} x {dist_.world_size} processes "
+            f"x {config.grad_accum} accumulation; {steps_per_epoch} steps per epoch, at most "
+            f"{config.epochs * steps_per_epoch}; "
+            f"{'finetuning the encoder' if config.finetune_encoder else 'cached encoder features'}; "
+            f"{run.dtype} on {dist_.device}; {trainable / 1e6:.1f}M trainable parameters")
+
+
+def checkpoint(captioner: Captioner, optimizer, run: Run, stage1: Stage1, tokenizer,
+               stage1_weights: bool = False, **progress) -> dict:
+    """What ckpt_last.pt and ckpt_best.pt hold: enough to resume training, and to --eval and --pair without the
+    flags or the stage-1 file: "stage1" holds its sizes, its configuration and its vocabulary, and (stage1_weights:
+    ckpt_best.pt) its weights when the captioner does not hold them (the encoder not finetuned)."""
+    record = {"clip_config": stage1.state["clip_config"], "encoder_config": dataclasses.asdict(stage1.encoder.config),
+              "config": stage1.state.get("config", {}), "vocabulary": vocabulary_tensor(tokenizer.bpe_path)}
+    if stage1_weights and not run.config.finetune_encoder:
+        record["model"] = stage1.encoder.state_dict()
+    return {"model": captioner.state_dict(), "optimizer": optimizer.state_dict(), "scaler": run.scaler.state_dict(),
+            "config": dataclasses.asdict(run.config), "stage1": record,
+            "encoder_ckpt": str(stage1.path.resolve()),  # where stage 1 was: a hint for older checkpoints' readers
+            "encoder_sha256": stage1.sha256, "decoder_config": dataclasses.asdict(captioner.decoder.config),
+            **progress, "rng": rng_state()}
+
+
+def resume(run: Run, stage1: Stage1, captioner: Captioner, optimizer) -> dict:
+    """Where training starts: step 0, or with --resume where ckpt_last.pt stopped, after restoring the captioner,
+    the optimizer, the scaler and the random generators from it (start_or_resume). A checkpoint trained on
+    another stage-1 encoder is refused."""
+    path = run.out_dir / "ckpt_last.pt"
+    state = start_or_resume(path, run.config, MODEL_KEYS + TRAINING_KEYS, run.dist_, captioner, optimizer,
+                            run.scaler)
+    if state is None:
+        return dict(zip(PROGRESS, (0, -1.0, -1, 0, [])))
+    if state["encoder_sha256"] != stage1.sha256:
+        raise ConfigError(f"{path} was trained on another stage-1 checkpoint than {stage1.path}")
+    if run.dist_.master:
+        print(f"resumed {path} at step {state['step']}")
+    return state
+
+
+def from_master(value: int, dist_) -> int:
+    """The master's value, on every process of a torchrun (a broadcast); a process alone keeps its own."""
+    if not dist_.ddp:
+        return value
+    flag = torch.tensor([value], device=dist_.device)
+    dist.broadcast(flag, 0)
+    return int(flag)
+
+
+def test(run: Run, stage1: Stage1, captioner: Captioner, tokenizer, read: tuple, feature_path: dict) -> None:
+    """The end of training: the test split decoded and scored once (evaluate), on the master, with the epoch
+    chosen on validation (ckpt_best.pt); read and feature_path: what training has read already."""
+    if not run.dist_.master:
+        return
+    best = load_checkpoint(run.out_dir / "ckpt_best.pt")
+    captioner.load_state_dict(best["model"])
+    print(f"test scores of the best epoch ({best['best_epoch'] + 1}, validation CIDEr-D {best['best_metric']:.4f}):")
+    evaluate(run, None, stage1, captioner, tokenizer, read, feature_path)
+
+
+# -----------------------------------------------------------------------------
+# What every job reads: the splits
+
+
+def read_splits(config: Config, dist_, root: Path, resolution: int) -> tuple[dict, data.ImageReader, dict]:
+    """The dataset's splits, the image reader (from the cache with --image_cache) and each split's evaluation
+    pairs (with CLEVR-Change's distractor pairs, data.evaluation_pairs)."""
+    splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
+    images = image_reader(splits, root, resolution, config.image_cache, dist_)
+    return splits, images, {s: data.evaluation_pairs(splits[s], config.use_no_change_pair) for s in data.SPLITS}
+
+
+# -----------------------------------------------------------------------------
 # Decoding and scoring
 
 
@@ -404,287 +692,6 @@ def evaluate_test(run: Run, encoder: PairEncoder, decoder: CaptionDecoder, featu
     print(f"predictions {out_dir / 'test_predictions.json'}, scores {out_dir / 'test_scores.json'}, grid {grid}, "
           f"attention maps {attention}")
     return table
-
-
-# -----------------------------------------------------------------------------
-# What every job reads: the splits
-
-
-def read_splits(config: Config, dist_, root: Path, resolution: int) -> tuple[dict, data.ImageReader, dict]:
-    """The dataset's splits, the image reader (from the cache with --image_cache) and each split's evaluation
-    pairs (with CLEVR-Change's distractor pairs, data.evaluation_pairs)."""
-    splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
-    images = image_reader(splits, root, resolution, config.image_cache, dist_)
-    return splits, images, {s: data.evaluation_pairs(splits[s], config.use_no_change_pair) for s in data.SPLITS}
-
-
-# -----------------------------------------------------------------------------
-# The three jobs: caption one pair, evaluate on the test split, train
-
-
-def caption_pair(config: Config, stage1: Stage1, captioner: Captioner, tokenizer, device, ctx) -> None:
-    """Print the caption of the user's pair (--pair BEFORE AFTER); with --explain, write its attention maps."""
-    images = data.ImageReader(stage1.encoder.clip.visual.input_resolution)
-    before, after = (clip.normalize(images(Path(p)).unsqueeze(0).to(device)) for p in config.pair)  # (1, 3, R, R) each
-    with torch.no_grad(), ctx:
-        visual = stage1.encoder.eval().encode_pair(before, after)["pair_tokens"]  # (1, M, E)
-    pair = data.ImagePair(" -> ".join(Path(p).name for p in config.pair), *map(Path, config.pair), captions=[])
-    print(predict(captioner.decoder, visual.float().cpu().numpy(), [pair], tokenizer, config, device, ctx)[pair.id])
-    if config.explain:
-        explain.explain_pairs(stage1.encoder, captioner.decoder, [pair], images, tokenizer, config.max_len,
-                              Path(config.explain), device, ctx)
-        print(f"attention maps: {config.explain}")
-
-
-def evaluate(run: Run, root: Path, stage1: Stage1, captioner: Captioner, tokenizer, read=None,
-             feature_path=None) -> None:
-    """Decode and score the test split (evaluate_test): --eval, and the end of training (which passes what it
-    has read already: read_splits's result and the feature files). The master alone: under torchrun the other
-    processes wait for it."""
-    if not run.dist_.master:
-        return
-    run = dataclasses.replace(run, dist_=dataclasses.replace(run.dist_, ddp=False))  # it waits for no other process
-    config, dist_, ctx = run.config, run.dist_, run.ctx
-    splits, images, eval_pairs = read or read_splits(config, dist_, root, stage1.encoder.clip.visual.input_resolution)
-    if feature_path is None:
-        cached = () if config.finetune_encoder else ("test",)
-        feature_path = feature_paths(stage1, eval_pairs, images, cached, run.out_dir, dist_, ctx,
-                                     batch_size=config.eval_batch_size, num_workers=config.num_workers)
-    features = split_features(captioner, feature_path, "test", eval_pairs["test"], images, dist_.device, ctx,
-                              batch_size=config.eval_batch_size, num_workers=config.num_workers)
-    evaluate_test(run, stage1.encoder, captioner.decoder, features, eval_pairs["test"], splits["test"], images,
-                  tokenizer)
-
-
-def training_set(run: Run, stage1: Stage1, pairs, images, tokenizer, feature_path: dict, say) -> Dataset:
-    """The training items: pixels (finetuning), intra-image tokens computed once (finetuning on frozen intra-image
-    blocks), or cached pair tokens (the decoder alone)."""
-    config = run.config
-    train_images = images if config.finetune_encoder else None
-    if config.finetune_encoder and stage1.freeze_intra:  # training reads each image's intra tokens, computed now
-        started = time.time()
-        train_images = IntraTokens(stage1.encoder, pairs, images, config.eval_batch_size, run.dist_.device,
-                                        run.ctx, images.cache_dir or run.out_dir, run.dist_)
-        say(f"intra-image tokens of {len(train_images.row)} training images {train_images.origin} "
-            f"({time.time() - started:.0f} s): the intra-image blocks stay frozen, as in stage 1")
-    items = data.CaptionItems(pairs, tokenizer, config.use_no_change_pair, images=train_images,
-                              max_words=config.max_words)
-    return items if config.finetune_encoder else FeatureItems(items, feature_path["train"])
-
-
-@torch.no_grad()
-def validate(run: Run, captioner: Captioner, feature_path: dict, pairs, images,
-             tokenizer) -> tuple[float, dict]:
-    """Validation CIDEr-D, the metric that picks the best epoch, and the captions it scored."""
-    config, device, ctx = run.config, run.dist_.device, run.ctx
-    features = split_features(captioner, feature_path, "val", pairs, images, device, ctx,
-                              batch_size=config.eval_batch_size, num_workers=config.num_workers)
-    predictions = predict(captioner.decoder, features, pairs, tokenizer, config, device, ctx)
-    cider = metrics.score_captions(predictions, data.references(pairs), metrics=("CIDEr",),
-                                   scorer=SCORER)["corpus"]["CIDEr"]
-    return cider, predictions
-
-
-def describe(run: Run, samples: int, micro: int, steps_per_epoch: int, captioner: Captioner) -> str:
-    """The run in one line: what it trains, on how much, with which batch, where."""
-    config, dist_ = run.config, run.dist_
-    trainable = sum(p.numel() for p in captioner.parameters() if p.requires_grad)
-    return (f"{samples} training pairs; global batch {config.batch_size} = {micro} x {dist_.world_size} processes "
-            f"x {config.grad_accum} accumulation; {steps_per_epoch} steps per epoch, at most "
-            f"{config.epochs * steps_per_epoch}; "
-            f"{'finetuning the encoder' if config.finetune_encoder else 'cached encoder features'}; "
-            f"{run.dtype} on {dist_.device}; {trainable / 1e6:.1f}M trainable parameters")
-
-
-def checkpoint(captioner: Captioner, optimizer, run: Run, stage1: Stage1, tokenizer,
-               stage1_weights: bool = False, **progress) -> dict:
-    """What ckpt_last.pt and ckpt_best.pt hold: enough to resume training, and to --eval and --pair without the
-    flags or the stage-1 file: "stage1" holds its sizes, its configuration and its vocabulary, and (stage1_weights:
-    ckpt_best.pt) its weights when the captioner does not hold them (the encoder not finetuned)."""
-    record = {"clip_config": stage1.state["clip_config"], "encoder_config": dataclasses.asdict(stage1.encoder.config),
-              "config": stage1.state.get("config", {}), "vocabulary": vocabulary_tensor(tokenizer.bpe_path)}
-    if stage1_weights and not run.config.finetune_encoder:
-        record["model"] = stage1.encoder.state_dict()
-    return {"model": captioner.state_dict(), "optimizer": optimizer.state_dict(), "scaler": run.scaler.state_dict(),
-            "config": dataclasses.asdict(run.config), "stage1": record,
-            "encoder_ckpt": str(stage1.path.resolve()),  # where stage 1 was: a hint for older checkpoints' readers
-            "encoder_sha256": stage1.sha256, "decoder_config": dataclasses.asdict(captioner.decoder.config),
-            **progress, "rng": rng_state()}
-
-
-def resume(run: Run, stage1: Stage1, captioner: Captioner, optimizer) -> dict:
-    """Where training starts: step 0, or with --resume where ckpt_last.pt stopped, after restoring the captioner,
-    the optimizer, the scaler and the random generators from it (start_or_resume). A checkpoint trained on
-    another stage-1 encoder is refused."""
-    path = run.out_dir / "ckpt_last.pt"
-    state = start_or_resume(path, run.config, MODEL_KEYS + TRAINING_KEYS, run.dist_, captioner, optimizer,
-                                     run.scaler)
-    if state is None:
-        return dict(zip(PROGRESS, (0, -1.0, -1, 0, [])))
-    if state["encoder_sha256"] != stage1.sha256:
-        raise ConfigError(f"{path} was trained on another stage-1 checkpoint than {stage1.path}")
-    if run.dist_.master:
-        print(f"resumed {path} at step {state['step']}")
-    return state
-
-
-def from_master(value: int, dist_) -> int:
-    """The master's value, on every process of a torchrun (a broadcast); a process alone keeps its own."""
-    if not dist_.ddp:
-        return value
-    flag = torch.tensor([value], device=dist_.device)
-    dist.broadcast(flag, 0)
-    return int(flag)
-
-
-def test(run: Run, stage1: Stage1, captioner: Captioner, tokenizer, read: tuple, feature_path: dict) -> None:
-    """The end of training: the test split decoded and scored once (evaluate), on the master, with the epoch
-    chosen on validation (ckpt_best.pt); read and feature_path: what training has read already."""
-    if not run.dist_.master:
-        return
-    best = load_checkpoint(run.out_dir / "ckpt_best.pt")
-    captioner.load_state_dict(best["model"])
-    print(f"test scores of the best epoch ({best['best_epoch'] + 1}, validation CIDEr-D {best['best_metric']:.4f}):")
-    evaluate(run, None, stage1, captioner, tokenizer, read, feature_path)
-
-
-def train(run: Run, root: Path, stage1: Stage1, captioner: Captioner, tokenizer) -> None:
-    """Train the captioner: validation CIDEr-D after every epoch, with patience; then the best epoch on the test split."""
-    config, dist_, device, master = run.config, run.dist_, run.dist_.device, run.dist_.master
-    say = print if master else (lambda *a, **k: None)
-    splits, images, eval_pairs = read_splits(config, dist_, root, stage1.encoder.clip.visual.input_resolution)
-    feature_path = feature_paths(stage1, eval_pairs, images, () if config.finetune_encoder else data.SPLITS,
-                                 run.out_dir, dist_, run.ctx, batch_size=config.eval_batch_size,
-                                 num_workers=config.num_workers)
-    train_set = training_set(run, stage1, splits["train"], images, tokenizer, feature_path, say)
-    optimizer = build_optimizer(captioner, config)
-    state = resume(run, stage1, captioner, optimizer)
-    step, best_cider, best_epoch, bad_epochs, history = (state[k] for k in PROGRESS)
-    model = DDP(captioner, device_ids=[dist_.local_rank] if device.type == "cuda" else None) if dist_.ddp else captioner
-    micro, sampler, steps_per_epoch = batch_plan(train_set, config.batch_size, config.grad_accum, dist_,
-                                                 config.seed, what="training pairs")
-    total_steps = config.epochs * steps_per_epoch
-    if master:
-        save_json(dataclasses.asdict(config), run.out_dir / "config.json")
-        say(json.dumps(dataclasses.asdict(config)))
-        say(describe(run, len(train_set), micro, steps_per_epoch, captioner))
-
-    def save(path):  # the checkpoint at the step the loop has reached
-        save_checkpoint(checkpoint(
-            captioner, optimizer, run, stage1, tokenizer, stage1_weights=path.name == "ckpt_best.pt",
-            step=step, best_metric=best_cider, best_epoch=best_epoch, bad_epochs=bad_epochs, history=history), path)
-
-    loader = training_loader(train_set, sampler, micro, config.num_workers, device, data.collate_captions)
-    # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (StepBoundary)
-    with StepBoundary(run, steps_per_epoch, total_steps, step, save) as boundary:
-        model.train()
-        while step < total_steps and bad_epochs <= config.patience:
-            epoch = step // steps_per_epoch
-            done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
-            batches = epoch_batches(loader, epoch, done_in_epoch, config.grad_accum)  # the sampler's epoch
-            for _ in range(done_in_epoch, steps_per_epoch):
-                lr = get_lr(step, total_steps, config)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr * group["lr_scale"]
-                try:
-                    micro_batches = [data.to_device(next(batches), device) for _ in range(config.grad_accum)]
-                except data.DataError as error:  # a damaged image: ckpt_last.pt at the last step, then one line
-                    raise boundary.damaged(error, step) from None
-                loss, grad_norm = train_step(model, optimizer, run.scaler, micro_batches, run.ctx, config, dist_.ddp)
-                step += 1
-                if boundary.after_step(step, lr, loss, grad_norm):  # the master's log steps: .item() waits, here only
-                    value = loss.item()
-                    say(boundary.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=value,
-                                      lr=get_lr(step, total_steps, config)), flush=True)
-                    boundary.log.write(step=step, epoch=epoch, loss=value, lr=get_lr(step, total_steps, config))
-                boundary.save_or_stop()  # ckpt_last.pt every save_every steps; for Ctrl-C or SIGTERM, then stops
-            boundary.end_epoch()  # the finiteness check of the epoch's last steps
-            if master:  # end of epoch: validation CIDEr-D, decoded by the master alone while the others wait
-                check_finite_model(captioner, step, lr)  # a non-finite model is never scored nor saved
-                cider, predictions = validate(run, captioner, feature_path, eval_pairs["val"], images, tokenizer)
-                improved = cider >= best_cider  # a tie keeps the later epoch, as the reference
-                best_cider, best_epoch = (cider, epoch) if improved else (best_cider, best_epoch)
-                bad_epochs = 0 if improved else bad_epochs + 1
-                history.append({"epoch": epoch, "step": step, "val_CIDEr": cider})
-                example = eval_pairs["val"][0].id
-                say(f"epoch {epoch + 1} validation CIDEr-D {cider:.4f}" + (" (best so far)" if improved else "")
-                    + f"; {example}: {predictions[example]!r}")
-                boundary.log.write(step=step, epoch=epoch, split="val", CIDEr=cider)
-                if improved:
-                    save(run.out_dir / "ckpt_best.pt")
-                save(run.out_dir / "ckpt_last.pt")
-            bad_epochs = from_master(bad_epochs, dist_)  # everyone follows the master's patience
-            boundary.stop_if_signalled()  # Ctrl-C or SIGTERM in any process; under DDP also the epoch's barrier
-    if bad_epochs > config.patience:
-        say(f"stopped early: {bad_epochs} epochs without a better validation CIDEr-D")
-    test(run, stage1, captioner, tokenizer, (splits, images, eval_pairs), feature_path)
-
-
-def main(argv=None):
-    config = parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
-    if config.explain and not config.pair:
-        raise ConfigError("--explain writes the attention maps of one pair: use it with --pair BEFORE AFTER "
-                          "(--eval writes test_attention.png by itself)")
-    keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
-    out_dir = Path(config.out_dir or f"runs/caption_{config.data}")
-    if config.pair:  # writes nothing there, and reads ckpt_best.pt, which a run there replaces atomically
-        return job(config, out_dir)
-    check_out_dir(out_dir)  # a file there is refused before any work
-    # one run at a time writes there (under torchrun its master holds the lock): a second is refused at once
-    with OutDirLock(out_dir, master=int(os.environ.get("RANK", 0)) == 0):
-        job(config, out_dir)
-
-
-def job(config: Config, out_dir: Path) -> None:
-    """--pair, --eval or training, once the command line is read: the processes, stage 1, the captioner."""
-    best = best_path = None
-    if config.eval or config.pair:  # the trained captioner decides the model settings and holds stage 1's
-        best_path = Path(config.checkpoint or out_dir / "ckpt_best.pt")
-        settings, best = load_trained(best_path, MODEL_KEYS)
-        config = dataclasses.replace(config, **settings)
-    release = best is not None and release_stage(best) == 2
-    if release and config.dtype == "auto":  # the reference decodes in float32 (its CLIP in fp16): bf16 autocast
-        config = dataclasses.replace(config, dtype="float32")  # on a GPU would flip its near-ties (BENCHMARKS.md section 12)
-    dist_, dtype, ctx, scaler = setup(config)  # DDP from torchrun's environment, autocast, GradScaler
-    config = dataclasses.replace(config, num_workers=loader_workers(config.num_workers, dist_.device))
-    seed_everything(config.seed + dist_.rank)
-    root = data.dataset_root(config.data, config.data_root or None)
-    if config.data == "synth" and not config.pair:  # drawn first: the tokenizer reads its vocabulary file
-        if dist_.master:
-            synth.ensure_synth(root, synth.SynthConfig(pairs=config.synth_pairs))
-        if dist_.ddp:
-            dist.barrier()
-    stage1 = load_stage1(config.encoder_ckpt, config.data, config.intra_layers,
-                         None if best is None or release else best, best_path)
-    positions = stage1.encoder.clip.positional_embedding.shape[0]  # the decoder's, tied to CLIP's
-    for name in ("max_words", "max_len"):
-        check_length(name, getattr(config, name), 2 if name == "max_words" else 1, positions,
-                     f"the decoder has {positions} positions, CLIP's")
-    # --pair reads no data: the vocabulary is the one the checkpoint keeps (else the dataset's, else OpenAI's)
-    tokenizer = (checkpoint_tokenizer(stage1.state, data.bpe_path(config.data, root)) if config.pair
-                 else clip.get_tokenizer(data.bpe_path(config.data, root)))
-    if tokenizer.vocab_size != stage1.encoder.clip.config.vocab_size:
-        raise ConfigError(f"the tokenizer of {config.data} has {tokenizer.vocab_size} tokens but the stage-1 "
-                          f"model {stage1.path} has {stage1.encoder.clip.config.vocab_size}: it was trained "
-                          f"on another dataset" + vocabulary_hint(tokenizer))
-    if release:  # the reference's decoder, sized from its tensors and loaded strictly
-        captioner = Captioner(release_decoder(best, 2 * (stage1.encoder.n_patches + 1)), None, clip.PAD_ID)
-    else:
-        captioner = build_captioner(config, stage1.encoder, stage1.state["clip_config"], stage1.freeze_intra)
-        if best is not None:
-            captioner.load_state_dict(best["model"])
-    captioner.to(dist_.device)
-    stage1.encoder.to(dist_.device)
-    run = Run(config, dist_, dtype, ctx, scaler, out_dir)
-    if config.pair:
-        caption_pair(config, stage1, captioner, tokenizer, dist_.device, ctx)
-    elif config.eval:
-        evaluate(run, root, stage1, captioner, tokenizer)
-    else:
-        train(run, root, stage1, captioner, tokenizer)
-    if dist_.ddp:
-        dist.barrier()  # every process done before any tears the group down (a gloo peer may abort otherwise)
-        destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -273,7 +273,7 @@ def train(run: Run, raw_model: SceneCLIP, optimizer, splits: dict, tokenizer, st
     if state is not None:
         step, best, best_epoch, history = state["step"], state["best_metric"], state["best_epoch"], state["history"]
     micro, sampler, steps_per_epoch = batch_plan(splits["train"], config.batch_size, config.grad_accum, dist_,
-                                                         config.seed)
+                                                 config.seed)
     total_steps = config.epochs * steps_per_epoch
     if master:
         save_json(dataclasses.asdict(config), out_dir / "config.json")
@@ -282,7 +282,7 @@ def train(run: Run, raw_model: SceneCLIP, optimizer, splits: dict, tokenizer, st
 
     def save(path):  # the checkpoint at the step and epoch the loop has reached
         save_checkpoint(checkpoint(raw_model, optimizer, run, tokenizer, epoch=epoch, step=step,
-                                           best_metric=best, best_epoch=best_epoch, history=history), path)
+                                   best_metric=best, best_epoch=best_epoch, history=history), path)
 
     loader = training_loader(splits["train"], sampler, micro, config.num_workers, device, data.collate_text)
     # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (StepBoundary)
