@@ -4327,3 +4327,34 @@ def test_bench_cost_hours_are_flops_over_the_rate_of_each_gpu_at_each_fraction_o
     # cached features: 50 epochs of 8,566 pairs, and encoding each of its 11,329 pairs once
     assert hours["spot"]["stage2_cached"]["pflop"] == round((8_566 * 50 + 11_329) / 1e3, 1)
 
+
+
+# --- the README's reading path ---
+
+READING_PATH = {  # each stop's first line, and the line that follows the stop (the next concept)
+    "clip.py": (r"# 1\. The model", r"# 3\. "), "encoder.py": (r"class EncoderConfig", r"    # --- speed variant"),
+    "losses.py": (r"# --- Differentiable all-gather", r'if __name__ == "__main__":'),
+    "adapt.py": (r"# Model, optimizer and schedule", r"# What the run calls"),
+    "decoder.py": (r"class DecoderConfig", r"    def _check_inputs"),
+    "caption.py": (r"# The stage-1 encoder and the captioner", r"# What the jobs and the loop call"),
+    "metrics.py": (r"class MetricsConfig", r"# 5\. "), "meteor.py": (r"# 1\. METEOR's score", r"    # What the lesson leans on"),
+}
+
+
+def test_the_readmes_reading_path_starts_each_stop_on_its_concept_and_stays_under_2000_lines():
+    readme = (HERE / "README.md").read_text()
+    stops = re.findall(r"^\| \d \| `(\w+\.py)` \| (\d+)–(\d+) \|", readme, re.M)
+    assert [path for path, _, _ in stops] == list(READING_PATH)  # 8 stops, in this order
+    total = 0
+    for path, first, last in stops:
+        lines = (HERE / path).read_text().split("\n")
+        first, last = int(first), int(last)
+        start, after = READING_PATH[path]
+        decorated = lines[first - 1].startswith("@")  # a stop may start on its class's decorator
+        assert re.match(start, lines[first - 1 + decorated]), f"{path}:{first} is {lines[first - 1]!r}"
+        following = next(i for i in range(first, len(lines)) if re.match(after, lines[i]))  # 0-based
+        assert last <= following and all(not l.strip() or l.startswith(("#", "@")) for l in lines[last:following]), (
+            f"{path}: the stop ends at {last}, but its concept runs to line {following}")
+        total += last - first + 1
+    assert total <= 2000
+    assert f"about {round(total, -1):,} lines" in readme
