@@ -70,12 +70,13 @@ from checkpoints import (load_checkpoint, load_encoder, rng_state, save_checkpoi
 from encoder import EncoderConfig, PairEncoder
 from files import OutDirLock, check_out_dir, save_json
 from flags import ConfigError, check_length, check_settings, flag, parse_config
+from loop import Run, StepBoundary
 from losses import contrastive_loss
 from processes import keep_freed_memory, loader_workers, setup
 from progress import JsonlLog
 from stopping import check_finite_model, run_main
-from loop import Run, StepBoundary
 
+CLS_ROWS_ONLY = True  # speed variant (encoder.py): stage 1's last inter-image block at the 2 CLS rows alone
 MAX_LOGIT_SCALE = math.log(100)  # logit_scale is clamped to ln(100): a temperature of at least 0.01, as CLIP
 MODEL_KEYS = ("data", "clip_model", "intra_layers", "freeze_intra", "max_words", "synth_pairs")
 # what --resume also refuses to change: what the training computes (its batch, schedule, rates, data order)
@@ -199,7 +200,7 @@ def build_encoder(config: Config, vocab_size: int) -> tuple[PairEncoder, dict]:
         raise ConfigError(f"--intra_layers {config.intra_layers}: {config.clip_model} has {blocks} vision "
                           f"blocks, so it must be in [1, {blocks}]")
     model = PairEncoder(clip_model, EncoderConfig(config.intra_layers))
-    model.cls_rows_only = True  # speed variant (encoder.py): the last inter-image block at the two CLS rows only
+    model.cls_rows_only = CLS_ROWS_ONLY
     if config.freeze:
         model.freeze()
     if config.freeze_intra:
@@ -442,7 +443,7 @@ def evaluate_checkpoint(config: Config, dist_, ctx, out_dir: Path) -> None:
         return
     path = Path(config.checkpoint or out_dir / "ckpt_best.pt")
     model, state = load_encoder(path, config.intra_layers)
-    model.cls_rows_only = True  # speed variant (encoder.py), as the training's test: the same scores
+    model.cls_rows_only = CLS_ROWS_ONLY  # as the training's test: the same scores
     if state.get("release") and config.dtype == "auto":  # scored in float32, as the reference's figures: bf16
         ctx = nullcontext()  # autocast on a GPU moves ranks that nearly tie (BENCHMARKS.md section 12)
     splits, tokenizer, images = read_pairs(config, dataclasses.replace(dist_, ddp=False),

@@ -367,7 +367,7 @@ def adapt_step(threads: int = 2, batch_size: int = 16, steps: int = 3, compile: 
     torch.manual_seed(0)
     config = adapt.Config(batch_size=batch_size)
     encoder = PairEncoder(clip.CLIP(clip.CLIPConfig()), EncoderConfig(config.intra_layers)).train()
-    encoder.cls_rows_only = True  # as adapt.build_encoder: stage 1's speed variant (encoder.py)
+    encoder.cls_rows_only = adapt.CLS_ROWS_ONLY  # as adapt.build_encoder
     encoder.freeze()
     optimizer = adapt.build_optimizer(encoder, config, torch.device("cpu"))
     scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -1018,7 +1018,7 @@ def cost_step(stage: str, batch_size: int, sizes: CostSizes, captions_per_pair: 
     Spot-the-Diff's and IER's one caption."""
     torch.manual_seed(0)
     encoder = PairEncoder(clip.CLIP(sizes.clip_config), EncoderConfig(sizes.intra_layers)).train()
-    encoder.cls_rows_only = True  # as adapt.build_encoder: stage 1's speed variant (encoder.py)
+    encoder.cls_rows_only = adapt.CLS_ROWS_ONLY  # as adapt.build_encoder
     side, vocab, length = sizes.clip_config.image_resolution, sizes.clip_config.vocab_size, sizes.caption_tokens
     sot, eot = vocab - 2, vocab - 1
     pixels = lambda: torch.randn(batch_size, 3, side, side)  # (B, 3, R, R), normalised

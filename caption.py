@@ -84,12 +84,12 @@ from decoder import CaptionDecoder, DecoderConfig, ids_to_text
 from encoder import FROZEN_IN_REFERENCE, PairEncoder, no_decay_names
 from files import OutDirLock, check_out_dir, save_json
 from flags import ConfigError, check_image_path, check_length, check_settings, flag, parse_config
+from loop import Run, StepBoundary
 from losses import caption_loss
 from processes import keep_freed_memory, loader_workers, setup
 from progress import Progress
 from release import release_decoder, release_stage
 from stopping import check_finite_model, run_main
-from loop import Run, StepBoundary
 
 MODEL_KEYS = ("data", "max_words", "finetune_encoder", "use_no_change_pair", "train_word_embedding",
               "decoder_layers", "decoder_heads", "decoder_ffn")

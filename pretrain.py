@@ -38,15 +38,15 @@ import adapt
 import clip
 import data
 import synth
+from batches import batch_plan, epoch_batches, training_loader
 from checkpoints import load_checkpoint, rng_state, save_checkpoint, seed_everything, start_or_resume, vocabulary_tensor
 from encoder import PairEncoder
 from files import OutDirLock, save_json
 from flags import ConfigError, check_settings, flag, parse_config
+from loop import Run, StepBoundary
 from losses import contrastive_loss
 from processes import keep_freed_memory, loader_workers, setup
 from stopping import check_finite_model, run_main
-from batches import batch_plan, epoch_batches, training_loader
-from loop import Run, StepBoundary
 
 SCRATCH_SIZES = ("scratch_width", "scratch_layers", "scratch_patch", "scratch_text_width", "scratch_text_layers",
                  "scratch_embed_dim")
