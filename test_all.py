@@ -296,7 +296,8 @@ def test_reading_the_torchscript_archive_gives_exactly_its_jit_state_dict(tiny_a
     path = tiny_archive
     ours = clip.load_state_dict(path, dtype=None)  # stored dtypes, as torch.jit.load gives them
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit is deprecated in torch 2.13
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit is deprecated in torch 2.13,
+        warnings.simplefilter("ignore", FutureWarning)  # and said so as a FutureWarning in 2.14
         theirs = torch.jit.load(str(path), map_location="cpu").state_dict()
     assert list(ours) == list(theirs) and len(ours) == 17 + 12 * (1 + 2)  # 12 tensors per block, 1 + 2 blocks
     for key in theirs:
