@@ -87,6 +87,20 @@ def loader_workers(num_workers: int, device: torch.device) -> int:
     return max(1, data.usable_cpus() // local_processes - 1)
 
 
+def gpu_index(device: str, ddp: bool, local_rank: int) -> int:
+    """The GPU this process takes: under torchrun its LOCAL_RANK's (process 5 of 8 on a second machine of 4 GPUs
+    takes that machine's GPU 1), else the index --device names (cuda:1), else 0 (plain cuda, or auto: the first
+    GPU CUDA_VISIBLE_DEVICES leaves). One that is not there is refused in one line."""
+    index = local_rank if ddp else (torch.device(device).index or 0)
+    count = torch.cuda.device_count()
+    if index >= count:
+        why = (f"torchrun started process LOCAL_RANK {local_rank} on this machine" if ddp else f"--device {device}")
+        raise ConfigError(f"{why}, but torch sees {count} GPU(s) here (CUDA_VISIBLE_DEVICES="
+                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): start at most {count} processes a "
+                          f"machine (--nproc_per_node), or name a GPU from cuda:0 to cuda:{count - 1}")
+    return index
+
+
 def setup(config) -> tuple[Distributed, str, object, torch.amp.GradScaler]:
     """This process: one of torchrun's (RANK is set: DDP) or the only one; its device; the precision context.
 
@@ -95,10 +109,9 @@ def setup(config) -> tuple[Distributed, str, object, torch.amp.GradScaler]:
     device = check_device(config.device)  # auto: cuda when torch sees a GPU; a missing GPU is refused
     ddp = int(os.environ.get("RANK", -1)) != -1
     rank, local_rank, world_size = (int(os.environ.get(k, 0)) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    if ddp and device.startswith("cuda"):
-        device = f"cuda:{local_rank}"
     if device.startswith("cuda"):
-        torch.cuda.set_device(device)  # also for one process on cuda:1: its kernels and caches go to that GPU
+        device = f"cuda:{gpu_index(device, ddp, local_rank)}"  # torch.cuda.set_device wants an index: cuda:N
+        torch.cuda.set_device(torch.device(device))  # also for one process on cuda:1: its kernels and caches go there
         set_tf32(config.tf32)
     if ddp:  # device_id binds NCCL to this process's GPU at once; the timeout covers the master's work alone
         init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=GROUP_TIMEOUT,

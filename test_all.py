@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import adapt
+import batches
 import bench
 import caches
 import caption
@@ -2772,6 +2773,109 @@ def test_a_flags_help_is_the_text_its_config_field_was_declared_with(capsys):
     for config in (adapt.Config, caption.Config):  # what a GPU user needs is explained, not only named
         helps = {f.name: f.metadata["help"] for f in dataclasses.fields(config)}
         assert all(len(helps[flag]) > 100 for flag in ("num_workers", "grad_accum", "device", "dtype"))
+
+
+class FakeGPUs:
+    """A machine with GPUs as torch sees it, with only what talks to the driver replaced: torch.cuda.is_available,
+    device_count, get_device_capability, get_device_name, is_bf16_supported and current_device answer for `count`
+    H100s; torch._C._cuda_setDevice (the
+    driver call under torch.cuda.set_device) and init_process_group record their arguments. torch.cuda.set_device's
+    own argument check (_get_device_index: an index, or a torch.device that names one) still runs."""
+
+    def __init__(self, monkeypatch, count: int = 2):
+        self.count, self.selected, self.groups = count, [], []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # autocast asks
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.selected[-1] if self.selected else 0)
+        monkeypatch.setattr(torch._C, "_cuda_setDevice", self.selected.append, raising=False)  # absent from CPU builds
+        monkeypatch.setattr(processes, "init_process_group", lambda backend, **kwargs: self.groups.append(
+            {"backend": backend, **kwargs}))
+
+
+class SetUpDone(Exception):
+    """Raised where a script seeds its random numbers, right after its set-up: the test reads what it chose."""
+
+
+# (environment, flags, the GPU index the process must take); the torchrun forms start an nccl group bound to it
+LAUNCH_FORMS = {
+    "python X.py": ({}, [], 0),
+    "--device cuda": ({}, ["--device", "cuda"], 0),
+    "--device cuda:1": ({}, ["--device", "cuda:1"], 1),
+    "torchrun, process 1 of 2": ({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, [], 1),
+    "torchrun, process 5 of 8, second machine": ({"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8",
+                                                  "LOCAL_WORLD_SIZE": "4"}, [], 1)}
+SCRIPTS = {"adapt.py": (adapt, ["--data", "clevr"]), "caption.py": (caption, ["--data", "clevr"]),
+           "caption.py --eval": (caption, ["--data", "clevr", "--eval"]),
+           "caption.py --pair": (caption, ["--data", "clevr", "--pair", "BEFORE", "AFTER"]),
+           "pretrain.py": (pretrain, ["--data", "scenes"])}
+
+
+@pytest.mark.parametrize("form", LAUNCH_FORMS)
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_launch_form_of_every_script_starts_on_a_gpu_machine_and_takes_its_gpu(monkeypatch, tmp_path, form,
+                                                                                      script):
+    env, device_flags, index = LAUNCH_FORMS[form]
+    module, script_flags = SCRIPTS[script]
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    gpus = FakeGPUs(monkeypatch, count=2)
+    chosen = {}
+    real_setup = processes.setup
+
+    def setup(config):  # the real set-up, its answer kept
+        chosen["process"], chosen["dtype"], chosen["ctx"], chosen["scaler"] = answer = real_setup(config)
+        return answer
+
+    def seeded(seed):
+        raise SetUpDone
+
+    monkeypatch.setattr(module, "setup", setup)
+    monkeypatch.setattr(module, "seed_everything", seeded)
+    monkeypatch.setattr(module, "loader_workers", lambda n, device: chosen.setdefault(
+        "workers", (n, processes.loader_workers(n, device)))[1])
+    if module is caption:  # --eval and --pair read a trained captioner first: none here, the set-up is what is tested
+        monkeypatch.setattr(caption, "load_trained", lambda path, keys: ({}, None))
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        with pytest.raises(SetUpDone):
+            module.main([*script_flags, "--out_dir", str(tmp_path / "run"), *device_flags])
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32  # --tf32, the default
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    process = chosen["process"]
+    assert gpus.selected == [index] and process.device == torch.device("cuda", index)
+    assert process.rank == int(env.get("RANK", 0)) and process.master == (process.rank == 0)
+    if env:
+        assert gpus.groups == [{"backend": "nccl", "timeout": processes.GROUP_TIMEOUT,
+                                "device_id": torch.device("cuda", index)}]
+        assert process.ddp and process.world_size == int(env["WORLD_SIZE"])
+    else:
+        assert gpus.groups == [] and not process.ddp and process.world_size == 1
+    # the README's GPU row: bf16 autocast on an H100 (no GradScaler), every usable CPU but one per process
+    assert chosen["dtype"] == "bfloat16" and not chosen["scaler"].is_enabled()
+    asked, workers = chosen["workers"]  # the preset's --num_workers, and what the set-up made of it
+    assert workers == (asked if asked >= 0 else max(1, data.usable_cpus() // int(env.get("LOCAL_WORLD_SIZE", 1)) - 1))
+    loader = batches.training_loader(list(range(8)), None, 2, 1, process.device, lambda items: items)
+    assert loader.pin_memory and loader.num_workers == 1  # the batch is copied from pinned memory
+
+
+@pytest.mark.parametrize("env, flag, message", [
+    ({}, ["--device", "cuda:2"], "--device cuda:2, but torch sees 2 GPU"),
+    ({"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"}, [],
+     "LOCAL_RANK 2 on this machine, but torch sees 2 GPU")])
+def test_a_gpu_that_is_not_there_is_refused_in_one_line(monkeypatch, env, flag, message):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    gpus = FakeGPUs(monkeypatch, count=2)
+    config = adapt.Config(device=flag[1] if flag else "auto")
+    with pytest.raises(flags.ConfigError, match=re.escape(message)):
+        processes.setup(config)
+    assert gpus.selected == [] and gpus.groups == []
 
 
 @pytest.mark.parametrize("capability, expected", [((7, 0), "float16"), ((7, 5), "float16"), ((8, 0), "bfloat16"),
