@@ -48,7 +48,7 @@ Run:  python bench.py clip [--bpe-path FILE]       (the vocabulary from --bpe-pa
       python bench.py first OUT_DIR [--commit C] [--avx2]   (10-20 minutes on 2 cores; logs and summary.json in OUT_DIR)
       python bench.py first OUT_DIR --extra "--synth_pairs 40 --epochs 1"   (flags for both scripts: a smoke run)
       python bench.py cost [--batch-sizes 1 2 4 8]   (about 12 minutes on 2 busy cores; --tiny: a smoke run)
-      python bench.py gpu [--out bench_gpu.json]   (about 5 minutes on one GPU; --tiny: a tiny CLIP on the CPU)
+      python bench.py gpu [--out bench_gpu]   (at most 6 minutes on one H100; --tiny: a tiny CLIP on the CPU)
       python bench.py residual runs/adapt_synth/ckpt_best.pt   (after the first command; about a minute)
       python bench.py decoder --batch-decode 2 --steps 2 --batch-train 2 --length 4 --repeats 1   (a smoke run)
       python bench.py FIGURE --help                (the flags of one figure)
@@ -73,11 +73,13 @@ import os
 import queue as queue_module
 import re
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -89,7 +91,8 @@ from torch.utils.data import DataLoader
 # `bench.py gpu` runs on a stock GPU image with no internet, which may lack ftfy (clip.py's tokenizer needs it): its
 # pure-Python wheels, carried in assets/wheels, are importable as they are, put on the path (and on PYTHONPATH for
 # the torchrun runs) only when ftfy is missing
-WHEELS = sorted((Path(__file__).resolve().parent / "assets" / "wheels").glob("*.whl"))
+REPO = Path(__file__).resolve().parent  # the scripts bench.py runs are its neighbours
+WHEELS = sorted((REPO / "assets" / "wheels").glob("*.whl"))
 try:
     import ftfy  # noqa: F401
 except ImportError:
@@ -105,7 +108,7 @@ import metrics
 import synth
 from batches import training_loader
 from caches import image_reader
-from checkpoints import load_encoder
+from checkpoints import load_encoder, save_checkpoint
 from decoder import CaptionDecoder, DecoderConfig
 from encoder import EncoderConfig, PairEncoder
 from files import save_json
@@ -1265,22 +1268,28 @@ def residual_precision(checkpoint: str, data_root: str | None = None, threads: i
 # ---------------------------------------------------------------------------------------------------------
 # gpu: the prepared GPU measurement (BENCHMARKS.md section 11)
 
-GPU_PEAKS = {  # dense tensor-core TFLOPS in the vendors' data sheets (no sparsity): (bf16, fp16); None: not native.
+GPU_PEAKS = {  # dense tensor-core TFLOPS in the vendors' data sheets (no sparsity): (bf16, fp16, tf32); None: not native.
     # The first key whose words are all in torch.cuda.get_device_name() wins: the longer names come first
-    "H200": (989, 989), "H100 PCIe": (756, 756), "H100 NVL": (835, 835), "H100": (989, 989),  # H100: SXM (HBM3)
-    "A100": (312, 312), "A10": (125, 125), "L40S": (362, 362), "L40": (181, 181), "L4": (121, 121),
-    "V100": (None, 125), "T4": (None, 65)}
+    "H200": (989, 989, 495), "H100 PCIe": (756, 756, 378), "H100 NVL": (835, 835, 418),
+    "H100": (989, 989, 495),  # H100 without another word: the SXM part (HBM3)
+    "A100": (312, 312, 156), "A10": (125, 125, 62.5), "L40S": (362, 362, 183), "L40": (181, 181, 90.5),
+    "L4": (121, 121, 60), "V100": (None, 125, None), "T4": (None, 65, None)}
 GPU_STEP_BATCH = {"stage1": 128, "stage2_cached": 16, "stage2_finetune": 16}  # the clevr presets' global batches
+STAGE1_PER_GPU = (16, 32, 64, 128)  # stage 1's pairs per GPU: 128 on 8, 4, 2 and 1 GPUs
 # bench.py cost's float32 estimate at those batches (BENCHMARKS.md section 8): activations, weights, gradients, AdamW
 COST_ESTIMATE_GB = {"stage1": 11.0, "stage2_cached": 1.4, "stage2_finetune": 5.0}
+# Each script run's time limit, in seconds: the runs in turn, then the in-process parts (about 2 minutes on one H100,
+# the compiled step the longest), fit in GPU_RUN_BUDGET_S, this command's estimate of its own length on one H100
+SCRIPT_TIMEOUT_S = 45
+GPU_RUN_BUDGET_S = 360
 
 
 def gpu_peak(name: str) -> tuple:
-    """(bf16, fp16) peak TFLOPS of the GPU named `name` (torch.cuda.get_device_name), (None, None) if unknown."""
+    """(bf16, fp16, tf32) peak TFLOPS of the GPU named `name` (torch.cuda.get_device_name), Nones if unknown."""
     for key, peaks in GPU_PEAKS.items():
         if all(word in name for word in key.split()):
             return peaks
-    return None, None
+    return None, None, None
 
 
 def device_steps(stage: str, batch_size: int, sizes: CostSizes, device: torch.device, dtype: str, steps: int,
@@ -1334,45 +1343,86 @@ def decoding_rate(sizes: CostSizes, device: torch.device, dtype: str, batch: int
     return {"batch": batch, "tokens_per_caption": tokens.shape[1], "captions_per_s": round(batch / seconds, 1)}
 
 
-def torchrun_tiny(folder: Path, device: torch.device) -> dict:
+class ScriptRuns:
+    """The project's scripts run as a user types them, each in a subprocess under a time limit, in `folder` (their
+    working directory: the default data/ and runs/ folders land there). A run that fails or outlasts its limit
+    writes its whole output to `failures` (a text file), and its figure says so."""
+
+    def __init__(self, folder: Path, failures: Path, timeout_s: float):
+        self.folder, self.failures, self.timeout_s = folder, failures, timeout_s
+        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, WHEELS), os.environ.get("PYTHONPATH", "")]),
+                    "PYTHONUNBUFFERED": "1"}
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, name: str, command: list[str]) -> dict:
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(command, cwd=self.folder, env=self.env, capture_output=True, text=True,
+                                  timeout=self.timeout_s)
+            status, out, err = done.returncode, done.stdout, done.stderr
+        except subprocess.TimeoutExpired as late:  # the child is killed; what it printed is kept
+            status = f"timed out after {self.timeout_s:.0f} s"
+            out, err = (x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (late.stdout, late.stderr))
+        seconds = round(time.perf_counter() - start, 1)
+        lines = (out if status == 0 else err or out).strip().splitlines()
+        if status != 0:
+            with open(self.failures, "a") as log:
+                log.write(f"===== {name}: {shlex.join(command)}\n(in {self.folder}, {status}, {seconds} s)\n"
+                          f"----- stdout\n{out}\n----- stderr\n{err}\n")
+        return {"exit_status": status, "seconds": seconds, "last_line": lines[-1] if lines else "",
+                "resumed": any(line.startswith("resumed ") for line in out.splitlines())}
+
+
+TINY_RUN_FLAGS = ["--data", "synth", "--synth_pairs", "40", "--epochs", "1", "--batch_size", "8"]
+
+
+def card_commands(runs: ScriptRuns) -> dict:
+    """The card's two commands as a one-GPU user types them, `python adapt.py --data synth` then `python caption.py
+    --data synth` (no torchrun, --device auto, the default folders), on a tiny synthetic set: each to its end."""
+    python = [sys.executable, str(REPO / "adapt.py")]
+    result = {"adapt": runs("python adapt.py", [*python, *TINY_RUN_FLAGS])}
+    result["caption"] = runs("python caption.py", [sys.executable, str(REPO / "caption.py"), *TINY_RUN_FLAGS,
+                                                   "--eval_batch_size", "16"])
+    result["files"] = sorted(str(p.relative_to(runs.folder)) for p in runs.folder.glob("runs/*/*")
+                             if p.suffix in (".pt", ".json"))
+    return result
+
+
+def torchrun_tiny(runs: ScriptRuns, device: torch.device) -> dict:
     """adapt.py and caption.py under a 1-process torchrun (nccl on a GPU, gloo on the CPU) on a tiny synthetic set,
     each to its end (checkpoint and test files written), then adapt.py again with --resume: it continues from its
-    checkpoint. Returns each command's exit status, seconds and last line."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, WHEELS), os.environ.get("PYTHONPATH", "")])}
-    tiny = ["--data", "synth", "--data_root", str(folder / "synth"), "--synth_pairs", "40", "--epochs", "1",
-            "--device", device.type, "--num_workers", "2"]
-    commands = {"adapt": ["adapt.py", *tiny, "--out_dir", str(folder / "adapt"), "--batch_size", "8"],
-                "adapt --resume": ["adapt.py", *tiny, "--out_dir", str(folder / "adapt"), "--batch_size", "8",
-                                   "--resume"],
-                "caption": ["caption.py", *tiny, "--out_dir", str(folder / "caption"), "--batch_size", "8",
-                            "--encoder_ckpt", str(folder / "adapt" / "ckpt_best.pt"), "--eval_batch_size", "16"]}
-    results = {}
-    for name, command in commands.items():
-        start = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-                               *command], cwd=Path(__file__).resolve().parent, env=env, capture_output=True, text=True)
-        lines = (done.stdout if done.returncode == 0 else done.stderr).strip().splitlines()
-        results[name] = {"exit_status": done.returncode, "seconds": round(time.perf_counter() - start, 1),
-                         "last_line": lines[-1] if lines else "",
-                         "resumed": any(line.startswith("resumed ") for line in done.stdout.splitlines())}
-    results["files"] = sorted(str(p.relative_to(folder)) for p in folder.glob("*/*")
-                              if p.suffix in (".pt", ".json") and p.parent.name in ("adapt", "caption"))
-    return results
+    last checkpoint (there, the end: it tests again). Returns each command's exit status, seconds and last line."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    tiny = [*TINY_RUN_FLAGS, "--device", device.type, "--num_workers", "2"]
+    result = {"adapt": runs("torchrun adapt.py", [*torchrun, str(REPO / "adapt.py"), *tiny])}
+    result["adapt --resume"] = runs("torchrun adapt.py --resume", [*torchrun, str(REPO / "adapt.py"), *tiny,
+                                                                     "--resume"])
+    result["caption"] = runs("torchrun caption.py", [*torchrun, str(REPO / "caption.py"), *tiny,
+                                                      "--eval_batch_size", "16"])
+    return result
 
 
 def gpu_figures(out: str, tiny: bool = False, steps: int = 10) -> dict:
-    """Everything BENCHMARKS.md section 11 needs from one GPU, in one command (about 5 minutes on one): the GPU,
-    its peak and the dtype --dtype auto picks; each stage's step at the papers' sizes (random weights: the speed
-    and memory do not depend on them) in bfloat16, float16 and TF32 float32, with MFU and peak memory against
-    bench.py cost's estimate; the loader's pairs/s with this machine's cores; greedy decoding; a 1-process
-    torchrun run to its end and --resume; --compile's step. Each figure is written to `out` (JSON) as soon as it
-    is measured, so a part that fails loses no other. tiny: a tiny CLIP on the CPU, the suite's check of this code."""
+    """Everything BENCHMARKS.md section 11 needs from one GPU, in one command (GPU_RUN_BUDGET_S at most, by its own
+    estimate, on one H100): the GPU, its peaks and the dtype --dtype auto picks; the card's commands as a one-GPU
+    user types them, then under a 1-process torchrun with --resume (tiny synthetic sets); the seconds a stage-1
+    checkpoint takes to write; the loader's pairs/s with
+    this machine's cores; greedy decoding; each stage's step at the papers' sizes (random weights: the speed and
+    memory do not depend on them) in bfloat16, float16 and TF32 float32 with MFU and peak memory against bench.py
+    cost's estimate, stage 1 also at 16, 32, 64 and 128 pairs per GPU; --compile's step last (the biggest parts
+    last). Each part works in its own folder under out/parts; out/gpu.json is rewritten as each figure is measured,
+    so a part that fails loses no other, and a failed script run's whole output goes to out/failures.log.
+    tiny: a tiny CLIP on the CPU, every part in the same order and folders: the suite's check of this code."""
     begun = time.perf_counter()
     device = torch.device("cpu" if tiny else "cuda")
     sizes = TINY_COST_SIZES if tiny else CostSizes()
+    out_dir = Path(out)
+    parts, path, failures = out_dir / "parts", out_dir / "gpu.json", out_dir / "failures.log"
+    parts.mkdir(parents=True, exist_ok=True)
+    failures.unlink(missing_ok=True)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
-              "python": sys.version.split()[0], "usable_cpus": data.usable_cpus(), "started": time.strftime("%F %T")}
-    path = Path(out)
+              "python": sys.version.split()[0], "usable_cpus": data.usable_cpus(), "started": time.strftime("%F %T"),
+              "commit": head_commit()}
 
     def record(name, measure):
         started = time.perf_counter()
@@ -1380,44 +1430,96 @@ def gpu_figures(out: str, tiny: bool = False, steps: int = 10) -> dict:
             result[name] = measure()
         except Exception as error:  # one failed part: said in the file, the others still measured
             result[name] = {"error": f"{type(error).__name__}: {error}"[:500]}
+            with open(failures, "a") as log:
+                log.write(f"===== {name}\n{traceback.format_exc()}\n")
         print(f"{name} ({time.perf_counter() - started:.0f} s): {json.dumps(result[name])}", flush=True)
         save_json(result, path)
 
-    bf16_peak, fp16_peak = gpu_peak(result["device"]) if device.type == "cuda" else (None, None)
-    result["peak_tflops"] = {"bfloat16": bf16_peak, "float16": fp16_peak}
+    peaks = gpu_peak(result["device"]) if device.type == "cuda" else (None, None, None)
+    result["peak_tflops"] = dict(zip(("bfloat16", "float16", "tf32"), peaks))
+    peak_of = {"bfloat16": peaks[0], "float16": peaks[1], "float32": peaks[2]}  # float32 runs in TF32 here
     if device.type == "cuda":
         result["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
         set_tf32(True)
-    result["dtype_auto"] = resolve_dtype("auto", device)
-    dtypes = ["bfloat16", "float16", "float32"] if result["dtype_auto"] != "float16" else ["float16", "float32"]
+    result["dtype_auto"] = auto = resolve_dtype("auto", device)
+    timeout = SCRIPT_TIMEOUT_S * (4 if tiny else 1)  # the CPU's tiny runs step slower than a GPU's
+    record("card commands", lambda: card_commands(ScriptRuns(parts / "card", failures, timeout)))
+    record("torchrun", lambda: torchrun_tiny(ScriptRuns(parts / "torchrun", failures, timeout), device))
+    record("checkpoint save", lambda: checkpoint_save(sizes, device, parts / "save"))
+    workers = 1 if tiny else loader_workers(-1, device)
+    for source, cached in (("image cache", True), ("PNG", False)):
+        record(f"loader {source}", lambda: loader_rate(
+            loader_samples(parts / "loader" / "synth", 40 if tiny else 200, cached), 8 if tiny else 128, workers,
+            device, 1 if tiny else 10))
+    record("decoding", lambda: decoding_rate(sizes, device, auto, 4 if tiny else 256, 4 if tiny else 32))
+    dtypes = ["bfloat16", "float16", "float32"] if auto != "float16" else ["float16", "float32"]
     for stage, batch in GPU_STEP_BATCH.items():
-        for dtype in dtypes:
-            peak = {"bfloat16": bf16_peak, "float16": fp16_peak}.get(dtype)
+        for dtype in dtypes if stage != "stage1" else []:
             record(f"{stage} {dtype}", lambda: {
-                **device_steps(stage, 2 if tiny else batch, sizes, device, dtype, 2 if tiny else steps, peak),
+                **device_steps(stage, 2 if tiny else batch, sizes, device, dtype, 2 if tiny else steps, peak_of[dtype]),
                 "estimate_float32_gb": None if tiny else COST_ESTIMATE_GB[stage]})
-    record("decoding", lambda: decoding_rate(sizes, device, result["dtype_auto"], 4 if tiny else 256,
-                                             4 if tiny else 32))
-    with tempfile.TemporaryDirectory() as folder:
-        workers = 1 if tiny else loader_workers(-1, device)
-        for source, cached in (("image cache", True), ("PNG", False)):
-            record(f"loader {source}", lambda: loader_rate(
-                loader_samples(Path(folder) / "synth", 40 if tiny else 200, cached), 8 if tiny else 128, workers,
-                device, 1 if tiny else 15))
-        if not tiny:  # the suite's torchrun tests run the same scripts on gloo
-            record("torchrun", lambda: torchrun_tiny(Path(folder), device))
-    if not tiny:  # compiling takes a minute or two; the suite's check of --compile is test_all's
-        record("stage1 compiled", lambda: compiled_step(sizes, device, result["dtype_auto"], steps))
+    for per_gpu in STAGE1_PER_GPU:  # where launches, not arithmetic, decide the step: how many GPUs pay
+        record(f"stage1 {auto} {per_gpu} per GPU", lambda: device_steps(
+            "stage1", 2 if tiny else per_gpu, sizes, device, auto, 2 if tiny else steps, peak_of[auto]))
+    for dtype in dtypes[1:]:
+        record(f"stage1 {dtype}", lambda: {
+            **device_steps("stage1", 2 if tiny else GPU_STEP_BATCH["stage1"], sizes, device, dtype, 2 if tiny else steps,
+                           peak_of[dtype]), "estimate_float32_gb": None if tiny else COST_ESTIMATE_GB["stage1"]})
+    record("stage1 compiled", lambda: compiled_step(sizes, device, auto, 2 if tiny else steps,
+                                                    2 if tiny else GPU_STEP_BATCH["stage1"], "eager" if tiny else "inductor"))
     result["seconds"] = round(time.perf_counter() - begun, 1)
+    result["failed"] = sorted(name for name, value in result.items() if failed(value))
     save_json(result, path)
     return result
 
 
-def compiled_step(sizes: CostSizes, device: torch.device, dtype: str, steps: int) -> dict:
-    """Stage 1's step with the encoder compiled (torch.compile, as --compile does), next to the eager step."""
-    eager = device_steps("stage1", GPU_STEP_BATCH["stage1"], sizes, device, dtype, steps, None)
-    model, run = cost_step("stage1", GPU_STEP_BATCH["stage1"], sizes, device=device, dtype=dtype)
-    model.forward = torch.compile(model.forward)  # what the step calls, compiled; the module stays as it was
+def checkpoint_save(sizes: CostSizes, device: torch.device, folder: Path) -> dict:
+    """Stage 1's whole training state at the papers' sizes (the model and AdamW's two moments of every trained
+    parameter, random values) written as the loop writes ckpt_last.pt (checkpoints.save_checkpoint: torch.save to a
+    temporary file, fsync, rename): its size and seconds, the time a step waits while it is written."""
+    encoder = PairEncoder(clip.CLIP(sizes.clip_config), EncoderConfig(sizes.intra_layers)).to(device)
+    config = adapt.Config(**adapt.PRESETS["clevr"])
+    encoder.freeze()
+    optimizer = adapt.build_optimizer(encoder, config, device)
+    for p in encoder.parameters():
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
+    optimizer.step()  # the moments exist, as after any step
+    state = {"model": encoder.state_dict(), "optimizer": optimizer.state_dict()}
+    folder.mkdir(parents=True, exist_ok=True)
+    seconds = []
+    for _ in range(2):
+        synchronize(device)
+        start = time.perf_counter()
+        save_checkpoint(state, folder / "ckpt_last.pt")
+        seconds.append(time.perf_counter() - start)
+    size = (folder / "ckpt_last.pt").stat().st_size
+    (folder / "ckpt_last.pt").unlink()
+    return {"gb": round(size / 1e9, 3), "seconds": [round(x, 2) for x in seconds],
+            "trained_parameters": sum(p.numel() for p in encoder.parameters() if p.requires_grad)}
+
+
+def head_commit() -> str | None:
+    """The commit bench.py's folder is at (BENCHMARKS.md names it beside each figure); None outside a git checkout,
+    or from the environment's BENCH_COMMIT where the checkout travelled without its .git (a lent GPU machine)."""
+    done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else os.environ.get("BENCH_COMMIT")
+
+
+def failed(figure) -> bool:
+    """A figure that records a failure: an error, or a script run that did not end with exit status 0."""
+    if not isinstance(figure, dict):
+        return False
+    return "error" in figure or figure.get("exit_status", 0) != 0 or any(failed(v) for v in figure.values())
+
+
+def compiled_step(sizes: CostSizes, device: torch.device, dtype: str, steps: int, batch: int,
+                  backend: str = "inductor") -> dict:
+    """Stage 1's step with the encoder compiled (torch.compile, as --compile does), next to the eager step.
+    backend "eager": torch.compile's graph capture alone, no code generated (the tiny check: no C++ compiler, seconds
+    instead of minutes on 2 cores)."""
+    eager = device_steps("stage1", batch, sizes, device, dtype, steps, None)
+    model, run = cost_step("stage1", batch, sizes, device=device, dtype=dtype)
+    model.forward = torch.compile(model.forward, backend=backend)  # what the step calls; the module stays as it was
     start = time.perf_counter()
     run()
     synchronize(device)
@@ -1429,8 +1531,8 @@ def compiled_step(sizes: CostSizes, device: torch.device, dtype: str, steps: int
         run()
     synchronize(device)
     step_s = (time.perf_counter() - start) / steps
-    return {"dtype": dtype, "compile_s": round(compile_s, 1), "ms_per_step": round(step_s * 1000, 2),
-            "eager_ms_per_step": eager["ms_per_step"]}
+    return {"dtype": dtype, "batch_size": batch, "backend": backend, "compile_s": round(compile_s, 1),
+            "ms_per_step": round(step_s * 1000, 2), "eager_ms_per_step": eager["ms_per_step"]}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1539,10 +1641,13 @@ def main(argv=None):
     p.add_argument("--threads", **threads)
     p.set_defaults(run=lambda a: residual_precision(a.checkpoint, a.data_root, a.threads))
 
-    p = figure("gpu", "the prepared GPU measurement, about 5 minutes on one GPU: the GPU and the dtype auto picks, "
-                      "each stage's step at the papers' sizes in bf16, fp16 and TF32 (MFU, peak memory), the loader, "
-                      "greedy decoding, a 1-process torchrun run and --resume, --compile (JSON, printed as measured)")
-    p.add_argument("--out", default="bench_gpu.json", help="the JSON file, rewritten after each figure")
+    p = figure("gpu", f"the prepared GPU measurement, at most {GPU_RUN_BUDGET_S // 60} minutes on one H100 by its "
+                      "own estimate: the GPU and the dtype auto picks, the card's commands as a one-GPU user types "
+                      "them, a 1-process torchrun run and --resume, the loader, greedy decoding, each stage's step at "
+                      "the papers' sizes in bf16, fp16 and TF32 (MFU, peak memory), stage 1 at 16 to 128 pairs per "
+                      "GPU, --compile (JSON, printed as measured)")
+    p.add_argument("--out", default="bench_gpu", help="the folder: gpu.json (rewritten after each figure), "
+                                                      "failures.log (a failed part's whole output), parts/")
     p.add_argument("--steps", type=int, default=10, help="timed steps per figure, after two warm-up steps")
     p.add_argument("--tiny", action="store_true", help="a tiny CLIP on the CPU: the suite's check of this code")
     p.set_defaults(run=lambda a: gpu_figures(a.out, a.tiny, a.steps))

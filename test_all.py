@@ -4223,19 +4223,46 @@ def test_bench_operator_clock_times_every_aten_operator_of_the_forward_and_the_b
     assert all(float(row.split()[-1]) >= 0 and float(row.split()[-2]) >= 0 for row in rows)  # rates (tiny here)
 
 
-def test_bench_gpu_measures_every_figure_on_the_cpu_at_tiny_sizes_and_writes_them(tmp_path):
-    out = tmp_path / "gpu.json"
+def test_bench_gpu_tiny_runs_every_part_of_the_gpu_run_in_its_order_and_folders_and_none_fails(tmp_path):
+    out = tmp_path / "gpu"
+    (out / "failures.log").parent.mkdir()
+    (out / "failures.log").write_text("an earlier run's\n")  # replaced, not appended to
     result = bench.gpu_figures(str(out), tiny=True)
-    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert json.loads((out / "gpu.json").read_text()) == json.loads(json.dumps(result))
     assert result["dtype_auto"] == "float32" and result["device"] == "cpu"
-    steps = [f"{stage} {dtype}" for stage in bench.GPU_STEP_BATCH for dtype in ("bfloat16", "float16", "float32")]
-    for name in [*steps, "decoding", "loader image cache", "loader PNG"]:
-        assert "error" not in result[name], (name, result[name])
-    assert all(result[name]["ms_per_step"] > 0 and result[name]["flops_per_step"] > 0 for name in steps)
+    assert result["failed"] == [], ((out / "failures.log").read_text() if (out / "failures.log").exists() else "")
+    assert not (out / "failures.log").exists()
+    stage1 = [f"stage1 float32 {n} per GPU" for n in bench.STAGE1_PER_GPU]
+    stage2 = [f"{stage} {dtype}" for stage in ("stage2_cached", "stage2_finetune")
+              for dtype in ("bfloat16", "float16", "float32")]
+    parts = ["card commands", "torchrun", "checkpoint save", "loader image cache", "loader PNG", "decoding", *stage2, *stage1,
+             "stage1 float16", "stage1 float32", "stage1 compiled"]
+    assert [name for name in result if name in parts or name.startswith("stage")] == parts  # the GPU run's order
+    card, torchrun = result["card commands"], result["torchrun"]
+    assert all(card[c]["exit_status"] == 0 for c in ("adapt", "caption")) and "runs/caption_synth/ckpt_best.pt" in card["files"]
+    assert torchrun["adapt --resume"]["resumed"] and torchrun["caption"]["exit_status"] == 0
+    assert sorted(p.name for p in (out / "parts").iterdir()) == ["card", "loader", "save", "torchrun"]
+    assert all(result[name]["ms_per_step"] > 0 and result[name]["flops_per_step"] > 0 for name in stage1 + stage2)
     assert result["loader image cache"]["pairs_per_s"] > 0 and result["decoding"]["captions_per_s"] > 0
-    assert bench.gpu_peak("NVIDIA H100 80GB HBM3") == (989, 989) and bench.gpu_peak("NVIDIA H100 PCIe") == (756, 756)
-    assert bench.gpu_peak("Tesla V100-SXM2-32GB") == (None, 125) and bench.gpu_peak("NVIDIA H200") == (989, 989)
-    assert bench.gpu_peak("NVIDIA A100-SXM4-80GB") == (312, 312) and bench.gpu_peak("NVIDIA A10G") == (125, 125)
+
+
+def test_a_failed_gpu_part_is_recorded_with_its_whole_output_and_the_later_parts_still_run(tmp_path, monkeypatch):
+    runs = bench.ScriptRuns(tmp_path / "part", tmp_path / "failures.log", timeout_s=5)
+    quick = runs("fails", [sys.executable, "-c", "import sys; print('said before'); sys.exit('the reason')"])
+    slow = runs("hangs", [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"])
+    assert quick["exit_status"] == 1 and quick["last_line"] == "the reason"
+    assert slow["exit_status"] == "timed out after 5 s" and slow["seconds"] < 30
+    log = (tmp_path / "failures.log").read_text()
+    assert "===== fails" in log and "said before" in log and "the reason" in log and "===== hangs" in log
+    assert "started" in log and bench.failed({"torchrun": {"adapt": quick}}) and not bench.failed({"x": {"exit_status": 0}})
+
+
+def test_gpu_peaks_are_the_data_sheets_dense_figures_tf32_included():
+    assert bench.gpu_peak("NVIDIA H100 80GB HBM3") == (989, 989, 495)
+    assert bench.gpu_peak("NVIDIA H100 PCIe") == (756, 756, 378)
+    assert bench.gpu_peak("Tesla V100-SXM2-32GB") == (None, 125, None) and bench.gpu_peak("NVIDIA H200")[2] == 495
+    assert bench.gpu_peak("NVIDIA A100-SXM4-80GB") == (312, 312, 156) and bench.gpu_peak("NVIDIA A10G")[0] == 125
+    assert bench.gpu_peak("a GPU nobody listed") == (None, None, None)
 
 
 def test_bench_synth_counts_both_synth_steps_flops_and_their_fraction_of_the_matmul_rate():
