@@ -44,6 +44,7 @@ Run:  python adapt.py --data synth            the synthetic CLIP adapted to pair
 Shape letters: B pairs in a batch, R image side (224), T caption tokens (32), E joint embedding width.
 """
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -65,14 +66,14 @@ import metrics
 import synth
 from batches import batch_plan, epoch_batches, training_loader
 from caches import IntraTokens, image_reader
-from checkpoints import (load_checkpoint, load_encoder, rng_state, save_checkpoint, seed_everything, start_or_resume,
+from checkpoints import (load_checkpoint, load_encoder, rng_state, seed_everything, start_or_resume,
                          vocabulary_hint, vocabulary_tensor)
 from encoder import EncoderConfig, PairEncoder
 from files import OutDirLock, check_out_dir, save_json
 from flags import ConfigError, check_length, check_settings, flag, parse_config
 from loop import Run, StepBoundary
 from losses import contrastive_loss
-from processes import keep_freed_memory, loader_workers, setup
+from processes import keep_freed_memory, loader_workers, one_download_per_machine, setup
 from progress import JsonlLog
 from stopping import check_finite_model, run_main
 
@@ -234,7 +235,7 @@ def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp
         # under DDP, the gradients are all-reduced only in the last micro-batch's backward
         with model.no_sync() if ddp and i < len(micro_batches) - 1 else nullcontext():
             with ctx:
-                # the captions come cut after the batch's last end-of-text token (data.collate_text)
+                # the captions come cut after the batch's last end-of-text token (data.collate_text; --compile: not cut)
                 out = model(batch["before"], batch["after"], batch["caption"])
                 # the all-gather inside the loss sees one micro-batch per process: accumulation shrinks the
                 # set of contrastive negatives to micro-batch x processes, it does not grow it
@@ -273,7 +274,8 @@ def read_pairs(config: Config, dist_, resolution: int = data.IMAGE_SIZE) -> Pair
         if dist_.ddp:
             dist.barrier()
     splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
-    tokenizer = clip.get_tokenizer(data.bpe_path(config.data, root))
+    with one_download_per_machine(dist_):  # CLIP's vocabulary, downloaded on first use
+        tokenizer = clip.get_tokenizer(data.bpe_path(config.data, root))
     images = image_reader(splits, root, resolution, config.image_cache, dist_)
     return PairData(splits, tokenizer, images)
 
@@ -307,7 +309,8 @@ def train_and_test(run: Run) -> None:
     pairs = read_pairs(config, dist_)
     train_set = data.AdaptationSamples(pairs.splits["train"], pairs.tokenizer, train=True, images=pairs.images,
                                        max_words=config.max_words)
-    model, clip_config = build_encoder(config, pairs.tokenizer.vocab_size)
+    with one_download_per_machine(dist_):  # OpenAI's weights, downloaded on first use
+        model, clip_config = build_encoder(config, pairs.tokenizer.vocab_size)
     model.to(device)
     optimizer = build_optimizer(model, config, device)
     ckpt_path = run.out_dir / "ckpt_last.pt"
@@ -346,13 +349,14 @@ def train(run: Run, raw_model: PairEncoder, optimizer, train_set, pairs: PairDat
         say(json.dumps(dataclasses.asdict(config)))
         say(describe(run, len(train_set), len(pairs.splits["train"]), micro, steps_per_epoch, raw_model))
 
-    def save(path):  # the checkpoint at the step and epoch the loop has reached
-        save_checkpoint(checkpoint(raw_model, optimizer, run, clip_config, pairs.tokenizer, epoch=epoch,
-                                   step=step, best_metric=best, best_epoch=best_epoch, history=history), path)
+    def state(path):  # the checkpoint at the step and epoch the loop has reached
+        return checkpoint(raw_model, optimizer, run, clip_config, pairs.tokenizer, epoch=epoch, step=step,
+                          best_metric=best, best_epoch=best_epoch, history=history)
 
-    loader = training_loader(train_set, sampler, micro, config.num_workers, device, data.collate_text)
+    loader = training_loader(train_set, sampler, micro, config.num_workers, device,
+                             functools.partial(data.collate_text, cut=not config.compile))
     # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (StepBoundary)
-    with StepBoundary(run, steps_per_epoch, total_steps, step, save) as boundary:
+    with StepBoundary(run, steps_per_epoch, total_steps, step, state) as boundary:
         model.train()
         while step < total_steps:
             epoch = step // steps_per_epoch
@@ -388,9 +392,8 @@ def train(run: Run, raw_model: PairEncoder, optimizer, train_set, pairs: PairDat
                 best, best_epoch = (scores["text_to_pair_R1"], epoch) if improved else (best, best_epoch)
                 say(f"epoch {epoch + 1} validation: {summary(scores)}" + (" (best so far)" if improved else ""))
                 boundary.log.write(step=step, epoch=epoch, split="val", **scores)
-                if improved:
-                    save(out_dir / "ckpt_best.pt")
-                save(out_dir / "ckpt_last.pt")
+                best_file = [out_dir / "ckpt_best.pt"] if improved else []  # on the writer's thread
+                boundary.save(*best_file, out_dir / "ckpt_last.pt")
             boundary.stop_if_signalled()  # Ctrl-C or SIGTERM in any process; under DDP also the epoch's barrier
     return step
 
@@ -521,7 +524,9 @@ def wrap(model: nn.Module, config: Config, dist_) -> nn.Module:
             raise ConfigError(f"--compile under torchrun needs torch {'.'.join(map(str, COMPILED_DDP_TORCH))} "
                               f"or newer (this is {torch.__version__}, whose compiled DDP fails its first "
                               f"step); train without --compile, or upgrade torch")
-        model = DDP(model, device_ids=[dist_.local_rank] if dist_.device.type == "cuda" else None)
+        # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets, no copy in and out of them
+        model = DDP(model, device_ids=[dist_.local_rank] if dist_.device.type == "cuda" else None,
+                    gradient_as_bucket_view=True)
     return torch.compile(model) if config.compile else model
 
 

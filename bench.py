@@ -108,7 +108,7 @@ import metrics
 import synth
 from batches import training_loader
 from caches import image_reader
-from checkpoints import load_encoder, save_checkpoint
+from checkpoints import BackgroundWriter, load_encoder, save_checkpoint
 from decoder import CaptionDecoder, DecoderConfig
 from encoder import EncoderConfig, PairEncoder
 from files import save_json
@@ -1475,8 +1475,9 @@ def gpu_figures(out: str, tiny: bool = False, steps: int = 10) -> dict:
 
 def checkpoint_save(sizes: CostSizes, device: torch.device, folder: Path) -> dict:
     """Stage 1's whole training state at the papers' sizes (the model and AdamW's two moments of every trained
-    parameter, random values) written as the loop writes ckpt_last.pt (checkpoints.save_checkpoint: torch.save to a
-    temporary file, fsync, rename): its size and seconds, the time a step waits while it is written."""
+    parameter, random values) written as the loop writes ckpt_last.pt: its size; the seconds of the write itself
+    (checkpoints.save_checkpoint: torch.save to a temporary file, fsync, rename), which a step waited for when the
+    loop wrote in line; and the seconds a step waits now (BackgroundWriter.write: the copy to the host)."""
     encoder = PairEncoder(clip.CLIP(sizes.clip_config), EncoderConfig(sizes.intra_layers)).to(device)
     config = adapt.Config(**adapt.PRESETS["clevr"])
     encoder.freeze()
@@ -1484,25 +1485,33 @@ def checkpoint_save(sizes: CostSizes, device: torch.device, folder: Path) -> dic
     for p in encoder.parameters():
         p.grad = torch.zeros_like(p) if p.requires_grad else None
     optimizer.step()  # the moments exist, as after any step
-    state = {"model": encoder.state_dict(), "optimizer": optimizer.state_dict()}
+    state = lambda: {"model": encoder.state_dict(), "optimizer": optimizer.state_dict()}
     folder.mkdir(parents=True, exist_ok=True)
-    seconds = []
+    path, writer, in_line, waited = folder / "ckpt_last.pt", BackgroundWriter(), [], []
     for _ in range(2):
         synchronize(device)
         start = time.perf_counter()
-        save_checkpoint(state, folder / "ckpt_last.pt")
-        seconds.append(time.perf_counter() - start)
-    size = (folder / "ckpt_last.pt").stat().st_size
-    (folder / "ckpt_last.pt").unlink()
-    return {"gb": round(size / 1e9, 3), "seconds": [round(x, 2) for x in seconds],
+        save_checkpoint(state(), path)
+        in_line.append(time.perf_counter() - start)
+        synchronize(device)
+        start = time.perf_counter()
+        writer.write([(state(), path)])
+        waited.append(time.perf_counter() - start)
+        writer.wait()
+    size = path.stat().st_size
+    path.unlink()
+    return {"gb": round(size / 1e9, 3), "write_s": [round(x, 2) for x in in_line],
+            "step_waits_s": [round(x, 3) for x in waited],
             "trained_parameters": sum(p.numel() for p in encoder.parameters() if p.requires_grad)}
 
 
 def head_commit() -> str | None:
-    """The commit bench.py's folder is at (BENCHMARKS.md names it beside each figure); None outside a git checkout,
-    or from the environment's BENCH_COMMIT where the checkout travelled without its .git (a lent GPU machine)."""
+    """The commit measured, for BENCHMARKS.md: BENCH_COMMIT where the caller names it (a working tree copied to a
+    lent GPU machine may carry another commit's .git), else the commit bench.py's checkout is at, else None."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return done.stdout.strip() if done.returncode == 0 else os.environ.get("BENCH_COMMIT")
+    return done.stdout.strip() if done.returncode == 0 else None
 
 
 def failed(figure) -> bool:

@@ -86,7 +86,7 @@ from files import OutDirLock, check_out_dir, save_json
 from flags import ConfigError, check_image_path, check_length, check_settings, flag, parse_config
 from loop import Run, StepBoundary
 from losses import caption_loss
-from processes import keep_freed_memory, loader_workers, setup
+from processes import keep_freed_memory, loader_workers, one_download_per_machine, setup
 from progress import Progress
 from release import release_decoder, release_stage
 from stopping import check_finite_model, run_main
@@ -350,7 +350,8 @@ def job(config: Config, out_dir: Path) -> None:
         config = dataclasses.replace(config, **settings)
     release = best is not None and release_stage(best) == 2
     if release and config.dtype == "auto":  # the reference decodes in float32 (its CLIP in fp16): bf16 autocast
-        config = dataclasses.replace(config, dtype="float32")  # on a GPU would flip its near-ties (BENCHMARKS.md section 12)
+        # or TF32 on a GPU would flip its near-ties (BENCHMARKS.md section 12): IEEE float32
+        config = dataclasses.replace(config, dtype="float32", tf32=False)
     dist_, dtype, ctx, scaler = setup(config)  # DDP from torchrun's environment, autocast, GradScaler
     config = dataclasses.replace(config, num_workers=loader_workers(config.num_workers, dist_.device))
     seed_everything(config.seed + dist_.rank)
@@ -367,8 +368,9 @@ def job(config: Config, out_dir: Path) -> None:
         check_length(name, getattr(config, name), 2 if name == "max_words" else 1, positions,
                      f"the decoder has {positions} positions, CLIP's")
     # --pair reads no data: the vocabulary is the one the checkpoint keeps (else the dataset's, else OpenAI's)
-    tokenizer = (checkpoint_tokenizer(stage1.state, data.bpe_path(config.data, root)) if config.pair
-                 else clip.get_tokenizer(data.bpe_path(config.data, root)))
+    with one_download_per_machine(dist_):  # CLIP's vocabulary, downloaded on first use
+        tokenizer = (checkpoint_tokenizer(stage1.state, data.bpe_path(config.data, root)) if config.pair
+                     else clip.get_tokenizer(data.bpe_path(config.data, root)))
     if tokenizer.vocab_size != stage1.encoder.clip.config.vocab_size:
         raise ConfigError(f"the tokenizer of {config.data} has {tokenizer.vocab_size} tokens but the stage-1 "
                           f"model {stage1.path} has {stage1.encoder.clip.config.vocab_size}: it was trained "
@@ -405,7 +407,8 @@ def train(run: Run, root: Path, stage1: Stage1, captioner: Captioner, tokenizer)
     optimizer = build_optimizer(captioner, config)
     state = resume(run, stage1, captioner, optimizer)
     step, best_cider, best_epoch, bad_epochs, history = (state[k] for k in PROGRESS)
-    model = DDP(captioner, device_ids=[dist_.local_rank] if device.type == "cuda" else None) if dist_.ddp else captioner
+    model = DDP(captioner, device_ids=[dist_.local_rank] if device.type == "cuda" else None,
+                gradient_as_bucket_view=True) if dist_.ddp else captioner  # gradients in the all-reduce buckets
     micro, sampler, steps_per_epoch = batch_plan(train_set, config.batch_size, config.grad_accum, dist_,
                                                  config.seed, what="training pairs")
     total_steps = config.epochs * steps_per_epoch
@@ -414,14 +417,14 @@ def train(run: Run, root: Path, stage1: Stage1, captioner: Captioner, tokenizer)
         say(json.dumps(dataclasses.asdict(config)))
         say(describe(run, len(train_set), micro, steps_per_epoch, captioner))
 
-    def save(path):  # the checkpoint at the step the loop has reached
-        save_checkpoint(checkpoint(
-            captioner, optimizer, run, stage1, tokenizer, stage1_weights=path.name == "ckpt_best.pt",
-            step=step, best_metric=best_cider, best_epoch=best_epoch, bad_epochs=bad_epochs, history=history), path)
+    def state(path):  # the checkpoint at the step the loop has reached
+        return checkpoint(captioner, optimizer, run, stage1, tokenizer, stage1_weights=path.name == "ckpt_best.pt",
+                          step=step, best_metric=best_cider, best_epoch=best_epoch, bad_epochs=bad_epochs,
+                          history=history)
 
     loader = training_loader(train_set, sampler, micro, config.num_workers, device, data.collate_captions)
     # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (StepBoundary)
-    with StepBoundary(run, steps_per_epoch, total_steps, step, save) as boundary:
+    with StepBoundary(run, steps_per_epoch, total_steps, step, state) as boundary:
         model.train()
         while step < total_steps and bad_epochs <= config.patience:
             epoch = step // steps_per_epoch
@@ -455,9 +458,8 @@ def train(run: Run, root: Path, stage1: Stage1, captioner: Captioner, tokenizer)
                 say(f"epoch {epoch + 1} validation CIDEr-D {cider:.4f}" + (" (best so far)" if improved else "")
                     + f"; {example}: {predictions[example]!r}")
                 boundary.log.write(step=step, epoch=epoch, split="val", CIDEr=cider)
-                if improved:
-                    save(run.out_dir / "ckpt_best.pt")
-                save(run.out_dir / "ckpt_last.pt")
+                best_file = [run.out_dir / "ckpt_best.pt"] if improved else []  # on the writer's thread
+                boundary.save(*best_file, run.out_dir / "ckpt_last.pt")
             bad_epochs = from_master(bad_epochs, dist_)  # everyone follows the master's patience
             boundary.stop_if_signalled()  # Ctrl-C or SIGTERM in any process; under DDP also the epoch's barrier
     if bad_epochs > config.patience:

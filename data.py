@@ -178,13 +178,14 @@ class AdaptationSamples(Dataset):
                 "pair_index": p, "swapped": swapped}
 
 
-def collate_text(samples: list[dict]) -> dict:
+def collate_text(samples: list[dict], cut: bool = True) -> dict:
     """A stage-1 (or stage-0) batch, its captions (B, T) cut after the batch's last end-of-text token, the
     largest id: the columns after it are padding in every row, and in the causal text tower no token sees the
     ones after it. Cut here, on the host, from the token ids: the training step never waits for the device
-    to learn a length."""
+    to learn a length. cut=False keeps every batch at T (--compile: one caption length, compiled once)."""
     batch = default_collate(samples)
-    batch["caption"] = batch["caption"][:, :int(batch["caption"].argmax(dim=-1).max()) + 1]  # (B, T')
+    if cut:  # a copy, contiguous: a pinned copy to the GPU needs no temporary
+        batch["caption"] = batch["caption"][:, :int(batch["caption"].argmax(dim=-1).max()) + 1].contiguous()  # (B, T')
     return batch
 
 
@@ -299,9 +300,9 @@ def collate_captions(items: list[dict]) -> dict:
     batch = default_collate(items)
     kinds = [kind for kind in ("caption", "no_change_caption") if f"{kind}_out" in batch]
     length = max(int((batch[f"{kind}_out"] != clip.PAD_ID).sum(dim=1).max()) for kind in kinds)
-    for kind in kinds:
-        batch[f"{kind}_in"] = batch[f"{kind}_in"][:, :length]    # (B, T')
-        batch[f"{kind}_out"] = batch[f"{kind}_out"][:, :length]  # (B, T')
+    for kind in kinds:  # contiguous copies: a pinned copy to the GPU needs no temporary
+        batch[f"{kind}_in"] = batch[f"{kind}_in"][:, :length].contiguous()    # (B, T')
+        batch[f"{kind}_out"] = batch[f"{kind}_out"][:, :length].contiguous()  # (B, T')
         batch[f"{kind}_targets"] = (batch[f"{kind}_out"] != clip.PAD_ID).flatten().nonzero().squeeze(1)  # (n,)
     return batch
 

@@ -41,6 +41,7 @@ import clip
 import data
 from decoder import CaptionDecoder, split_heads
 from encoder import PairEncoder
+from processes import ieee_float32
 from progress import Progress
 
 VIEWS = ("intra", "inter", "decoder")  # the maps the pointing game scores, and the column names of its table
@@ -58,10 +59,10 @@ def attention_weights(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tenso
     """softmax(q k^T / sqrt(d)) as scaled_dot_product_attention computes it: (B, H, T, d), (B, H, S, d) -> (B, H, T, S).
 
     mask (bool, True = may attend) and causal give a masked key the weight 0; each row sums to 1. Computed in
-    float32 also under autocast, which would otherwise run the product in bf16/fp16 (and the pointing game's
-    argmax could flip between near-equal patches).
+    IEEE float32 also under autocast and --tf32, which would otherwise run the product in bf16/fp16 or TF32 (and the
+    pointing game's argmax could flip between near-equal patches).
     """
-    with torch.autocast(query.device.type, enabled=False):
+    with torch.autocast(query.device.type, enabled=False), ieee_float32():
         scores = query.float() @ keys.float().transpose(-2, -1) / math.sqrt(query.shape[-1])  # (B, H, T, S)
         if causal:
             mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()  # (T, S)
@@ -93,7 +94,7 @@ def encoder_attention(encoder: PairEncoder, before: torch.Tensor, after: torch.T
     seen = {}
 
     def record(attn, args):  # attn is clip.SelfAttention; args[0] its input ln_1(x), (B', T, D)
-        with torch.autocast(args[0].device.type, enabled=False):  # float32 queries and keys, also under autocast
+        with torch.autocast(args[0].device.type, enabled=False), ieee_float32():  # float32 queries and keys
             q, k, _ = F.linear(args[0].float(), attn.in_proj_weight, attn.in_proj_bias).chunk(3, dim=-1)
         weights = attention_weights(split_heads(q, attn.n_head), split_heads(k, attn.n_head)).mean(dim=1)  # (B', T, T)
         seen.setdefault(attn, []).append(weights)
@@ -121,7 +122,7 @@ def decode_with_attention(decoder: CaptionDecoder, visual: torch.Tensor, sot_id:
     steps = {}
 
     def record(cross_attention, args):  # decoder.Attention; args (caption (B, 1, E), keys, values (B, H, M, E/H))
-        with torch.autocast(args[0].device.type, enabled=False):  # a float32 query, also under autocast
+        with torch.autocast(args[0].device.type, enabled=False), ieee_float32():  # a float32 query
             query = split_heads(cross_attention.query(args[0].float()), cross_attention.heads)  # (B, H, 1, E/H)
         steps.setdefault(cross_attention, []).append(attention_weights(query, args[1]).mean(dim=1))  # (B, 1, M)
 

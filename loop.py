@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 import data
+from checkpoints import BackgroundWriter
 from processes import Distributed
 from progress import LOG_NAME, JsonlLog, Progress
 from stopping import DivergenceWatch, StopSignals, data_error_stop, stop_everywhere, stopped
@@ -34,7 +35,7 @@ class StepBoundary:
     """What the training loops of stages 0, 1 and 2 do between two optimizer steps and at an epoch's end: the check
     that the run has not diverged, Ctrl-C and SIGTERM, the progress line and the log, ckpt_last.pt between epochs.
 
-    Within `with StepBoundary(run, steps_per_epoch, total_steps, first_step, save) as boundary:` Ctrl-C and SIGTERM
+    Within `with StepBoundary(run, steps_per_epoch, total_steps, first_step, state) as boundary:` Ctrl-C and SIGTERM
     are noted (StopSignals) instead of ending the process. After each optimizer step the loop calls
 
         if boundary.after_step(step, lr, loss, grad_norm):  # True on the master's log steps
@@ -50,18 +51,20 @@ class StepBoundary:
     waits for the epoch's end, which the loop writes as
 
         boundary.end_epoch()          # the epoch's last check, before the master validates and saves
-        ...                           # validation, ckpt_best.pt and ckpt_last.pt
+        ...                           # validation; boundary.save(ckpt_best.pt if better, ckpt_last.pt)
         boundary.stop_if_signalled()  # a signal in any process stops them all (under DDP the epoch's barrier)
 
     and a damaged image met while reading a batch as `raise boundary.damaged(error, step) from None`.
-    save(path) writes the loop's checkpoint, at the step it has reached, to path. boundary.log is the run's
+    state(path) is the loop's checkpoint, at the step it has reached, for that path; boundary.save writes it on a
+    thread of its own (the with-block ends once every file is on disk). boundary.log is the run's
     out_dir/log.jsonl (written by the master alone): the log steps and every epoch's validation scores.
     """
 
-    def __init__(self, run: Run, steps_per_epoch: int, total_steps: int, first_step: int, save):
+    def __init__(self, run: Run, steps_per_epoch: int, total_steps: int, first_step: int, state):
         self.run, self.steps_per_epoch, self.total_steps = run, steps_per_epoch, total_steps
         self.first_step = first_step
-        self.save, self.path = save, Path(run.out_dir) / "ckpt_last.pt"
+        self.state, self.path = state, Path(run.out_dir) / "ckpt_last.pt"
+        self.writer = BackgroundWriter()
         self.log = JsonlLog(Path(run.out_dir) / LOG_NAME, enabled=run.dist_.master)
         self.stop = StopSignals()
         self.watch = DivergenceWatch(run.scaler, run.dist_.ddp, self.stop, run.dist_.device)
@@ -73,7 +76,20 @@ class StepBoundary:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop.__exit__(*exc)
+        try:
+            self.writer.wait()  # every checkpoint on disk before the run reads one back (its test) or ends
+        except Exception:
+            if exc[0] is None:  # a failed write (a full disk) is the run's error, unless another came first
+                raise
+        finally:
+            self.stop.__exit__(*exc)
+
+    def save(self, *paths: Path, wait: bool = False) -> None:
+        """The checkpoint at the step the loop has reached, to each path: copied to the host at once, written on
+        the writer's thread (BackgroundWriter) while training goes on; wait: until it is on disk."""
+        self.writer.write([(self.state(path), path) for path in paths])
+        if wait:
+            self.writer.wait()
 
     def after_step(self, step: int, lr: float, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
         """Keep the step's loss and gradient norm; on a check step read them, and note whether to save or stop.
@@ -96,7 +112,7 @@ class StepBoundary:
     def save_or_stop(self) -> None:
         """ckpt_last.pt on a save step; for a signal, ckpt_last.pt and then every process stops."""
         if self.run.dist_.master and (self.saving or self.stopping):
-            self.save(self.path)
+            self.save(self.path, wait=self.stopping)  # a stopping run says "saved" once it is on disk
         if self.stopping:
             raise stopped(self.stop, self.path, self.run.dist_)
 
@@ -112,4 +128,5 @@ class StepBoundary:
     def damaged(self, error: Exception, step: int) -> data.DataError:
         """A damaged file met while reading the batches of step + 1: ckpt_last.pt at `step` (the master), then the
         error in one line (data_error_stop)."""
-        return data_error_stop(error, lambda: self.save(self.path), step, self.watch, self.path, self.run.dist_)
+        return data_error_stop(error, lambda: self.save(self.path, wait=True), step, self.watch, self.path,
+                               self.run.dist_)

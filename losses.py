@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from processes import ieee_float32
+
 
 # --- Differentiable all-gather ---
 
@@ -78,9 +80,10 @@ def contrastive_loss(text_emb: torch.Tensor, pair_emb: torch.Tensor, logit_scale
     assert text_emb.ndim == 2 and text_emb.shape == pair_emb.shape, (
         f"contrastive_loss: text_emb {tuple(text_emb.shape)} and pair_emb {tuple(pair_emb.shape)} "
         "must both be (B, E), row i of one describing row i of the other")
-    # float32 even under autocast: logits reach exp(logit_scale) = 100, where bf16 would round them by
-    # up to 0.5; the (W*B, W*B) product is tiny next to the encoder
-    with torch.autocast(text_emb.device.type, enabled=False):
+    # float32 even under autocast and --tf32: logits reach exp(logit_scale) = 100, where bf16 would round them by
+    # up to 0.5 and TF32 by up to 0.05; the (W*B, W*B) product is tiny next to the encoder (its gradient, computed
+    # later by autograd, follows --tf32)
+    with torch.autocast(text_emb.device.type, enabled=False), ieee_float32():
         text = gather_with_grad(F.normalize(text_emb.float(), dim=-1))  # (W*B, E)
         pair = gather_with_grad(F.normalize(pair_emb.float(), dim=-1))  # (W*B, E)
         logits = logit_scale.float().exp() * text @ pair.T  # (W*B, W*B): caption i against every pair

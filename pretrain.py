@@ -20,6 +20,7 @@ Run:  python pretrain.py                      train a synthetic CLIP (draws data
 Shape letters: B scenes in a batch, R image side (224), T description tokens (32), E joint embedding width.
 """
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -280,13 +281,14 @@ def train(run: Run, raw_model: SceneCLIP, optimizer, splits: dict, tokenizer, st
         say(json.dumps(dataclasses.asdict(config)))
         say(adapt.describe(run, len(splits["train"]), len(splits["train"]), micro, steps_per_epoch, raw_model))
 
-    def save(path):  # the checkpoint at the step and epoch the loop has reached
-        save_checkpoint(checkpoint(raw_model, optimizer, run, tokenizer, epoch=epoch, step=step,
-                                   best_metric=best, best_epoch=best_epoch, history=history), path)
+    def state(path):  # the checkpoint at the step and epoch the loop has reached
+        return checkpoint(raw_model, optimizer, run, tokenizer, epoch=epoch, step=step, best_metric=best,
+                          best_epoch=best_epoch, history=history)
 
-    loader = training_loader(splits["train"], sampler, micro, config.num_workers, device, data.collate_text)
+    loader = training_loader(splits["train"], sampler, micro, config.num_workers, device,
+                             functools.partial(data.collate_text, cut=not config.compile))
     # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (StepBoundary)
-    with StepBoundary(run, steps_per_epoch, total_steps, step, save) as boundary:
+    with StepBoundary(run, steps_per_epoch, total_steps, step, state) as boundary:
         model.train()
         while step < total_steps:
             epoch = step // steps_per_epoch
@@ -321,9 +323,8 @@ def train(run: Run, raw_model: SceneCLIP, optimizer, splits: dict, tokenizer, st
                 best, best_epoch = (scores["text_to_pair_R1"], epoch) if improved else (best, best_epoch)
                 say(f"epoch {epoch + 1} validation: {adapt.summary(scores)}" + (" (best so far)" if improved else ""))
                 boundary.log.write(step=step, epoch=epoch, split="val", **scores)
-                if improved:
-                    save(out_dir / "ckpt_best.pt")
-                save(out_dir / "ckpt_last.pt")
+                best_file = [out_dir / "ckpt_best.pt"] if improved else []  # on the writer's thread
+                boundary.save(*best_file, out_dir / "ckpt_last.pt")
             boundary.stop_if_signalled()  # Ctrl-C or SIGTERM in any process; under DDP also the epoch's barrier
     return step
 

@@ -4,9 +4,10 @@ DDP is torch's DistributedDataParallel: one process per GPU, each with a copy of
 
 - `setup`: one of torchrun's processes (RANK is set: DDP, `init_process_group`) or the only one; its device, TF32,
   the autocast context and the GradScaler. adapt.py, pretrain.py and caption.py all call it.
-- `Distributed`, `resolve_dtype`, `set_tf32`, `GROUP_TIMEOUT`, `loader_workers`: what the set-up fills in, the
-  precision 'auto' means (by the GPU's compute capability), TF32, how long a process waits for the master, how
-  many loader processes 'auto' means.
+- `Distributed`, `gpu_index`, `resolve_dtype`, `set_tf32`, `ieee_float32`, `GROUP_TIMEOUT`, `loader_workers`: what
+  the set-up fills in, the GPU a process takes, the precision 'auto' means (by the GPU's compute capability), TF32
+  and where it is turned off, how long a process waits for the master, how many loader processes 'auto' means.
+- `one_download_per_machine`: a download into the cache made once per machine, the other processes waiting.
 - `keep_freed_memory`: glibc keeps freed blocks for reuse, so a CPU training step does not page-fault.
 """
 import ctypes
@@ -14,7 +15,7 @@ import dataclasses
 import datetime
 import os
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.distributed import init_process_group
@@ -66,6 +67,31 @@ def set_tf32(enabled: bool) -> None:
     float32 (--no-tf32, to compare a run with the CPU's numbers). It changes nothing on the CPU."""
     torch.backends.cuda.matmul.allow_tf32 = enabled  # the settings torch 2.5 to 2.13 all read
     torch.backends.cudnn.allow_tf32 = enabled
+
+
+@contextmanager
+def ieee_float32():
+    """IEEE float32 matrix products inside the block, whatever --tf32 set: for the few products whose comments say
+    float32 (the contrastive logits, the attention maps read out); TF32's 10-bit mantissa would round a logit of 100
+    by up to 0.05. The settings are restored after the block."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    set_tf32(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@contextmanager
+def one_download_per_machine(dist_: Distributed):
+    """Under torchrun, the block (a download into this machine's cache: CLIP's weights, its vocabulary) runs in each
+    machine's first process (LOCAL_RANK 0) while the others wait; then in the others, which find the checked file in
+    the cache. Eight processes never fetch one file at once. Every process meets the one barrier once."""
+    if dist_.ddp and dist_.local_rank != 0:
+        torch.distributed.barrier()
+    yield
+    if dist_.ddp and dist_.local_rank == 0:
+        torch.distributed.barrier()
 
 
 # How long a process waits in a collective (a barrier) for the others. The master alone draws the synthetic set,

@@ -644,6 +644,53 @@ def test_two_processes_with_b_pairs_each_train_like_one_process_with_2b_pairs(tm
             torch.testing.assert_close(two_processes[name], expected, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def _download_worker(rank, world, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world)
+    # two machines of two processes: global ranks 0-1 on the first, 2-3 on the second
+    alone = processes.Distributed(True, rank, rank % 2, world, torch.device("cpu"), rank == 0)
+    with processes.one_download_per_machine(alone):
+        with open(f"{out_dir}/order", "a") as order:
+            order.write(f"{rank} in\n")
+        if rank % 2 == 0:
+            time.sleep(1.0)  # the download
+            with open(f"{out_dir}/order", "a") as order:
+                order.write(f"{rank} downloaded\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_each_machines_first_process_downloads_while_the_others_wait_then_they_read_it(tmp_path):
+    mp.spawn(_download_worker, args=(4, str(tmp_path)), nprocs=4)
+    order = (tmp_path / "order").read_text().split("\n")[:-1]
+    first, then = order[:4], order[4:]
+    assert sorted(first) == ["0 downloaded", "0 in", "2 downloaded", "2 in"]  # the machines' first processes
+    assert sorted(then) == ["1 in", "3 in"]  # the others enter once both downloads are done
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_under_compile_captions_of_every_length_come_padded_to_one_and_compile_once(cut):
+    from torch._dynamo.testing import CompileCounter
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = PairEncoder(clip.CLIP(tiny_config(context_length=12)), EncoderConfig(1)).train()
+    counter = CompileCounter()  # counts the graphs torch.compile makes: one per (re)compile
+    compiled = torch.compile(model, backend=counter)
+
+    def sample(words):  # a stage-1 sample as AdaptationSamples gives it: a caption of `words` words, zero-padded
+        caption = torch.zeros(12, dtype=torch.long)
+        caption[0], caption[1:words + 1], caption[words + 1] = 598, 5, 599  # SOT, words, EOT (the largest id)
+        image = torch.randint(0, 256, (32, 32, 3), dtype=torch.uint8)
+        return {"before": image, "after": image, "caption": caption}
+
+    for words in (3, 7, 5, 9):  # four batches whose longest captions differ
+        batch = data.collate_text([sample(words), sample(2)], cut=cut)
+        assert batch["caption"].is_contiguous()
+        batch = data.to_device(batch, torch.device("cpu"))
+        compiled(batch["before"], batch["after"], batch["caption"])["pair_embedding"].sum().backward()
+    assert counter.frame_count == 1 if not cut else counter.frame_count > 1  # cut: each new length recompiles
+    torch._dynamo.reset()
+
+
 def test_caption_loss_ignores_padding_targets():
     pad_id = 0
     logits = torch.randn(2, 4, 7, generator=torch.Generator().manual_seed(0))
@@ -2864,6 +2911,51 @@ def test_every_launch_form_of_every_script_starts_on_a_gpu_machine_and_takes_its
     assert loader.pin_memory and loader.num_workers == 1  # the batch is copied from pinned memory
 
 
+class TF32Seen(TorchDispatchMode):
+    """The --tf32 setting each matrix product would run under on a GPU (read at the product, as cuBLAS would)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm):
+            self.seen.append(torch.backends.cuda.matmul.allow_tf32)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_products_said_to_be_float32_run_in_ieee_float32_under_tf32_and_the_rest_keep_tf32(monkeypatch, tmp_path):
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        processes.set_tf32(True)  # --tf32, the default
+        text, pairs = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+        with TF32Seen() as loss_products:
+            contrastive_loss(text, pairs, torch.tensor(4.6))  # its backward runs later, outside: TF32 there
+        query, keys = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4)
+        with TF32Seen() as attention_products:
+            explain.attention_weights(query, keys)
+        with TF32Seen() as other_products:
+            torch.nn.Linear(8, 8)(text)
+        assert loss_products.seen and not any(loss_products.seen)  # the logits
+        assert attention_products.seen and not any(attention_products.seen)
+        assert other_products.seen == [True] and torch.backends.cuda.matmul.allow_tf32  # restored after
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    # released weights are scored in IEEE float32: --dtype auto gives float32 and TF32 off
+    release = {"clip.visual.joint_positional_embedding": torch.zeros(1), "decoder.w": torch.zeros(1)}
+    monkeypatch.setattr(caption, "load_trained", lambda path, keys: ({}, release))
+    asked = {}
+
+    def setup(config):
+        asked.update(dtype=config.dtype, tf32=config.tf32)
+        raise SetUpDone
+
+    monkeypatch.setattr(caption, "setup", setup)
+    with pytest.raises(SetUpDone):
+        caption.main(["--data", "clevr", "--eval", "--out_dir", str(tmp_path)])
+    assert asked == {"dtype": "float32", "tf32": False}
+
+
 @pytest.mark.parametrize("env, flag, message", [
     ({}, ["--device", "cuda:2"], "--device cuda:2, but torch sees 2 GPU"),
     ({"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"}, [],
@@ -2983,14 +3075,16 @@ def test_a_non_finite_loss_stops_training_at_the_next_check_naming_its_first_ste
         watch.check()
 
 
-def test_the_step_boundary_reads_the_losses_on_log_and_save_steps_and_saves_between_epochs_or_for_a_signal(tmp_path):
+def test_the_step_boundary_reads_the_losses_on_log_and_save_steps_and_saves_between_epochs_or_for_a_signal(
+        tmp_path, monkeypatch):
     alone = processes.Distributed(False, 0, 0, 1, torch.device("cpu"), True)
     config = types.SimpleNamespace(log_every=4, save_every=3)
     run = loop.Run(config, alone, "float32", contextlib.nullcontext(), torch.amp.GradScaler("cpu", enabled=False),
                       tmp_path)
     saved, logged, checked = [], [], []
+    monkeypatch.setattr(checkpoints, "save_checkpoint", lambda state, path: saved.append((state["step"], path.name)))
     with loop.StepBoundary(run, steps_per_epoch=6, total_steps=12, first_step=0,
-                              save=lambda path: saved.append((step, path.name))) as boundary:
+                           state=lambda path: {"step": step}) as boundary:
         for step in range(1, 13):  # two epochs of 6 steps
             if boundary.after_step(step, 1e-3, torch.tensor(2.0), torch.tensor(1.0)):
                 logged.append(step)
@@ -3000,7 +3094,7 @@ def test_the_step_boundary_reads_the_losses_on_log_and_save_steps_and_saves_betw
     assert logged == [4, 8, 12] and checked == [3, 4, 8, 9, 12]  # step 6 ends an epoch: the epoch's end saves it
     assert saved == [(3, "ckpt_last.pt"), (9, "ckpt_last.pt")]
     with loop.StepBoundary(run, steps_per_epoch=6, total_steps=12, first_step=0,
-                              save=lambda path: saved.append((step, path.name))) as boundary:
+                           state=lambda path: {"step": step}) as boundary:
         step = 1
         boundary.after_step(step, 1e-3, torch.tensor(2.0), torch.tensor(1.0))
         boundary.save_or_stop()
@@ -3009,7 +3103,37 @@ def test_the_step_boundary_reads_the_losses_on_log_and_save_steps_and_saves_betw
         boundary.after_step(step, 1e-3, torch.tensor(2.0), torch.tensor(1.0))  # read at once, in one process
         with pytest.raises(stopping.Interrupted) as stopped:
             boundary.save_or_stop()
-    assert saved[-1] == (2, "ckpt_last.pt") and stopped.value.status == 128 + signal.SIGTERM
+        assert saved[-1] == (2, "ckpt_last.pt")  # on disk before the run says it stopped
+    assert stopped.value.status == 128 + signal.SIGTERM
+
+
+def test_a_checkpoint_is_written_off_the_training_thread_from_a_copy_taken_at_the_step(tmp_path, monkeypatch):
+    writer = checkpoints.BackgroundWriter()
+    weights = torch.zeros(1000)
+    started, release = threading.Event(), threading.Event()
+    real_save = checkpoints.save_checkpoint
+
+    def slow_disk(state, path):
+        started.set()
+        release.wait(30)
+        real_save(state, path)
+
+    monkeypatch.setattr(checkpoints, "save_checkpoint", slow_disk)
+    writer.write([({"model": {"w": weights}, "history": [1]}, tmp_path / "ckpt_best.pt"),
+                  ({"model": {"w": weights}, "step": 7}, tmp_path / "ckpt_last.pt")])
+    assert started.wait(30)  # the write is under way, and write() has returned: the step goes on
+    weights += 1  # the next step changes the weights in place
+    release.set()
+    writer.wait()
+    assert torch.equal(checkpoints.load_checkpoint(tmp_path / "ckpt_best.pt", required=("model",))["model"]["w"],
+                       torch.zeros(1000))
+    assert checkpoints.load_checkpoint(tmp_path / "ckpt_last.pt", required=("model",))["step"] == 7
+    monkeypatch.setattr(shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(10 ** 9, 10 ** 9, 1000))
+    monkeypatch.setattr(checkpoints, "save_checkpoint", real_save)
+    writer.write([({"model": {"w": torch.ones(25_000)}}, tmp_path / "ckpt_last.pt")])  # a full disk, on the thread
+    with pytest.raises(files.DiskFull, match="not enough space for .*ckpt_last.pt"):
+        writer.wait()  # the training thread hears of it at its next save, or when the loop ends
+    writer.wait()  # said once
 
 
 def test_partial_files_of_killed_processes_are_removed_and_those_of_a_running_one_kept(tmp_path):
