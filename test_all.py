@@ -4060,6 +4060,10 @@ def test_a_json_nested_too_deeply_is_one_line_naming_the_file(tmp_path):
     with pytest.raises(data.DataError, match=f"image pairs: {tmp_path / 'train.json'} nests lists or objects too "
                                              "deeply for Python's JSON reader"):
         data.load_split("pairs", "train", tmp_path)
+    with pytest.raises(metrics.CaptionInputError, match="train.json: its lists or objects nest too deeply"):
+        metrics.load_json(tmp_path / "train.json")  # the scorer's command line reads results and references
+    (tmp_path / "results.json").write_bytes(b"\xef\xbb\xbf" + b'[{"image_id": 1, "caption": "a cube"}]')
+    assert metrics.load_json(tmp_path / "results.json") == [{"image_id": 1, "caption": "a cube"}]  # a BOM is read
 
 
 def test_sighup_saves_at_the_step_boundary_prints_the_resume_command_and_exits_129(synth40_root, tiny_adapt,
