@@ -66,8 +66,8 @@ import metrics
 import synth
 from batches import batch_plan, epoch_batches, training_loader
 from caches import IntraTokens, image_reader
-from checkpoints import (load_checkpoint, load_encoder, rng_state, seed_everything, start_or_resume,
-                         vocabulary_hint, vocabulary_tensor)
+from checkpoints import (check_resume, load_checkpoint, load_encoder, rng_state, seed_everything, split_fingerprint,
+                         start_or_resume, vocabulary_hint, vocabulary_tensor)
 from encoder import EncoderConfig, PairEncoder
 from files import OutDirLock, check_out_dir, save_json
 from flags import ConfigError, check_length, check_settings, flag, parse_config
@@ -75,7 +75,7 @@ from loop import Run, StepBoundary
 from losses import contrastive_loss
 from processes import keep_freed_memory, loader_workers, one_download_per_machine, setup
 from progress import JsonlLog
-from stopping import check_finite_model, run_main
+from stopping import check_finite_model, final_test_stopped, refuse_empty_splits, run_main
 
 CLS_ROWS_ONLY = True  # speed variant (encoder.py): stage 1's last inter-image block at the 2 CLS rows alone
 MAX_LOGIT_SCALE = math.log(100)  # logit_scale is clamped to ln(100): a temperature of at least 0.01, as CLIP
@@ -148,6 +148,9 @@ class Config:
                                fraction=("warmup",))
         if self.num_workers < -1:
             raise ConfigError(f"--num_workers {self.num_workers}: it must be >= 0, or -1 for auto")
+        if self.resume and self.checkpoint:
+            raise ConfigError(f"--checkpoint {self.checkpoint} with --resume: --resume continues out_dir/ckpt_last.pt "
+                              f"(pass that run's --out_dir); --checkpoint is for --eval")
         # at least one word between the start and end tokens; CLIP's text positions hold 77 (clip.CLIPConfig)
         check_length("max_words", self.max_words, 3, self.text_positions, "start token, at least one word, "
                              "end token; CLIP's text tower has 77 positions")
@@ -306,7 +309,10 @@ def train_and_test(run: Run) -> None:
     """Stage 1: read the data, build the encoder, train it, then score the test split."""
     config, dist_ = run.config, run.dist_
     device, master = dist_.device, dist_.master
+    if config.resume:  # what it resumes on, before any work
+        check_resume(run.out_dir)
     pairs = read_pairs(config, dist_)
+    refuse_empty_splits(pairs.splits, data.SPLITS, config)
     train_set = data.AdaptationSamples(pairs.splits["train"], pairs.tokenizer, train=True, images=pairs.images,
                                        max_words=config.max_words)
     with one_download_per_machine(dist_):  # OpenAI's weights, downloaded on first use
@@ -315,7 +321,7 @@ def train_and_test(run: Run) -> None:
     optimizer = build_optimizer(model, config, device)
     ckpt_path = run.out_dir / "ckpt_last.pt"
     state = start_or_resume(ckpt_path, config, MODEL_KEYS + TRAINING_KEYS, dist_, model, optimizer,
-                            run.scaler)
+                            run.scaler, split_fingerprint(pairs.splits["train"]))
     if state is not None and master:
         print(f"resumed {ckpt_path} at step {state['step']}")
     if config.freeze_intra:  # training reads each image's intra tokens, computed now (by the master, under DDP)
@@ -349,9 +355,11 @@ def train(run: Run, raw_model: PairEncoder, optimizer, train_set, pairs: PairDat
         say(json.dumps(dataclasses.asdict(config)))
         say(describe(run, len(train_set), len(pairs.splits["train"]), micro, steps_per_epoch, raw_model))
 
+    train_split = split_fingerprint(pairs.splits["train"])  # what a resumed run checks it trains on
+
     def state(path):  # the checkpoint at the step and epoch the loop has reached
         return checkpoint(raw_model, optimizer, run, clip_config, pairs.tokenizer, epoch=epoch, step=step,
-                          best_metric=best, best_epoch=best_epoch, history=history)
+                          best_metric=best, best_epoch=best_epoch, history=history, train_split=train_split)
 
     loader = training_loader(train_set, sampler, micro, config.num_workers, device,
                              functools.partial(data.collate_text, cut=not config.compile))
@@ -390,10 +398,10 @@ def train(run: Run, raw_model: PairEncoder, optimizer, train_set, pairs: PairDat
                 history.append({"epoch": epoch, "step": step, **scores})
                 improved = scores["text_to_pair_R1"] >= best  # a tie keeps the later epoch, as the reference
                 best, best_epoch = (scores["text_to_pair_R1"], epoch) if improved else (best, best_epoch)
-                say(f"epoch {epoch + 1} validation: {summary(scores)}" + (" (best so far)" if improved else ""))
                 boundary.log.write(step=step, epoch=epoch, split="val", **scores)
-                best_file = [out_dir / "ckpt_best.pt"] if improved else []  # on the writer's thread
-                boundary.save(*best_file, out_dir / "ckpt_last.pt")
+                best_file = [out_dir / "ckpt_best.pt"] if improved else []  # saved first: no line printed
+                boundary.save(*best_file, out_dir / "ckpt_last.pt")  # can lose a checkpoint (the writer's thread)
+                say(f"epoch {epoch + 1} validation: {summary(scores)}" + (" (best so far)" if improved else ""))
             boundary.stop_if_signalled()  # Ctrl-C or SIGTERM in any process; under DDP also the epoch's barrier
     return step
 
@@ -425,8 +433,11 @@ def test(run: Run, model: PairEncoder, pairs: PairData, step: int) -> None:
     """The test split's retrieval, scored once, with the epoch chosen on validation (test_retrieval.json)."""
     best = load_checkpoint(run.out_dir / "ckpt_best.pt")
     model.load_state_dict(best["model"])
-    scores = evaluate(model, pairs.splits["test"], pairs.tokenizer, pairs.images, run.config, run.dist_.device,
-                      run.ctx)
+    try:
+        scores = evaluate(model, pairs.splits["test"], pairs.tokenizer, pairs.images, run.config, run.dist_.device,
+                          run.ctx)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, SIGTERM: training is done, only the scores are not
+        raise final_test_stopped(interrupt, run.out_dir) from None
     save_test(run, best, scores, step)
 
 
@@ -445,7 +456,7 @@ def evaluate_checkpoint(config: Config, dist_, ctx, out_dir: Path) -> None:
     if not dist_.master:  # one process scores the test split; under torchrun the others wait for it
         return
     path = Path(config.checkpoint or out_dir / "ckpt_best.pt")
-    model, state = load_encoder(path, config.intra_layers)
+    model, state = load_encoder(path, config.intra_layers, "adapt.py --eval --checkpoint")
     model.cls_rows_only = CLS_ROWS_ONLY  # as the training's test: the same scores
     if state.get("release") and config.dtype == "auto":  # scored in float32, as the reference's figures: bf16
         ctx = nullcontext()  # autocast on a GPU moves ranks that nearly tie (BENCHMARKS.md section 12)
@@ -455,6 +466,7 @@ def evaluate_checkpoint(config: Config, dist_, ctx, out_dir: Path) -> None:
         raise ConfigError(f"{path} has a vocabulary of {model.clip.config.vocab_size} tokens but the "
                           f"{config.data} dataset's tokenizer has {tokenizer.vocab_size}"
                           + vocabulary_hint(tokenizer))
+    refuse_empty_splits(splits, ("test",), config)
     scores = evaluate(model.to(dist_.device), splits["test"], tokenizer, images, config, dist_.device, ctx)
     save_json({"checkpoint": str(path), **scores}, out_dir / "test_retrieval.json")
     print(f"test retrieval of {path}:\n{retrieval_table(scores)}")

@@ -30,7 +30,8 @@ import clip
 from data import (IMAGE_SIZE, CaptionItems, DataError, ImagePair, ImageReader, PairImages, preprocess_uint8,
                   to_device, usable_cpus)
 from encoder import PairEncoder
-from files import NO_SPACE, DiskFull, no_space, process_alive, reserve_space
+from files import (NO_SPACE, NOT_WRITABLE, DiskFull, no_space, process_alive, remove_partial_files, reserve_space,
+                   unwritable)
 from progress import Progress
 
 # -----------------------------------------------------------------------------
@@ -200,10 +201,11 @@ def cache_problem(array_path: Path, index_path: Path, stamp: str, paths: list[st
 
 
 def remove_stale_partials(cache_dir: Path) -> None:
-    """Remove the partial caches and indexes (*.partial-PID.npy, .json) that a killed process left: their PID runs
-    no more."""
-    for partial in [*cache_dir.glob("*.partial-*.npy"), *cache_dir.glob("*.partial-*.json")]:
-        pid = partial.suffixes[-2].removeprefix(".partial-")
+    """Remove the partial caches and indexes (*.partial-PID.npy, .json) and intra-image tokens
+    (intra_tokens_*.partial-PID) that a killed process left: their PID runs no more."""
+    for partial in [*cache_dir.glob("*.partial-*.npy"), *cache_dir.glob("*.partial-*.json"),
+                    *cache_dir.glob("intra_tokens_*.partial-*")]:
+        pid = partial.name.rpartition(".partial-")[2].partition(".")[0]
         if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
             partial.unlink(missing_ok=True)
 
@@ -285,10 +287,19 @@ class IntraTokens:
                 pixels = torch.stack([images(path) for path in paths[start:start + batch_size]])  # (b, R, R, 3)
                 with ctx:
                     chunks.append(model.intra_image(clip.normalize(pixels.to(device))).float().cpu())  # (b, N+1, D)
-        file.parent.mkdir(parents=True, exist_ok=True)
         partial = file.with_suffix(f".partial-{os.getpid()}")
-        torch.save(torch.cat(chunks), partial)  # (images, N+1, D)
-        os.replace(partial, file)
+        try:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_partials(file.parent)  # a killed run's
+            torch.save(torch.cat(chunks), partial)  # (images, N+1, D)
+            os.replace(partial, file)
+        except BaseException as error:
+            partial.unlink(missing_ok=True)
+            if isinstance(error, OSError) and error.errno in NOT_WRITABLE:
+                raise unwritable(file.parent, error, "the intra-image tokens are kept there: make it writable for "
+                                                     "this user, or copy the dataset to a writable folder and "
+                                                     "pass --data_root") from None
+            raise
 
     @staticmethod
     def key(model: torch.nn.Module, paths: list, ctx) -> str:
@@ -335,18 +346,29 @@ def encode_pairs(encoder: PairEncoder, pairs, images, out: np.ndarray, device, c
 
 def cached_features(encoder, encoder_sha: str, pairs, images, cache_dir: Path, name: str, device, ctx, *,
                     batch_size: int, num_workers: int) -> Path:
-    """cache_dir/<name>_<key>.npy, float16 (rows, M, E): written once per stage-1 checkpoint and split."""
+    """cache_dir/<name>_<key>.npy, float16 (rows, M, E): written once per stage-1 checkpoint, split and set of image
+    files. The key reads each image file's size and modification time, as the image cache and the intra-image
+    tokens do: a replaced image gets a new file."""
     described = "\n".join(f"{p.id}\t{p.before}\t{p.after}" for p in pairs)
-    key = hashlib.sha256(f"{encoder_sha}\n{IMAGE_SIZE}\n{described}".encode()).hexdigest()[:16]
-    path = cache_dir / f"{name}_{key}.npy"
+    digest = hashlib.sha256(f"{encoder_sha}\n{IMAGE_SIZE}\n{described}".encode())
+    add_file_stamps(digest, [path for p in pairs for path in (p.before, p.after)])
+    path = cache_dir / f"{name}_{digest.hexdigest()[:16]}.npy"
     if path.is_file():
         return path
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.tmp{os.getpid()}")  # a killed run's is removed at the next start
+    partial = path.with_name(f".{path.name}.tmp{os.getpid()}")
     side = encoder.clip.visual.input_resolution // encoder.clip.visual.conv1.kernel_size[0]
     shape = (len(pairs), 2 * (side * side + 1), encoder.clip.visual.proj.shape[1])  # (rows, M, E)
     try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        remove_partial_files(cache_dir)  # the partial files of killed runs (gigabytes at CLEVR-Change's size)
         array = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float16, shape=shape)
+    except OSError as error:
+        partial.unlink(missing_ok=True)
+        if error.errno not in NOT_WRITABLE:
+            raise
+        raise unwritable(cache_dir, error, "the pair features are kept there: make it writable for this user, or "
+                                           "choose another --out_dir") from None
+    try:
         encode_pairs(encoder.to(device), pairs, images, array, device, ctx, f"{name} ({len(pairs)} pairs)",
                      batch_size=batch_size, num_workers=num_workers)
         array.flush()

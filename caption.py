@@ -78,8 +78,9 @@ import synth
 from batches import batch_plan, epoch_batches, training_loader
 from caches import FeatureItems, IntraTokens, feature_paths, image_reader, split_features
 from check import contact_sheet
-from checkpoints import (Stage1, checkpoint_tokenizer, load_checkpoint, load_stage1, load_trained, rng_state,
-                         save_checkpoint, seed_everything, start_or_resume, vocabulary_hint, vocabulary_tensor)
+from checkpoints import (Stage1, check_resume, checkpoint_tokenizer, load_checkpoint, load_stage1, load_trained,
+                         rng_state, seed_everything, split_fingerprint, start_or_resume,
+                         vocabulary_hint, vocabulary_tensor)
 from decoder import CaptionDecoder, DecoderConfig, ids_to_text
 from encoder import FROZEN_IN_REFERENCE, PairEncoder, no_decay_names
 from files import OutDirLock, check_out_dir, save_json
@@ -89,7 +90,7 @@ from losses import caption_loss
 from processes import keep_freed_memory, loader_workers, one_download_per_machine, setup
 from progress import Progress
 from release import release_decoder, release_stage
-from stopping import check_finite_model, run_main
+from stopping import check_finite_model, final_test_stopped, refuse_empty_splits, run_main
 
 MODEL_KEYS = ("data", "max_words", "finetune_encoder", "use_no_change_pair", "train_word_embedding",
               "decoder_layers", "decoder_heads", "decoder_ffn")
@@ -99,6 +100,7 @@ TRAINING_KEYS = ("epochs", "batch_size", "grad_accum", "lr", "clip_lr_scale", "w
 PROGRESS = ("step", "best_metric", "best_epoch", "bad_epochs", "history")  # what a checkpoint records of the loop
 SEMANTIC = "semantic change"  # the papers' "SC" row: change pairs only, no distractors
 ATTENTION_PAIRS = 4  # test pairs in test_attention.png, the first of the grid
+TEST_OUTPUTS = ("test_predictions.json", "test_scores.json", "test_scores.txt", "test_grid.png", "test_attention.png")
 SCORER = metrics.FastCaptionScorer  # speed variant (metrics.py): the plain CaptionScorer's numbers, faster (tested)
 
 
@@ -178,6 +180,13 @@ class Config:
                      "a word and the end token; CLIP's text positions, which the decoder uses, hold 77")
         if self.explain:  # its format is checked now, not found unwritable after the work
             check_image_path("explain", self.explain)
+        for image in self.pair:
+            if "://" in image:
+                raise ConfigError(f"--pair {image}: a URL; --pair reads image files on this machine: download it "
+                                  f"first (curl -L -o before.png URL), then pass the file")
+        if self.resume and self.checkpoint:
+            raise ConfigError(f"--checkpoint {self.checkpoint} with --resume: --resume continues out_dir/ckpt_last.pt "
+                              f"(pass that run's --out_dir); --checkpoint is for --eval and --pair")
 
 
 # Dataset presets (the reference's scripts/caption_clevr.sh and caption_spot.sh). Spot-the-Diff, IER and your own
@@ -399,13 +408,17 @@ def train(run: Run, root: Path, stage1: Stage1, captioner: Captioner, tokenizer)
     """Train the captioner: validation CIDEr-D after every epoch, with patience; then the best epoch on the test split."""
     config, dist_, device, master = run.config, run.dist_, run.dist_.device, run.dist_.master
     say = print if master else (lambda *a, **k: None)
+    if config.resume:  # what it resumes on, before any work
+        check_resume(run.out_dir, stage1)
     splits, images, eval_pairs = read_splits(config, dist_, root, stage1.encoder.clip.visual.input_resolution)
+    refuse_empty_splits(splits, data.SPLITS, config)
     feature_path = feature_paths(stage1, eval_pairs, images, () if config.finetune_encoder else data.SPLITS,
                                  run.out_dir, dist_, run.ctx, batch_size=config.eval_batch_size,
                                  num_workers=config.num_workers)
     train_set = training_set(run, stage1, splits["train"], images, tokenizer, feature_path, say)
     optimizer = build_optimizer(captioner, config)
-    state = resume(run, stage1, captioner, optimizer)
+    train_split = split_fingerprint(splits["train"])  # what a resumed run checks it trains on
+    state = resume(run, stage1, captioner, optimizer, train_split)
     step, best_cider, best_epoch, bad_epochs, history = (state[k] for k in PROGRESS)
     model = DDP(captioner, device_ids=[dist_.local_rank] if device.type == "cuda" else None,
                 gradient_as_bucket_view=True) if dist_.ddp else captioner  # gradients in the all-reduce buckets
@@ -420,7 +433,7 @@ def train(run: Run, root: Path, stage1: Stage1, captioner: Captioner, tokenizer)
     def state(path):  # the checkpoint at the step the loop has reached
         return checkpoint(captioner, optimizer, run, stage1, tokenizer, stage1_weights=path.name == "ckpt_best.pt",
                           step=step, best_metric=best_cider, best_epoch=best_epoch, bad_epochs=bad_epochs,
-                          history=history)
+                          history=history, train_split=train_split)
 
     loader = training_loader(train_set, sampler, micro, config.num_workers, device, data.collate_captions)
     # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (StepBoundary)
@@ -454,12 +467,12 @@ def train(run: Run, root: Path, stage1: Stage1, captioner: Captioner, tokenizer)
                 best_cider, best_epoch = (cider, epoch) if improved else (best_cider, best_epoch)
                 bad_epochs = 0 if improved else bad_epochs + 1
                 history.append({"epoch": epoch, "step": step, "val_CIDEr": cider})
+                boundary.log.write(step=step, epoch=epoch, split="val", CIDEr=cider)
+                best_file = [run.out_dir / "ckpt_best.pt"] if improved else []  # saved first: no line printed
+                boundary.save(*best_file, run.out_dir / "ckpt_last.pt")  # can lose a checkpoint (the writer's thread)
                 example = eval_pairs["val"][0].id
                 say(f"epoch {epoch + 1} validation CIDEr-D {cider:.4f}" + (" (best so far)" if improved else "")
                     + f"; {example}: {predictions[example]!r}")
-                boundary.log.write(step=step, epoch=epoch, split="val", CIDEr=cider)
-                best_file = [run.out_dir / "ckpt_best.pt"] if improved else []  # on the writer's thread
-                boundary.save(*best_file, run.out_dir / "ckpt_last.pt")
             bad_epochs = from_master(bad_epochs, dist_)  # everyone follows the master's patience
             boundary.stop_if_signalled()  # Ctrl-C or SIGTERM in any process; under DDP also the epoch's barrier
     if bad_epochs > config.patience:
@@ -475,6 +488,9 @@ def train(run: Run, root: Path, stage1: Stage1, captioner: Captioner, tokenizer)
 def caption_pair(config: Config, stage1: Stage1, captioner: Captioner, tokenizer, device, ctx) -> None:
     """Print the caption of the user's pair (--pair BEFORE AFTER); with --explain, write its attention maps."""
     images = data.ImageReader(stage1.encoder.clip.visual.input_resolution)
+    for path in map(Path, config.pair):
+        if not path.is_file():
+            raise FileNotFoundError(f"--pair: image {path} is {data.absence(path)}")
     before, after = (clip.normalize(images(Path(p)).unsqueeze(0).to(device)) for p in config.pair)  # (1, 3, R, R) each
     with torch.no_grad(), ctx:
         visual = stage1.encoder.eval().encode_pair(before, after)["pair_tokens"]  # (1, M, E)
@@ -496,6 +512,7 @@ def evaluate(run: Run, root: Path, stage1: Stage1, captioner: Captioner, tokeniz
     run = dataclasses.replace(run, dist_=dataclasses.replace(run.dist_, ddp=False))  # it waits for no other process
     config, dist_, ctx = run.config, run.dist_, run.ctx
     splits, images, eval_pairs = read or read_splits(config, dist_, root, stage1.encoder.clip.visual.input_resolution)
+    refuse_empty_splits(splits, ("test",), config)
     if feature_path is None:
         cached = () if config.finetune_encoder else ("test",)
         feature_path = feature_paths(stage1, eval_pairs, images, cached, run.out_dir, dist_, ctx,
@@ -562,13 +579,13 @@ def checkpoint(captioner: Captioner, optimizer, run: Run, stage1: Stage1, tokeni
             **progress, "rng": rng_state()}
 
 
-def resume(run: Run, stage1: Stage1, captioner: Captioner, optimizer) -> dict:
+def resume(run: Run, stage1: Stage1, captioner: Captioner, optimizer, train_split: dict) -> dict:
     """Where training starts: step 0, or with --resume where ckpt_last.pt stopped, after restoring the captioner,
     the optimizer, the scaler and the random generators from it (start_or_resume). A checkpoint trained on
     another stage-1 encoder is refused."""
     path = run.out_dir / "ckpt_last.pt"
     state = start_or_resume(path, run.config, MODEL_KEYS + TRAINING_KEYS, run.dist_, captioner, optimizer,
-                            run.scaler)
+                            run.scaler, train_split)
     if state is None:
         return dict(zip(PROGRESS, (0, -1.0, -1, 0, [])))
     if state["encoder_sha256"] != stage1.sha256:
@@ -595,7 +612,10 @@ def test(run: Run, stage1: Stage1, captioner: Captioner, tokenizer, read: tuple,
     best = load_checkpoint(run.out_dir / "ckpt_best.pt")
     captioner.load_state_dict(best["model"])
     print(f"test scores of the best epoch ({best['best_epoch'] + 1}, validation CIDEr-D {best['best_metric']:.4f}):")
-    evaluate(run, None, stage1, captioner, tokenizer, read, feature_path)
+    try:
+        evaluate(run, None, stage1, captioner, tokenizer, read, feature_path)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, SIGTERM: training is done, only the scores are not
+        raise final_test_stopped(interrupt, run.out_dir) from None
 
 
 # -----------------------------------------------------------------------------
@@ -640,7 +660,9 @@ def score_table(predictions: dict[str, str], pairs) -> dict:
     subsets = {"total": [p.id for p in pairs]}
     if data.DISTRACTOR in by_type:
         subsets[SEMANTIC] = [p.id for p in pairs if p.change_type != data.DISTRACTOR]
-    subsets.update({t: by_type[t] for t in (*data.CHANGE_TYPES, data.DISTRACTOR) if len(by_type.get(t, [])) > 1})
+    others = sorted(set(by_type) - {*data.CHANGE_TYPES, data.DISTRACTOR})  # a user's own types, after the known
+    subsets.update({t: by_type[t] for t in (*data.CHANGE_TYPES, data.DISTRACTOR, *others)
+                    if len(by_type.get(t, [])) > 1})
     started = time.perf_counter()
     results = metrics.score_subsets(predictions, data.references(pairs), subsets, scorer=SCORER)
     info = {**next(iter(results.values())).get("info", {}), "seconds": time.perf_counter() - started}
@@ -671,8 +693,6 @@ def evaluate_test(run: Run, encoder: PairEncoder, decoder: CaptionDecoder, featu
     """
     config, device, ctx, out_dir = run.config, run.dist_.device, run.ctx, run.out_dir
     predictions = predict(decoder, features, pairs, tokenizer, config, device, ctx, what="test")
-    save_json([{"image_id": i, "caption": c} for i, c in predictions.items()],
-              out_dir / "test_predictions.json")
     table = score_table(predictions, pairs)
     text = format_table(table)
     # the change pairs are the first rows of features, in the order of test_pairs (data.evaluation_pairs)
@@ -681,6 +701,10 @@ def evaluate_test(run: Run, encoder: PairEncoder, decoder: CaptionDecoder, featu
     if located is not None:
         table["localisation"] = located
         text += "\n\n" + explain.format_localisation(located)
+    for name in TEST_OUTPUTS:  # replaced together: a stopped evaluation leaves no earlier one's files beside its own
+        (out_dir / name).unlink(missing_ok=True)
+    save_json([{"image_id": i, "caption": c} for i, c in predictions.items()],
+              out_dir / "test_predictions.json")
     save_json(table, out_dir / "test_scores.json")
     (out_dir / "test_scores.txt").write_text(text + "\n")
     print(text)

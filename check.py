@@ -17,7 +17,8 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont, UnidentifiedImageError
 
 import clip
-from data import (IMAGE_SIZE, MAX_WORDS, NO_CHANGE_SUFFIX, SOURCES, SPLITS, DataError, ImagePair, bpe_path,
+from data import (CHANGE_TYPES, DISTRACTOR, IMAGE_SIZE, MAX_WORDS, NO_CHANGE_SUFFIX, SOURCES, SPLITS, DataError,
+                  ImagePair, bpe_path,
                   dataset_root, load_image, load_split, preprocess_uint8, read_clevr_change, read_json, repair,
                   training_captions, usable_cpus)
 from progress import Progress
@@ -156,6 +157,8 @@ def check_dataset(data: str, root: Path, tokenizer: clip.SimpleTokenizer | None,
         if missing or unreadable:
             print(f"      to fix: {repair(data, root, split)}")
         print(f"    {caption_lengths(pairs, tokenizer, max_words)}")
+    for note in split_notes(splits):
+        print(f"  note: {note}")
     if source.reader is read_clevr_change and len(splits) == len(SPLITS):  # every split read: the files are sound
         in_splits = {int(pair.id.removesuffix(".png")) for pairs in splits.values() for pair in pairs}
         numbers = [key.removesuffix(".png").rsplit("_", 1)[-1] for key in read_json(root / "change_captions.json", "captions")]
@@ -171,6 +174,24 @@ def check_dataset(data: str, root: Path, tokenizer: clip.SimpleTokenizer | None,
         met = ", the published counts are met" if data in PUBLISHED else ""
         print(f"complete: every split reads, every image opens{met}")
     return not problems
+
+
+def split_notes(splits: dict[str, list[ImagePair]]) -> list[str]:
+    """What a user's splits may not mean to hold: a pair (the same before and after images) in the training split
+    and in an evaluation split; change types that the score table does not know, each scored as its own row."""
+    notes = []
+    trained = {(pair.before, pair.after) for pair in splits.get("train", [])}
+    for split in ("val", "test"):
+        both = [pair.id for pair in splits.get(split, []) if (pair.before, pair.after) in trained]
+        if both:
+            notes.append(f"{len(both):,} {split} pair(s) are also in train (the same before and after images): "
+                         f"{named(both)}; their scores measure what was memorised, not captioning")
+    known = (*CHANGE_TYPES, DISTRACTOR)
+    other = sorted({p.change_type for pairs in splits.values() for p in pairs} - {None, *known})
+    if other:
+        notes.append(f"change types {other} are not CLEVR-Change's {list(known)}: the score table gives each its "
+                     f"own row")
+    return notes
 
 
 # -----------------------------------------------------------------------------

@@ -3,13 +3,15 @@
 - `save_checkpoint` / `load_checkpoint`: one dict, written atomically (temporary file, fsync, rename), read back
   with `torch.load(weights_only=True)`, which never runs code, once the CRC-32 of every member is checked.
 - `rng_state` / `set_rng_state`: the random generators as plain tensors and lists, so that a resumed run draws the
-  numbers it would have drawn; `start_or_resume` begins a run or continues one, refusing other settings.
+  numbers it would have drawn; `start_or_resume` begins a run or continues one, refusing other settings and another
+  training split (`split_fingerprint`); `check_resume` checks the files a resumed run needs before any work.
 - `load_encoder`: a stage-1 pair encoder from adapt.py's checkpoint or a CLIP4IDC release file (release.py);
   `checkpoint_tokenizer`: the vocabulary a model was trained with; `Stage1`, `load_stage1`, `load_trained`: what a
   captioner builds on, and a trained captioner's settings. caption.py passes its flags' values: nothing imports it.
 """
 import dataclasses
 import functools
+import hashlib
 import os
 import random
 import shutil
@@ -235,12 +237,52 @@ def check_config(saved: dict, current: dict, keys, path) -> None:
                           + "; ".join(different) + "). Use the same flags, or a new --out_dir.")
 
 
-def start_or_resume(path, config, model_keys, dist_, model, optimizer, scaler) -> dict | None:
+def split_fingerprint(pairs) -> dict:
+    """What a run trains on, as its checkpoints record it: the training split's number of pairs and a digest of
+    their ids, image file names and captions (the names, not the folders: a dataset moved elsewhere is the same)."""
+    digest = hashlib.sha256()
+    for p in pairs:
+        names = [Path(image).name if image else None for image in (p.before, p.after, p.distractor)]
+        digest.update(repr((p.id, names, p.captions, p.no_change_captions)).encode())
+    return {"pairs": len(pairs), "sha256": digest.hexdigest()}
+
+
+def check_split(state: dict, fingerprint: dict | None, path) -> None:
+    """Refuse to resume on another training split than the checkpoint's (split_fingerprint); a checkpoint written
+    before it recorded one resumes as before."""
+    saved = state.get("train_split")
+    if saved is None or fingerprint is None or saved == fingerprint:
+        return
+    change = (f"{saved['pairs']:,} pairs then, {fingerprint['pairs']:,} now" if saved["pairs"] != fingerprint["pairs"]
+              else f"{saved['pairs']:,} pairs then and now, but other pairs or captions")
+    raise ConfigError(f"{path} was trained on another training split ({change}): resumed on it, the steps per epoch, "
+                      f"the epoch, the learning-rate schedule and the data order would all shift. Resume with the "
+                      f"split it was trained on, or start a new --out_dir")
+
+
+def check_resume(out_dir, stage1: "Stage1 | None" = None) -> None:
+    """--resume, before any work: out_dir/ckpt_last.pt reads; ckpt_best.pt is there once an epoch was validated
+    (the run's final test scores it); for stage 2 (stage1), the stage-1 encoder is the one it was trained on."""
+    out_dir = Path(out_dir)
+    path, best = out_dir / "ckpt_last.pt", out_dir / "ckpt_best.pt"
+    state = load_checkpoint(path)
+    if state.get("best_epoch", -1) >= 0 and not best.is_file():
+        raise FileNotFoundError(f"{best} is missing, but {path} has validated {state['best_epoch'] + 1} or more "
+                                f"epochs: the run's final test scores the best one from it; put it back, or start "
+                                f"a new --out_dir")
+    if stage1 is not None and state.get("encoder_sha256", stage1.sha256) != stage1.sha256:
+        raise ConfigError(f"{path} was trained on another stage-1 checkpoint than {stage1.path} (its sha256 "
+                          f"differs); pass the one it was trained on with --encoder_ckpt, or start a new --out_dir")
+
+
+def start_or_resume(path, config, model_keys, dist_, model, optimizer, scaler,
+                    train_split: dict | None = None) -> dict | None:
     """The start of a run whose last checkpoint is `path`: None for a new run; with --resume, the checkpoint,
     after restoring the model, optimizer, scaler and random generators from it.
 
     The half-written files of a killed save are removed first. A new run never overwrites a finished one, and a
-    checkpoint whose model-shaping settings (`model_keys`) differ from this run's is refused.
+    checkpoint whose model-shaping settings (`model_keys`) differ from this run's is refused, and one trained on
+    another training split (train_split: split_fingerprint's, which the run saves in its checkpoints).
     """
     path = Path(path)
     if dist_.master:
@@ -253,6 +295,7 @@ def start_or_resume(path, config, model_keys, dist_, model, optimizer, scaler) -
         return None
     state = load_checkpoint(path)
     check_config(state["config"], dataclasses.asdict(config), model_keys, path)
+    check_split(state, train_split, path)
     if dist_.master:
         trim_log(path.parent / LOG_NAME, state["step"])
     model.load_state_dict(state["model"])
@@ -272,12 +315,13 @@ def start_or_resume(path, config, model_keys, dist_, model, optimizer, scaler) -
 # A stage-1 encoder and its vocabulary
 
 
-def load_encoder(path, intra_layers: int = 9) -> tuple[PairEncoder, dict]:
+def load_encoder(path, intra_layers: int = 9, flag: str = "--encoder_ckpt") -> tuple[PairEncoder, dict]:
     """A stage-1 pair encoder in eval mode, and what else its file holds: adapt.py's checkpoint, or a CLIP4IDC
     release file of either stage (its clip.* is the adapted encoder; its vocabulary is OpenAI's, bpe_path None).
 
     intra_layers: a release's split point, which its file does not hold (the reference's --intra_num_hidden_layers,
-    9 in all its scripts); adapt.py's checkpoints record their own.
+    9 in all its scripts); adapt.py's checkpoints record their own. flag: the option that named the file, for
+    the errors (caption.py's --encoder_ckpt, adapt.py --eval's --checkpoint).
     """
     path = Path(path)
     if not path.is_file():
@@ -287,8 +331,8 @@ def load_encoder(path, intra_layers: int = 9) -> tuple[PairEncoder, dict]:
     release = release_stage(state) is not None
     if not release and "encoder_sha256" in state:
         raise ConfigError(f"{path} is a captioner (caption.py's stage-2 checkpoint), not a stage-1 encoder: "
-                          f"--encoder_ckpt takes adapt.py's checkpoint (runs/adapt_<data>/ckpt_best.pt) or a CLIP4IDC "
-                          f"release; a captioner is given with --checkpoint")
+                          f"{flag} takes adapt.py's checkpoint (runs/adapt_<data>/ckpt_best.pt) or a CLIP4IDC "
+                          f"release; a captioner is scored with caption.py --eval --checkpoint {path}")
     missing = [k for k in ("clip_config", "encoder_config") if not release and k not in state]
     if missing:
         raise CheckpointError(f"{path} lacks {missing}: expected a checkpoint of this project, or {RELEASE}")

@@ -590,6 +590,15 @@ def sha256_of(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
+def unwritable_cache(root: Path, error: OSError) -> FileError | None:
+    """The one-line FileError of a cache folder this user may not write (an unwritable HOME), or None for any
+    other error (offline, a failed connection)."""
+    if not isinstance(error, PermissionError):
+        return None
+    return FileError(f"cannot write CLIP's cache folder {root} ({error.strerror or error}); set CLIP_CACHE to a "
+                     f"folder this user can write (e.g. CLIP_CACHE=/tmp/clip_cache), or make {root} writable")
+
+
 def download(url: str, root: str | os.PathLike, expected_sha256: str) -> Path:
     """root/<file name in url>, downloaded unless a file with the right sha256 is already there.
 
@@ -637,6 +646,8 @@ def find_bpe_vocabulary(bpe_path: str | os.PathLike | None = None) -> Path:
     try:
         return download(BPE_URL, root, BPE_SHA256)
     except OSError as error:
+        if unwritable_cache(root, error):
+            raise unwritable_cache(root, error) from None
         raise FileNotFoundError(
             f"CLIP's BPE vocabulary {cached.name} is not in {root} and could not be downloaded from {BPE_URL} "
             f"({error}). Get it on a machine with internet access:\n  curl -L -o {cached.name} {BPE_URL}\n"
@@ -775,6 +786,8 @@ def load(name_or_path: str | os.PathLike = "ViT-B/32", device: str | torch.devic
         try:
             path = download(url, root, sha256)
         except OSError as error:
+            if unwritable_cache(root, error):
+                raise unwritable_cache(root, error) from None
             raise FileNotFoundError(
                 f"CLIP weights {name_or_path} ({root / filename}) are missing and could not be downloaded from "
                 f"{url} ({error}). Get them on a machine with internet access:\n  curl -L -o {filename} {url}\n"

@@ -62,6 +62,7 @@ H, W height and width of a stored image (320 x 480 for CLEVR-Change and the synt
 import gzip
 import json
 import os
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -328,13 +329,45 @@ def to_device(batch: dict, device: torch.device, keys=None) -> dict:
 # 4. Reading a dataset: the published layouts
 # ---------------------------------------------------------------------------------------------------
 
-def read_json(path: Path, what: str):
+def read_json(path: Path, what: str, unique_keys: bool = False):
+    """A JSON file, read as UTF-8 with or without the byte-order mark that Windows editors write; unique_keys: an
+    object that repeats a key is refused (JSON would keep only its last value)."""
     if not path.is_file():
-        raise DataError(f"{what}: {path} is missing")
+        raise DataError(f"{what}: {path} is {absence(path)}")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8-sig"), object_pairs_hook=_unique if unique_keys else None)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise DataError(f"{what}: {path} is not valid JSON ({error}); download it again") from error
+        raise DataError(f"{what}: {path} is not valid JSON ({error}); correct it there (a dataset's file: download "
+                        f"it again)") from error
+    except RecursionError:
+        raise DataError(f"{what}: {path} nests lists or objects too deeply for Python's JSON reader; a dataset "
+                        f"file is a few levels deep: write it as data.py's docstring shows") from None
+    except KeyError as error:
+        raise DataError(f"{what}: {path} repeats the key {error.args[0]!r} inside one object (JSON keeps only its "
+                        f"last value): keep one") from None
+
+
+def _unique(pairs: list) -> dict:
+    """json.loads' object_pairs_hook: the object as a dict; KeyError naming a key that repeats."""
+    found = {}
+    for key, value in pairs:
+        if key in found:
+            raise KeyError(key)
+        found[key] = value
+    return found
+
+
+def absence(path: Path) -> str:
+    """Why path is not a file to read: 'missing', 'a folder, not a file', or a link that cannot be followed."""
+    if path.is_dir():
+        return "a folder, not a file"
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return "a symbolic link to a missing file" if path.is_symlink() else "missing"
+    except OSError as error:  # a loop of symbolic links: ELOOP
+        return f"not readable ({error.strerror})"
+    return "not a regular file"
 
 
 def checked_type(value, kinds: type | tuple[type, ...], where: str, expected: str):
@@ -380,7 +413,7 @@ def checked_files(pairs: list[ImagePair], fix: str = "download the dataset's ima
     for pair in pairs:
         for path in (pair.before, pair.after, pair.distractor):
             if path is not None and not path.is_file():
-                raise DataError(f"pair {pair.id}: image {path} is missing; {fix}")
+                raise DataError(f"pair {pair.id}: image {path} is {absence(path)}; {fix}")
     return pairs
 
 
@@ -495,7 +528,7 @@ def read_user_pairs(root: Path, split: str) -> list[ImagePair]:
     {before, after, captions[, id, type, distractor, no_change_captions]} (see the docstring at the top)."""
     path = root / f"{split}.json"
     pairs, seen = [], set()
-    items = checked_items(read_json(path, "image pairs"), ("before", "after", "captions"), path)
+    items = checked_items(read_json(path, "image pairs", unique_keys=True), ("before", "after", "captions"), path)
     for position, item in enumerate(items):
         where = f"{path}, item {position}"
         for key in ("before", "after", "distractor"):
@@ -713,4 +746,7 @@ def demo() -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:]:  # the demo takes none: an old command (data.py --check) must not pass as done
+        sys.exit(f"data.py: error: it takes no arguments (got {' '.join(sys.argv[1:])}), it prints a demo; a "
+                 f"download is checked by check.py: python check.py --data clevr (or spot, ier, pairs, synth)")
     demo()

@@ -1,12 +1,15 @@
 """Files: how the project writes what it keeps, so that a crash, Ctrl-C, a full disk or a second run spoils nothing.
 
 - `write_text_atomically`, `save_json`: a temporary file beside the target, then renamed over it: a reader sees the
-  old file or the new one, never half of one. `signals_deferred` holds Ctrl-C and SIGTERM off such a write (the
-  checkpoints use it), and `remove_partial_files` deletes the temporary files of a killed process.
+  old file or the new one, never half of one. `signals_deferred` holds Ctrl-C, SIGTERM and SIGHUP off such a write
+  (the checkpoints use it), and `remove_partial_files` deletes the temporary files of a killed process.
 - `DiskFull`, `no_space`, `reserve_space`: a disk too full for a file (a checkpoint, the image cache) is one line
   naming the file and the space it needs, said before the write where possible.
+- `Unwritable`, `unwritable`: a folder this user may not write (another user's, a read-only one) is one line naming
+  it and what to do.
 - `check_out_dir`, `OutDirLock`: an --out_dir that is a file is refused before any work; one run at a time writes
-  into an --out_dir (a lock the kernel drops when its process dies), a second is refused naming the first.
+  into an --out_dir (a lock the kernel drops when its process dies), a second is refused naming the first; the
+  lock taken, the temporary files of killed runs there are removed.
 """
 import contextlib
 import errno
@@ -32,6 +35,16 @@ class DiskFull(OSError):
 
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a full quota
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)  # another user's folder, a read-only one or file system
+
+
+class Unwritable(OSError):
+    """A folder this project must write into that this user cannot write: the message names it and what to do."""
+
+
+def unwritable(folder, error: OSError, fix: str) -> Unwritable:
+    """The one-line Unwritable of `folder`, which refused a write with `error` (PermissionError, EROFS)."""
+    return Unwritable(f"cannot write in {folder} ({error.strerror or error}); {fix}")
 
 
 def size_text(size: int) -> str:
@@ -70,7 +83,8 @@ def reserve_space(file, size: int, what: Path, fix: str) -> None:
 # Whole files or none
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and what Slurm and torchrun send to end a job
+# Ctrl-C, what Slurm and torchrun send to end a job, and what a closed terminal or ssh session sends
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @contextlib.contextmanager
@@ -159,6 +173,10 @@ def check_out_dir(out_dir) -> None:
             raise ConfigError(f"--out_dir {out_dir} {where}, not a folder: choose another --out_dir")
 
 
+OUT_DIR_FIX = ("choose an --out_dir of your own (--eval and --pair read --checkpoint from anywhere), or make that "
+               "folder writable for this user")
+
+
 class OutDirLock:
     """One process at a time writes into an --out_dir: the master of a training run or of an --eval holds an
     exclusive lock on out_dir/.lock, which names it (PID and command); a second run there is refused at once with
@@ -180,9 +198,19 @@ class OutDirLock:
         if not self.master:
             return self
         check_out_dir(self.path.parent)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            if error.errno not in NOT_WRITABLE:
+                raise
+            raise unwritable(error.filename or self.path.parent, error, OUT_DIR_FIX) from None
         while self.fd is None:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as error:
+                if error.errno not in NOT_WRITABLE:
+                    raise
+                raise unwritable(self.path.parent, error, OUT_DIR_FIX) from None
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
@@ -202,6 +230,7 @@ class OutDirLock:
         started = time.strftime("%Y-%m-%d %H:%M:%S")
         os.pwrite(self.fd, f"process {os.getpid()} ({shlex.join(['python', *sys.argv])}), since {started}\n"
                   .encode(), 0)
+        remove_partial_files(self.path.parent)  # a killed run's temporary files: nobody else writes here now
         return self
 
     def __exit__(self, *exc) -> None:

@@ -844,6 +844,16 @@ def _paraphrase_cache_dir(gz):
     return Path(root) / f"paraphrase-en-v{PARAPHRASE_INDEX_VERSION}-{fingerprint}"
 
 
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process, or a system that cannot tell
+        return True
+    return True
+
+
 def _build_paraphrase_index(gz, out):
     """Parse paraphrase-en.gz into numpy arrays: entries sorted by (rarest word, file position)."""
     vocab, lengths, ids = {}, ([], []), ([], [])        # per side: phrase (0) and paraphrase (1)
@@ -882,6 +892,10 @@ def _build_paraphrase_index(gz, out):
     new_starts = np.concatenate(([0], np.cumsum(new_sizes, dtype=np.int64)))
     gather = np.repeat(starts[:-1][order] - new_starts[:-1], new_sizes) + np.arange(new_starts[-1])
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    for stale in out.parent.glob(out.name + ".tmp*"):  # the folders of killed builds: their process runs no more
+        pid = stale.name.rpartition(".tmp")[2]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True, exist_ok=True)
     try:
         np.save(tmp / "words.npy", words[gather].astype(np.uint16))

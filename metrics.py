@@ -679,7 +679,7 @@ def load_json(path):
     """Parsed JSON (gzipped when the name ends in .gz); a malformed file is reported with its name, line and column."""
     try:
         raw = Path(path).read_bytes()
-        text = (gzip.decompress(raw) if str(path).endswith(".gz") else raw).decode("utf-8")
+        text = (gzip.decompress(raw) if str(path).endswith(".gz") else raw).decode("utf-8-sig")  # a BOM, or none
     except (OSError, EOFError, UnicodeDecodeError) as e:  # a missing file, a damaged gzip, bytes that are not UTF-8
         raise CaptionInputError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
     try:
@@ -690,6 +690,9 @@ def load_json(path):
     except json.JSONDecodeError as e:
         raise CaptionInputError(f"{path}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno} "
                                 f"(character {e.pos})") from None
+    except RecursionError:
+        raise CaptionInputError(f"{path}: its lists or objects nest too deeply for Python's JSON reader; results "
+                                f"and references are a few levels deep") from None
 
 
 class _DuplicateKey(ValueError):

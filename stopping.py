@@ -5,9 +5,11 @@
   out-of-memory, keeps its traceback.
 - `DivergenceWatch`, `check_finite_model`: a diverged run (Diverged) stops at the next log step, naming the step
   where it diverged, without a wait for the GPU in every step; a model whose weights are not finite is never saved.
-- `StopSignals`, `stopped`, `stop_everywhere`: Ctrl-C and SIGTERM end the step in progress, the master saves
-  ckpt_last.pt and the run stops in one line (exit status 130, 143) with the command that resumes it
-  (`resume_hint`), every process at the same check under torchrun.
+- `StopSignals`, `stopped`, `stop_everywhere`: Ctrl-C, SIGTERM and SIGHUP (a closed terminal or ssh session) end
+  the step in progress, the master saves ckpt_last.pt and the run stops in one line (exit status 130, 143, 129)
+  with the command that resumes it (`resume_hint`), every process at the same check under torchrun.
+- `write_with_replacement`, `permission_line`: a terminal that cannot show a character, and a folder this user
+  cannot write, never end a run with a traceback.
 - `data_error_stop`: a damaged image met in training saves the last step, then stops in one line naming it.
 """
 import math
@@ -23,7 +25,7 @@ import torch
 import clip
 import data
 from checkpoints import CheckpointError
-from files import STOP_SIGNALS, DiskFull
+from files import STOP_SIGNALS, DiskFull, Unwritable
 from flags import ConfigError
 
 # -----------------------------------------------------------------------------
@@ -111,7 +113,23 @@ class Interrupted(KeyboardInterrupt):
         self.status = status
 
 
-SIGNAL_WORDS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)"}
+SIGNAL_WORDS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)",
+                signal.SIGHUP: "hung up (SIGHUP: its terminal or ssh session closed)"}
+
+
+def leave_closed_terminal(number) -> None:
+    """After SIGHUP the terminal is gone and a write to it fails (EIO): what the run still prints, and its last
+    line, go nowhere instead of ending it before its save. Output redirected to a file keeps going there."""
+    if number != signal.SIGHUP:
+        return
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        try:
+            closed = stream is not None and stream.isatty()
+        except (ValueError, OSError):
+            closed = True
+        if closed:
+            setattr(sys, name, open(os.devnull, "w"))
 
 
 def resume_hint(path) -> str:
@@ -131,6 +149,15 @@ def interrupted(path, number: int = signal.SIGINT) -> Interrupted:
     hint = resume_hint(path)
     return Interrupted(f"{SIGNAL_WORDS.get(number, 'interrupted')}{' ' if hint.startswith('before') else ': '}{hint}",
                        128 + number)
+
+
+def final_test_stopped(interrupt: KeyboardInterrupt, out_dir) -> Interrupted:
+    """A signal during the final test, after the training: what is saved, and the --eval command that scores it."""
+    status = getattr(interrupt, "status", 128 + signal.SIGINT)
+    argv = [a for a in sys.argv if a not in ("--resume", "--no-resume")]
+    return Interrupted(f"{SIGNAL_WORDS.get(status - 128, 'interrupted')} during the final test: the training "
+                       f"finished and {Path(out_dir) / 'ckpt_best.pt'} holds its best epoch; score it with: "
+                       f"{shlex.join(['python', *argv, '--eval'])}", status)
 
 
 def stopped(stop, path, dist_) -> Interrupted:
@@ -156,7 +183,8 @@ def stop_everywhere(stop, dist_) -> bool:
 class StopSignals:
     """Within the block, SIGINT (Ctrl-C) and SIGTERM (what Slurm sends before preemption; torchrun forwards it to
     every process) are noted in .signal instead of ending the process: the training loop ends the step in progress,
-    saves ckpt_last.pt at that step boundary and stops (Interrupted, exit status 130 or 143). Ctrl-\\ (SIGQUIT)
+    saves ckpt_last.pt at that step boundary and stops (Interrupted, exit status 130 or 143). SIGHUP (a closed
+    terminal or ssh session) is SIGTERM's twin (exit status 129); under nohup it stays ignored. Ctrl-\\ (SIGQUIT)
     still ends a process at once. A signal that this process ignores (a background job's SIGINT) stays ignored;
     outside the main thread Python gives no signals, and the block runs as it is."""
 
@@ -167,6 +195,7 @@ class StopSignals:
 
     def note(self, number, frame) -> None:
         self.signal = self.signal or number
+        leave_closed_terminal(number)
 
     def now(self, ddp: bool) -> bool:
         """Whether to check at this step boundary for the signal alone: at once in a single process; under DDP it
@@ -194,6 +223,7 @@ def ignore_stop_signals(worker_id: int = 0) -> None:
     inside the step that SIGTERM lets finish. A worker whose training process died exits on its own (DataLoader's
     watchdog)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal's: as Ctrl-C, the training process decides
     signal.signal(signal.SIGTERM, lambda number, frame: os._exit(0))
 
 
@@ -224,29 +254,73 @@ def data_error_stop(error: Exception, save, step: int, watch, path, dist_) -> da
 
 
 # -----------------------------------------------------------------------------
+# Data a run cannot use
+
+
+def refuse_empty_splits(splits: dict, names, config) -> None:
+    """Before the first step: every split in `names` holds a pair, and the training split a caption to train on
+    (data.training_captions); else one line naming the split (an empty split would train a whole epoch, then fail
+    where it is scored). config: a script's, its --data and --data_root."""
+    data_name, root = config.data, data.dataset_root(config.data, config.data_root or None)
+    for name in names:
+        pairs = splits[name]
+        if not pairs:
+            problem = "has no pairs"
+        elif name == "train" and not any(data.training_captions(p.captions) for p in pairs):
+            problem = f"has {len(pairs)} pairs but no caption that is not empty, nothing to train on"
+        else:
+            continue
+        raise data.DataError(f"the {name} split of {data_name} in {root} {problem}: training and evaluation need at "
+                             f"least one pair with a caption in every split; add pairs to it (python check.py "
+                             f"--data {data_name} --data_root {root} lists what each split holds)")
+
+
+# -----------------------------------------------------------------------------
 # A script's main()
 
 
 # The errors a user can fix, by the file, flag or data they name: the scripts print these as one line.
 USER_ERRORS = (FileNotFoundError, FileExistsError, ConfigError, CheckpointError, data.DataError, clip.FileError,
-               DiskFull)
+               DiskFull, Unwritable)
 
 
 def _terminated(number, frame):
-    raise Interrupted(SIGNAL_WORDS[signal.SIGTERM], 128 + number)
+    leave_closed_terminal(number)
+    raise Interrupted(SIGNAL_WORDS[number], 128 + number)
+
+
+def permission_line(error: PermissionError) -> str:
+    """A permission error no part of the project answered itself, as one line naming the file and its folder."""
+    path = Path(error.filename or ".")
+    return (f"permission denied: {path} ({error.strerror}); make {path.parent if error.filename else 'it'} readable "
+            f"and writable for this user, or point the run elsewhere: --out_dir for its files, --data_root for a "
+            f"dataset and its caches, CLIP_CACHE for CLIP's weights")
+
+
+def write_with_replacement() -> None:
+    """stdout and stderr write what their encoding cannot hold (a caption in a Latin-1 or ASCII terminal,
+    PYTHONIOENCODING=ascii) as '?' instead of raising UnicodeEncodeError in the middle of a run."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
 
 
 def run_main(main, program: str) -> None:
     """Call a script's main(). A USER_ERRORS error ends the process with one line on stderr and exit status 1;
     any other exception (a bug, a shape mismatch inside torch, CUDA out of memory) keeps its traceback. Ctrl-C and
-    SIGTERM end it with one line and the shell's status for the signal, 130 or 143 (in the training loop, after a
-    save at the step boundary: StopSignals)."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _terminated)  # outside the training loop SIGTERM ends the run as Ctrl-C does
+    SIGTERM (and SIGHUP) end it with one line and the shell's status for the signal, 130 or 143 (129) (in the
+    training loop, after a save at the step boundary: StopSignals). A permission error is one line too."""
+    write_with_replacement()
+    for number in (signal.SIGTERM, signal.SIGHUP):  # outside the training loop they end the run as Ctrl-C does
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(number) is signal.SIG_DFL:
+            signal.signal(number, _terminated)
     try:
         main()
     except USER_ERRORS + (Diverged,) as error:
         print(f"{program}: error: {one_line(error)}", file=sys.stderr)
+        sys.exit(1)
+    except PermissionError as error:
+        print(f"{program}: error: {permission_line(error)}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt as interrupt:  # Ctrl-C: one line, no traceback, and the shell's status for SIGINT
         message = str(interrupt) if isinstance(interrupt, Interrupted) else "interrupted"

@@ -4168,6 +4168,296 @@ def test_resuming_with_another_decoder_config_is_refused(stage1, tmp_path):
     assert result.returncode == 1 and "decoder_ffn" in result.stderr
 
 
+# --- issue 47: stale caches, empty splits, terminals, unwritable folders, SIGHUP, resume checks (BENCHMARKS.md §9) ---
+
+def test_a_replaced_image_gives_new_pixels_new_intra_tokens_and_new_pair_features(tmp_path):
+    model = _tiny_encoder()  # 64-pixel images
+    for name, color in (("b0", (200, 0, 0)), ("a0", (0, 200, 0))):
+        write_png(tmp_path / "images" / f"{name}.png", color, size=(64, 64))
+    pairs = [data.ImagePair(id="0", before=tmp_path / "images" / "b0.png", after=tmp_path / "images" / "a0.png",
+                            captions=["x"])]
+    reader = data.ImageReader(64)
+    cpu, plain = torch.device("cpu"), contextlib.nullcontext()
+
+    def numbers():
+        pixels = caches.image_cache(pairs, tmp_path / "cache", "all", 64, workers=0)[pairs[0].after].copy()
+        intra = caches.IntraTokens(model, pairs, reader, 4, cpu, plain, tmp_path / "cache")(pairs[0].after).clone()
+        path = caches.cached_features(model, "sha", pairs, reader, tmp_path / "features", "test", cpu, plain,
+                                      batch_size=2, num_workers=0)
+        return pixels, intra, np.load(path).copy()
+
+    first = numbers()
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(first, numbers()))  # found, the same
+    write_png(pairs[0].after, (0, 0, 200), size=(64, 64))  # the after image replaced under the same name
+    os.utime(pairs[0].after, ns=(1, 1))  # a different time even where the clock's step is coarse
+    for old, new, cache in zip(first, numbers(), ("pixels", "intra tokens", "pair features")):
+        assert not np.array_equal(np.asarray(old), np.asarray(new)), cache
+
+
+def test_a_split_without_pairs_is_refused_in_one_line_before_the_first_step_in_both_stages(synth40_root, tiny_adapt,
+                                                                                        stage1, tmp_path):
+    args, env = pairs_run(synth40_root, tmp_path / "pairs")
+    write_json(tmp_path / "pairs" / "val.json", [])
+    out = tmp_path / "adapt"
+    result = run_adapt(tiny_adapt, *args, "--out_dir", out, env=env)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f"adapt.py: error: the val split of pairs in {tmp_path / 'pairs'} has no pairs: training and evaluation need")
+    assert not (out / "ckpt_last.pt").exists() and "step" not in result.stdout
+    pairs_without_distractors(stage1["root"], tmp_path / "pairs2")
+    write_json(tmp_path / "pairs2" / "test.json", [])
+    out = tmp_path / "caption"
+    result = subprocess.run([sys.executable, str(HERE / "caption.py"), *TINY_DECODER, "--data", "pairs",
+                             "--data_root", str(tmp_path / "pairs2"), "--encoder_ckpt", str(stage1["encoder"]),
+                             "--out_dir", str(out)], cwd=HERE, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "CLIP_BPE_PATH": str(stage1["root"] / data.SYNTH_BPE_FILE)})
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "caption.py: error: the test split of pairs" in result.stderr and "has no pairs" in result.stderr
+    assert not (out / "ckpt_last.pt").exists() and "encoding" not in result.stdout
+    empty = [data.ImagePair(id="0", before=Path("b.png"), after=Path("a.png"), captions=[" "])]
+    config = types.SimpleNamespace(data="spot", data_root=str(tmp_path))
+    with pytest.raises(data.DataError, match="the train split of spot .* has 1 pairs but no caption that is not empty"):
+        stopping.refuse_empty_splits({"train": empty}, ("train",), config)
+
+
+def test_output_a_stream_cannot_encode_is_written_with_replacement_never_an_exception():
+    script = "import stopping; stopping.run_main(lambda: print('the cube turned \\u00e9carlate \\u2192 red'), 'x.py')"
+    for encoding in ("ascii", "latin-1"):
+        result = subprocess.run([sys.executable, "-c", script], cwd=HERE, capture_output=True,
+                                env={**os.environ, "PYTHONIOENCODING": encoding})
+        assert result.returncode == 0 and result.stderr == b"", result.stderr
+        assert result.stdout == "the cube turned \u00e9carlate ? red\n".encode(encoding, errors="replace")
+
+
+def test_an_epochs_checkpoints_are_on_disk_before_its_validation_line_is_printed(synth40_root, tiny_adapt, tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, str(HERE / "adapt.py"), *tiny_adapt, "--data_root", str(synth40_root), "--out_dir",
+               str(out), "--epochs", "1"]
+    process = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    seen = []
+    for line in process.stdout:
+        if line.startswith("epoch 1 validation"):
+            seen = [(out / name).is_file() for name in ("ckpt_best.pt", "ckpt_last.pt")]
+    assert process.wait(timeout=300) == 0 and seen == [True, True]
+
+
+def test_an_unwritable_out_dir_cache_or_clip_cache_is_one_line_naming_the_folder(tmp_path, monkeypatch, capsys):
+    def refused(*args, **kwargs):  # what another user's folder answers (the tests run as root: chmod would not stop it)
+        raise PermissionError(errno.EACCES, "Permission denied", str(args[0]) if args else None)
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "mkdir", refused)
+        with pytest.raises(files.Unwritable, match=f"cannot write in {tmp_path / 'theirs' / 'run'} \\(Permission "
+                                                   "denied\\); choose an --out_dir of your own"):
+            files.OutDirLock(tmp_path / "theirs" / "run").__enter__()
+    (tmp_path / "run").mkdir()
+    with monkeypatch.context() as patch:  # a folder that exists, read-only: --eval into another's run
+        patch.setattr(os, "open", refused)
+        with pytest.raises(files.Unwritable, match=f"cannot write in {tmp_path / 'run'} .*choose an --out_dir"):
+            files.OutDirLock(tmp_path / "run").__enter__()
+    pairs = [data.ImagePair(id="0", before=tmp_path / "b.png", after=tmp_path / "a.png", captions=["x"])]
+    for path in (pairs[0].before, pairs[0].after):
+        write_png(path, size=(64, 64))
+    with monkeypatch.context() as patch:
+        patch.setattr(np.lib.format, "open_memmap", refused)
+        with pytest.raises(files.Unwritable, match=f"cannot write in {tmp_path / 'features'} .*pair features"):
+            caches.cached_features(_tiny_encoder(), "sha", pairs, data.ImageReader(64), tmp_path / "features", "test",
+                                   torch.device("cpu"), contextlib.nullcontext(), batch_size=2, num_workers=0)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "save", refused)
+        with pytest.raises(files.Unwritable, match=f"cannot write in {tmp_path / 'cache'} .*intra-image tokens"):
+            caches.IntraTokens(_tiny_encoder(), pairs, data.ImageReader(64), 4, torch.device("cpu"),
+                               contextlib.nullcontext(), tmp_path / "cache")
+    with monkeypatch.context() as patch:  # an unwritable HOME: the shipped synthetic CLIP is not "not downloaded"
+        patch.setenv("CLIP_CACHE", str(tmp_path / "home" / ".cache" / "clip"))
+        patch.setattr(clip, "download", refused)
+        with pytest.raises(clip.FileError, match=f"cannot write CLIP's cache folder {tmp_path / 'home'}.*set "
+                                                 "CLIP_CACHE to a folder this user can write"):
+            clip.load("synth-ViT/32")
+    with pytest.raises(SystemExit) as exit_:  # what nothing else answered: one line naming the file and its folder
+        stopping.run_main(lambda: refused(tmp_path / "elsewhere" / "x.json"), "x.py")
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err == (f"x.py: error: permission denied: {tmp_path / 'elsewhere' / 'x.json'} "
+                                       f"(Permission denied); make {tmp_path / 'elsewhere'} readable and writable "
+                                       f"for this user, or point the run elsewhere: --out_dir for its files, "
+                                       f"--data_root for a dataset and its caches, CLIP_CACHE for CLIP's weights\n")
+
+
+def test_a_json_nested_too_deeply_is_one_line_naming_the_file(tmp_path):
+    (tmp_path / "train.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(data.DataError, match=f"image pairs: {tmp_path / 'train.json'} nests lists or objects too "
+                                             "deeply for Python's JSON reader"):
+        data.load_split("pairs", "train", tmp_path)
+    with pytest.raises(metrics.CaptionInputError, match="train.json: its lists or objects nest too deeply"):
+        metrics.load_json(tmp_path / "train.json")  # the scorer's command line reads results and references
+    (tmp_path / "results.json").write_bytes(b"\xef\xbb\xbf" + b'[{"image_id": 1, "caption": "a cube"}]')
+    assert metrics.load_json(tmp_path / "results.json") == [{"image_id": 1, "caption": "a cube"}]  # a BOM is read
+
+
+def test_sighup_saves_at_the_step_boundary_prints_the_resume_command_and_exits_129(synth40_root, tiny_adapt,
+                                                                                  tmp_path):
+    out = tmp_path / "run"
+    args = ["--data_root", synth40_root, "--out_dir", out, "--epochs", "20", "--save_every", "100"]
+    command = [sys.executable, str(HERE / "adapt.py"), *tiny_adapt, *map(str, args)]
+    process = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    wait_for_log_step(process, out, 2)
+    process.send_signal(signal.SIGHUP)  # what a closed terminal or a dropped ssh session sends
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 129 and "Traceback" not in stderr, stderr
+    step = torch.load(out / "ckpt_last.pt", weights_only=True)["step"]  # saved at the step the signal let finish
+    assert step >= 2
+    assert stderr.strip().splitlines()[-1] == (
+        f"adapt.py: hung up (SIGHUP: its terminal or ssh session closed): {out / 'ckpt_last.pt'} holds step {step}; "
+        f"continue with: {shlex.join(['python', *command[1:], '--resume'])}")
+
+
+def test_a_resumed_run_checks_its_training_split_its_flags_and_its_files_before_any_work(synth40_root, tiny_adapt,
+                                                                                        stage1, tmp_path):
+    out = tmp_path / "run"
+    args, env = pairs_run(synth40_root, tmp_path / "pairs", per_split=8)
+    args += ["--out_dir", out]
+    assert run_adapt(tiny_adapt, *args, "--epochs", "1", env=env).returncode == 0
+    state = torch.load(out / "ckpt_last.pt", weights_only=True)
+    assert state["train_split"]["pairs"] == 8
+    state["config"]["epochs"] = 2  # as a 2-epoch run stopped after its first
+    checkpoints.save_checkpoint(state, out / "ckpt_last.pt")
+    train = json.loads((tmp_path / "pairs" / "train.json").read_text())
+    write_json(tmp_path / "pairs" / "train.json", train[:5])
+    changed = run_adapt(tiny_adapt, *args, "--epochs", "2", "--resume", env=env)
+    assert changed.returncode == 1 and changed.stderr.strip().splitlines()[-1] == (
+        f"adapt.py: error: {out / 'ckpt_last.pt'} was trained on another training split (8 pairs then, 5 now): "
+        f"resumed on it, the steps per epoch, the epoch, the learning-rate schedule and the data order would all "
+        f"shift. Resume with the split it was trained on, or start a new --out_dir")
+    flagged = run_adapt(tiny_adapt, *args, "--epochs", "2", "--resume", "--checkpoint", out / "ckpt_best.pt", env=env)
+    assert flagged.returncode == 2 and "--checkpoint" in flagged.stderr and "--resume continues" in flagged.stderr
+    (out / "ckpt_best.pt").rename(tmp_path / "moved.pt")
+    lost = run_adapt(tiny_adapt, *args, "--epochs", "2", "--resume", env=env)
+    assert lost.returncode == 1 and f"{out / 'ckpt_best.pt'} is missing" in lost.stderr
+    assert "training samples" not in lost.stdout  # refused before the data was read
+    (tmp_path / "moved.pt").rename(out / "ckpt_best.pt")
+    write_json(tmp_path / "pairs" / "train.json", train)
+    del state["train_split"]  # a checkpoint of an earlier version, which recorded no split: resumed as before
+    checkpoints.save_checkpoint(state, out / "ckpt_last.pt")
+    resumed = run_adapt(tiny_adapt, *args, "--epochs", "2", "--resume", env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    cap = tmp_path / "cap"
+    assert stage2(stage1, cap, "--no-finetune_encoder", "--epochs", "1", "--save_every", "1").returncode == 0
+    other = tmp_path / "other_stage1.pt"  # the same weights in another file: another sha256
+    checkpoints.save_checkpoint({**torch.load(stage1["encoder"], weights_only=True), "note": 1}, other)
+    replaced = run("caption.py", *TINY_DECODER, "--data_root", stage1["root"], "--encoder_ckpt", other, "--out_dir",
+                   cap, "--no-finetune_encoder", "--epochs", "1", "--save_every", "1", "--resume")
+    assert replaced.returncode == 1 and "was trained on another stage-1 checkpoint" in replaced.stderr
+    assert "encoding" not in replaced.stdout  # refused before any split was encoded
+
+
+def test_partial_files_of_killed_runs_are_removed_at_the_next_start_wherever_they_are_written(tmp_path, monkeypatch):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    features = tmp_path / "features"
+    features.mkdir()
+    (features / f".train_0123.npy.tmp{dead.pid}").write_bytes(b"x")
+    pairs = [data.ImagePair(id="0", before=tmp_path / "b.png", after=tmp_path / "a.png", captions=["x"])]
+    for path in (pairs[0].before, pairs[0].after):
+        write_png(path, size=(64, 64))
+    caches.cached_features(_tiny_encoder(), "sha", pairs, data.ImageReader(64), features, "test", torch.device("cpu"),
+                           contextlib.nullcontext(), batch_size=2, num_workers=0)
+    assert [p.name for p in features.iterdir() if p.name.startswith(".")] == []
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / f"intra_tokens_0123.partial-{dead.pid}").write_bytes(b"x")
+    caches.IntraTokens(_tiny_encoder(), pairs, data.ImageReader(64), 4, torch.device("cpu"), contextlib.nullcontext(),
+                       tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("*.partial-*"))
+    (tmp_path / "run").mkdir()  # an --eval's: its out_dir, cleaned once the lock is taken
+    (tmp_path / "run" / f".test_scores.json.tmp{dead.pid}").write_text("{")
+    with files.OutDirLock(tmp_path / "run"):
+        assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".lock"]
+    index = tmp_path / "meteor" / "paraphrase-en"  # a killed METEOR index build's folder
+    (index.parent / f"{index.name}.tmp{dead.pid}").mkdir(parents=True)
+    (index.parent / f"{index.name}.tmp{dead.pid}" / "words.npy").write_bytes(b"x" * 100)
+    gz = tmp_path / "paraphrase-en.gz"
+    gz.write_bytes(gzip.compress(b"0.5\nthe cube\nthe block\n"))
+    meteor._build_paraphrase_index(gz, index)
+    assert sorted(p.name for p in index.parent.iterdir()) == ["paraphrase-en"]
+
+
+def test_eval_replaces_its_outputs_together_and_a_stop_in_the_final_test_gives_the_eval_command(stage1, tmp_path,
+                                                                                                 monkeypatch):
+    out = tmp_path / "cap"
+    assert stage2(stage1, out, "--no-finetune_encoder", "--epochs", "1").returncode == 0
+    old = {name: (out / name).read_bytes() for name in caption.TEST_OUTPUTS}
+
+    def stopped(*args, **kwargs):  # Ctrl-C while the grid is drawn, after the scores are written
+        raise KeyboardInterrupt
+    monkeypatch.setattr(caption, "contact_sheet", stopped)
+    monkeypatch.setenv("CLIP_BPE_PATH", str(stage1["root"] / data.SYNTH_BPE_FILE))
+    with pytest.raises(KeyboardInterrupt):
+        caption.main(["--data", "synth", *TINY_DECODER, "--data_root", str(stage1["root"]), "--out_dir", str(out),
+                      "--eval", "--max_len", "3"])
+    assert (out / "test_predictions.json").read_bytes() != old["test_predictions.json"]  # 3 tokens at most now
+    assert not (out / "test_grid.png").exists() and not (out / "test_attention.png").exists()  # none of the old
+    monkeypatch.setattr(sys, "argv", ["caption.py", "--data", "synth", "--resume"])
+    line = str(stopping.final_test_stopped(stopping.Interrupted("", 143), out))
+    assert line == (f"terminated (SIGTERM) during the final test: the training finished and {out / 'ckpt_best.pt'} "
+                    f"holds its best epoch; score it with: python caption.py --data synth --eval")
+
+
+def test_messages_say_what_is_true_of_a_bom_a_folder_a_link_loop_a_url_and_a_repeated_key(tmp_path, monkeypatch,
+                                                                                        capsys):
+    write_png(tmp_path / "b.png")
+    write_png(tmp_path / "a.png")
+    item = {"before": "b.png", "after": "a.png", "captions": ["the cube moved"]}
+    (tmp_path / "train.json").write_bytes(b"\xef\xbb\xbf" + json.dumps([item]).encode())  # Windows editors' BOM
+    assert data.load_split("pairs", "train", tmp_path)[0].captions == ["the cube moved"]
+    (tmp_path / "train.json").write_text('[{"before": "b.png", "after": "a.png", "before": "a.png", "captions": []}]')
+    with pytest.raises(data.DataError, match="train.json repeats the key 'before' inside one object"):
+        data.load_split("pairs", "train", tmp_path)
+    (tmp_path / "train.json").write_text('[{"before": "b.png", "after": "a.png", "captions": ["x"],}]')
+    with pytest.raises(data.DataError, match="is not valid JSON .*; correct it there") as error:
+        data.load_split("pairs", "train", tmp_path)
+    assert "download it again)" in str(error.value)  # only for a dataset's file
+    (tmp_path / "loop.png").symlink_to(tmp_path / "loop.png")
+    (tmp_path / "folder.png").mkdir()
+    for name, said in (("folder.png", "a folder, not a file"), ("loop.png", "not readable (Too many levels of "
+                                                                             "symbolic links)")):
+        write_json(tmp_path / "train.json", [{**item, "after": name}])
+        with pytest.raises(data.DataError, match=re.escape(f"image {tmp_path / name} is {said}")):
+            data.load_split("pairs", "train", tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        caption.main(["--data", "synth", "--pair", "https://example.com/a.png", "b.png"])
+    assert exit_.value.code == 2 and "--pair https://example.com/a.png: a URL" in capsys.readouterr().err
+    result = subprocess.run([sys.executable, str(HERE / "data.py"), "--check"], cwd=HERE, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 1 and "takes no arguments" in result.stderr and "check.py" in result.stderr
+
+
+def test_adapt_eval_given_a_captioner_names_the_command_that_scores_one(stage1, tmp_path):
+    out = tmp_path / "cap"
+    assert stage2(stage1, out, "--epochs", "1").returncode == 0
+    result = run("adapt.py", *TINY_CLIP, "--data_root", stage1["root"], "--out_dir", tmp_path / "a", "--eval",
+                 "--checkpoint", out / "ckpt_best.pt")
+    assert result.returncode == 1 and "--encoder_ckpt" not in result.stderr
+    assert (f"adapt.py --eval --checkpoint takes adapt.py's checkpoint (runs/adapt_<data>/ckpt_best.pt) or a "
+            f"CLIP4IDC release; a captioner is scored with caption.py --eval --checkpoint {out / 'ckpt_best.pt'}"
+            in result.stderr)
+
+
+def test_check_notes_pairs_in_train_and_test_and_types_the_score_table_does_not_know(tmp_path):
+    def pair(i, before, kind=None):
+        return data.ImagePair(id=str(i), before=Path(before), after=Path("a.png"), captions=["x"], change_type=kind)
+    splits = {"train": [pair(0, "b0.png", "move"), pair(1, "b1.png")], "val": [pair(2, "b2.png", "recolour")],
+              "test": [pair(3, "b1.png", "recolour")]}
+    assert check.split_notes(splits) == [
+        "1 test pair(s) are also in train (the same before and after images): 3; their scores measure what was "
+        "memorised, not captioning",
+        "change types ['recolour'] are not CLEVR-Change's ['color', 'material', 'add', 'drop', 'move', "
+        "'distractor']: the score table gives each its own row"]
+    table_pairs = [pair(i, f"b{i}.png", "recolour" if i < 2 else "move") for i in range(4)]
+    monkeypatch_scores = {p.id: "x" for p in table_pairs}
+    table = caption.score_table(monkeypatch_scores, table_pairs)
+    assert table["sizes"] == {"total": 4, "move": 2, "recolour": 2}
+
+
 # --- the reference's released weights, through the commands ---
 
 
