@@ -1565,6 +1565,122 @@ def test_check_names_a_missing_and_a_corrupt_image_and_fails(clevr_root, synth_r
     assert out.endswith("INCOMPLETE: train: 1 image(s) missing; test: 1 image(s) unreadable\n")
 
 
+# --- LEVIR-CC: LevirCCcaptions.json and images/<split>/{A,B} ---
+
+LEVIR_LONG = ("a long row of grey houses with small gardens and a narrow winding lane appears on the bareland at the "
+              "lower-right while several tall trees beside the old road at the top of the scene are cut down and a "
+              "new parking lot is built")  # 43 words: more than 32 CLIP tokens
+LEVIR_CHANGES = ("several houses appear on the bareland at the bottom", "a road is built in the lower-right corner",
+                 "some trees are removed beside the road", "a row of villas is constructed at the top")
+
+
+def levir_record(split, number, changed, flag=True, tokens=True):
+    """One record of LevirCCcaptions.json: Karpathy's form, five sentences, changeflag unless flag is False."""
+    name = f"{split}_{number:06d}.png"
+    said = ([LEVIR_CHANGES[(number + k) % len(LEVIR_CHANGES)] for k in range(5)] if changed
+            else list(data.LEVIR_NO_CHANGE))
+    sentences = [{"raw": f" {s} .", "imgid": number, "sentid": 5 * number + k, **({"tokens": s.split()} if tokens
+                                                                                 else {})} for k, s in enumerate(said)]
+    record = {"filepath": split, "filename": name, "imgid": number, "sentids": [5 * number + k for k in range(5)],
+              "split": split, "sentences": sentences}
+    return record | ({"changeflag": int(changed)} if flag else {})
+
+
+LEVIR_SPLITS = {"train": 8, "val": 2, "test": 4}  # pairs per split, every other one changed
+
+
+def write_levir(root, flag=True):
+    """A LEVIR-CC-form folder: LevirCCcaptions.json (the first record of a split without changeflag, one record
+    with raw sentences only, one caption of 43 words) and 256 x 256 PNGs, plus an image pair no record names.
+    File numbers have gaps, as the published ones."""
+    records = []
+    for split, n in LEVIR_SPLITS.items():
+        for k in range(n):
+            number = 2 * k + 1
+            records.append(levir_record(split, number, changed=k % 2 == 0, flag=flag and k > 0,
+                                        tokens=(split, k) != ("val", 1)))
+            stem = f"{split}_{number:06d}.png"
+            write_png(root / "images" / split / "A" / stem, (90, 110 + 10 * k, 70), (256, 256))
+            write_png(root / "images" / split / "B" / stem, (90 + 60 * (k % 2 == 0), 110 + 10 * k, 70), (256, 256))
+        write_png(root / "images" / split / "A" / f"{split}_000100.png", size=(256, 256))  # in no record
+        write_png(root / "images" / split / "B" / f"{split}_000100.png", size=(256, 256))
+    records[0]["sentences"][2] |= {"tokens": LEVIR_LONG.split(), "raw": f" {LEVIR_LONG} ."}
+    write_json(root / "LevirCCcaptions.json", {"images": records})
+    return root
+
+
+def test_levir_cc_reader_reads_the_records_of_a_split_not_the_image_folders(tmp_path):
+    root = write_levir(tmp_path / "levir")
+    train = data.load_split("levir", "train", root)
+    assert [p.id for p in train] == ["train_000001.png", "train_000003.png", "train_000005.png", "train_000007.png",
+                                     "train_000009.png", "train_000011.png", "train_000013.png", "train_000015.png"]
+    assert train[0].before == root / "images" / "train" / "A" / "train_000001.png"
+    assert train[0].after == root / "images" / "train" / "B" / "train_000001.png"
+    assert [p.change_type for p in train[:2]] == ["change", "no change"] and train[0].distractor is None
+    assert train[1].captions == list(data.LEVIR_NO_CHANGE) and train[0].captions[2] == LEVIR_LONG
+    assert data.load_split("levir", "val", root)[1].captions == list(data.LEVIR_NO_CHANGE)  # from "raw", periods gone
+
+
+def test_levir_cc_without_changeflag_finds_unchanged_pairs_by_their_five_sentences(tmp_path):
+    with_flag = {s: data.load_split("levir", s, write_levir(tmp_path / "a")) for s in data.SPLITS}
+    without = {s: data.load_split("levir", s, write_levir(tmp_path / "b", flag=False)) for s in data.SPLITS}
+    assert "changeflag" not in json.loads((tmp_path / "b" / "LevirCCcaptions.json").read_text())["images"][1]
+    assert {s: [p.change_type for p in pairs] for s, pairs in without.items()} == \
+        {s: [p.change_type for p in pairs] for s, pairs in with_flag.items()}
+
+
+def test_levir_cc_stage_1_adapts_to_the_changed_pairs_and_stage_2_trains_on_all(tmp_path, synth_tokenizer):
+    train = data.load_split("levir", "train", write_levir(tmp_path / "levir"))
+    assert [p.change_type for p in data.adaptation_pairs(train)] == ["change"] * 4
+    assert len(data.AdaptationSamples(data.adaptation_pairs(train), synth_tokenizer, train=True)) == 20
+    assert len(data.CaptionItems(train, synth_tokenizer, use_no_change_pair=False)) == 8
+
+
+def test_levir_cc_reader_says_where_the_file_is_missing_or_wrong(tmp_path):
+    with pytest.raises(data.DataError, match="no LevirCCcaptions.json in .*Chen-Yang-Liu/LEVIR-CC-Dataset"):
+        data.read_levir_cc(tmp_path, "train")
+    write_json(tmp_path / "LevirCCcaptions.json", [levir_record("train", 1, True)])
+    with pytest.raises(data.DataError, match=r'should be \{"images": \[...\]\}'):
+        data.read_levir_cc(tmp_path, "train")
+    write_json(tmp_path / "LevirCCcaptions.json", {"images": [levir_record("train", 1, True) | {"changeflag": "1"}]})
+    with pytest.raises(data.DataError, match=r"record 0 \(train_000001.png\): changeflag should be 0"):
+        data.read_levir_cc(tmp_path, "train")
+
+
+def test_check_levir_prints_pairs_references_and_kinds_beside_the_published_counts(tmp_path, synth_root,
+                                                                                     monkeypatch, capsys):
+    monkeypatch.setenv("CLIP_BPE_PATH", str(synth_root / data.SYNTH_BPE_FILE))  # no download in tests
+    monkeypatch.setitem(check.PUBLISHED, "levir", {"train": (8, 40), "val": (2, 10), "test": (4, 20)})
+    monkeypatch.setitem(check.PUBLISHED_KINDS, "levir", {"train": (4, 4), "val": (1, 1), "test": (2, 2)})
+    outputs = []
+    for flag in (True, False):  # the same counts from a file without changeflag
+        root = write_levir(tmp_path / f"levir_{flag}", flag=flag)
+        assert check_command(monkeypatch, "--data", "levir", "--data_root", str(root)) == 0
+        outputs.append(capsys.readouterr().out.replace(str(root), "ROOT"))
+    assert outputs[0] == outputs[1]
+    out = outputs[0]
+    assert "  train: 8 pairs (published: 8), 40 references (published: 40)\n" \
+           "    4 change pairs (published: 4), 4 no-change pairs (published: 4)\n" \
+           "    images: 16, 0 missing, 0 unreadable\n" in out
+    assert "1 longer than max_words 32" in out
+    assert out.endswith("complete: every split reads, every image opens, the published counts are met\n")
+
+
+def test_check_levir_names_a_missing_and_a_damaged_image_and_the_published_counts_it_misses(tmp_path, synth_root,
+                                                                                               monkeypatch, capsys):
+    monkeypatch.setenv("CLIP_BPE_PATH", str(synth_root / data.SYNTH_BPE_FILE))
+    root = write_levir(tmp_path / "levir")
+    missing, damaged = root / "images" / "val" / "B" / "val_000003.png", root / "images" / "test" / "A" / "test_000001.png"
+    missing.unlink()
+    damaged.write_bytes(damaged.read_bytes()[:-30])  # cut short: its last pixels and end are gone
+    assert check_command(monkeypatch, "--data", "levir", "--data_root", str(root)) == 1
+    out = capsys.readouterr().out
+    assert f"      missing: {missing}\n" in out and f"      unreadable: {damaged} (" in out
+    assert "  test: 4 pairs (published: 1,929; DIFFERENT), 20 references (published: 9,645; DIFFERENT)\n" \
+           "    2 change pairs (published: 964; DIFFERENT), 2 no-change pairs (published: 965; DIFFERENT)" in out
+    assert "INCOMPLETE: " in out and "val: 1 image(s) missing" in out and "test: 1 image(s) unreadable" in out
+
+
 # --- issue 41: full disks, damaged files, unwritable folders (BENCHMARKS.md section 9) ---
 
 def _noisy_png(path, size=(480, 320), seed=0, **save):
