@@ -1619,6 +1619,8 @@ def test_levir_cc_reader_reads_the_records_of_a_split_not_the_image_folders(tmp_
     assert [p.change_type for p in train[:2]] == ["change", "no change"] and train[0].distractor is None
     assert train[1].captions == list(data.LEVIR_NO_CHANGE) and train[0].captions[2] == LEVIR_LONG
     assert data.load_split("levir", "val", root)[1].captions == list(data.LEVIR_NO_CHANGE)  # from "raw", periods gone
+    assert Image.open(train[0].before).size == (256, 256)
+    assert tuple(data.ImageReader()(train[0].before).shape) == (224, 224, 3)  # resized to a square, as the reference
 
 
 def test_levir_cc_without_changeflag_finds_unchanged_pairs_by_their_five_sentences(tmp_path):
@@ -2646,6 +2648,80 @@ def test_the_normalisers_shortcut_for_plain_lines_gives_its_words():
     fast = meteor.FastMeteor(meteor.MeteorConfig(), ("exact",), None)
     assert sum(bool(meteor._PLAIN_LINE.fullmatch(line)) for line in lines) > 5_000   # most take the shortcut
     assert [fast.words(line) for line in sorted(lines)] == [meteor.meteor_normalize(line) for line in sorted(lines)]
+
+
+# --- the field's scoring: how the LEVIR-CC papers score, beside ours ---
+
+def levir_field_vectors():
+    """The LEVIR-CC-style corpus (words) and the Java toolkit's scores of it in the field's form (ids)."""
+    read = lambda name: json.loads(gzip.decompress(vectors("metrics_vectors", name).read_bytes()))  # noqa: E731
+    return read("levir_field.json.gz"), read("levir_field.coco.json.gz")
+
+
+def test_field_scoring_of_vocabulary_ids_equals_the_java_toolkits_as_the_levir_cc_papers_run_it():
+    corpus, toolkit = levir_field_vectors()
+    items = corpus["items"]
+    vocabulary = metrics.field_vocabulary(r for item in items for r in item["references"])
+    assert vocabulary == toolkit["vocabulary"] and len(vocabulary) == 69
+    assert [metrics.field_ids(item["candidate"], vocabulary) for item in items] == \
+        [item["candidate_ids"] for item in toolkit["items"]]
+    subsets = {"whole": [it["id"] for it in items],
+               **{kind: [it["id"] for it in items if it["kind"] == kind] for kind in ("change", "no change")}}
+    table = metrics.score_both_ways({it["id"]: it["candidate"] for it in items},
+                                    {it["id"]: it["references"] for it in items}, subsets, vocabulary,
+                                    metrics.FastCaptionScorer)
+    for name, expected in toolkit["scores"].items():
+        field = table["field"][name]
+        for metric in ("BLEU_1", "BLEU_2", "BLEU_3", "BLEU_4", "METEOR", "ROUGE_L", "CIDEr"):
+            assert field[metric] == pytest.approx(100 * expected[metric], abs=1e-9), (name, metric)
+        assert field["S*m"] == pytest.approx(25 * (expected["BLEU_4"] + expected["METEOR"] + expected["ROUGE_L"]
+                                                   + expected["CIDEr"]), abs=1e-9)
+    assert table["sizes"] == {"whole": 240, "change": 130, "no change": 110}
+    assert round(toolkit["scores"]["whole"]["METEOR"], 4) == 0.4311  # the table in tests/metrics_vectors/README.md
+
+
+def test_field_meteor_on_ids_matches_exactly_but_for_the_paraphrase_tables_number_phrases():
+    corpus, toolkit = levir_field_vectors()
+    predictions = {it["id"]: it["candidate_ids"] for it in toolkit["items"]}
+    references = {it["id"]: it["references_ids"] for it in toolkit["items"]}
+    exact = metrics.score_captions(predictions, references, ("METEOR",), tokenize=False, meteor_modules=("exact",))
+    assert exact["corpus"]["METEOR"] == pytest.approx(toolkit["scores"]["whole"]["METEOR_exact"], abs=1e-12)
+    assert toolkit["scores"]["whole"]["METEOR"] - toolkit["scores"]["whole"]["METEOR_exact"] == \
+        pytest.approx(0.0006, abs=1e-4)
+
+
+def test_field_words_join_clip_decoded_hyphens_and_unknown_words_are_unk_in_references_too():
+    assert metrics.field_words("a lane at the lower - right corner") == ["a", "lane", "at", "the", "lower-right",
+                                                                         "corner"]
+    vocabulary = metrics.field_vocabulary(["the road is widened"] * 5 + ["the quonset"] * 4)
+    assert vocabulary == {"is": 4, "road": 5, "the": 6, "widened": 7}  # after <NULL> <UNK> <START> <END>
+    assert metrics.field_ids("the quonset is widened", vocabulary) == "6 1 4 7"
+
+
+def test_both_ways_table_prints_whole_change_and_no_change_each_scored_ours_and_the_fields_with_s_star_m():
+    references = {"a": ["several houses appear at the lower-right", "some houses are built"],
+                  "b": list(data.LEVIR_NO_CHANGE), "c": ["a road is built in the forest", "a new road appears"]}
+    predictions = {"a": "several houses appear at the lower - right", "b": "there is no difference",
+                   "c": "a road is built"}
+    vocabulary = metrics.field_vocabulary([r for refs in references.values() for r in refs] * 5)
+    table = metrics.score_both_ways(predictions, references, {"whole test": ["a", "b", "c"], "change": ["a", "c"],
+                                                              "no change": ["b"]}, vocabulary)
+    for way in ("project", "field"):
+        scores = table[way]["change"]
+        assert scores["S*m"] == pytest.approx((scores["BLEU_4"] + scores["METEOR"] + scores["ROUGE_L"]
+                                               + scores["CIDEr"]) / 4)
+        assert table[way]["whole test"]["BLEU_4"] == pytest.approx(100.0)  # hyphens joined: every word matches
+    text = metrics.format_both_ways(table)
+    lines = text.splitlines()
+    assert lines[0].split() == ["x100", "pairs", "BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L",
+                                "CIDEr-D", "S*m"]
+    assert [line.split(",")[0] for line in lines[1:7]] == ["whole test", "whole test", "change", "change",
+                                                            "no change", "no change"]
+    assert lines[2].startswith("whole test, field's        3") and lines[5].startswith("no change, ours            1")
+    field_line = next(line for line in lines if line.startswith("field's:"))
+    assert "vocabulary-id strings" in field_line and ">= 5 times" in field_line and "<unk>" in field_line \
+        and "no PTB tokenizer" in field_line
+    assert lines[-1] == "S*m = (BLEU-4 + METEOR + ROUGE-L + CIDEr-D) / 4"
 
 
 # ======== meteor.py ========
@@ -4054,6 +4130,40 @@ def test_resuming_with_another_decoder_config_is_refused(stage1, tmp_path):
     assert stage2(stage1, out, "--epochs", "1").returncode == 0
     result = stage2(stage1, out, "--epochs", "2", "--resume", "--decoder_ffn", "256")
     assert result.returncode == 1 and "decoder_ffn" in result.stderr
+
+
+def test_levir_cc_tiny_stage_1_and_stage_2_end_to_end_print_the_papers_table_scored_both_ways(tmp_path):
+    """--data levir on a LEVIR-CC-form folder (write_levir), with a tiny CLIP of the synthetic vocabulary: stage 1
+    adapts to the changed pairs, stage 2 trains on all, --eval prints the papers' table, ours and the field's."""
+    root = write_levir(tmp_path / "levir")
+    clip_file = write_tiny_clip(tmp_path / "clip", embed_dim=64)
+    env = {**os.environ, "CLIP_BPE_PATH": str(tmp_path / "clip" / data.SYNTH_BPE_FILE)}  # the tiny CLIP's vocabulary
+
+    def levir(script, *args):
+        return subprocess.run([sys.executable, str(HERE / script), "--data", "levir", "--data_root", str(root),
+                               "--num_workers", "0", *map(str, args)], cwd=HERE, capture_output=True, text=True,
+                              timeout=300, env=env)
+
+    stage_1 = levir("adapt.py", "--clip_model", clip_file, "--intra_layers", "1", "--out_dir", tmp_path / "adapt",
+                    "--epochs", "1", "--batch_size", "8", "--eval_batch_size", "16")
+    assert stage_1.returncode == 0, stage_1.stderr
+    assert "20 training samples from 4 pairs" in stage_1.stdout  # the changed pairs' 5 captions each
+    stage_2 = levir("caption.py", *TINY_DECODER[2:], "--encoder_ckpt", tmp_path / "adapt" / "ckpt_best.pt",
+                    "--out_dir", tmp_path / "caption", "--epochs", "1", "--batch_size", "4")
+    assert stage_2.returncode == 0, stage_2.stderr
+    assert "8 training pairs" in stage_2.stdout  # the unchanged pairs too, with their captions
+    table = stage_2.stdout[stage_2.stdout.index("x100 "):stage_2.stdout.index("S*m = (BLEU-4")]
+    assert [line[:28] for line in table.splitlines()[1:7]] == [
+        "whole test, ours           4", "whole test, field's        4", "change, ours               2",
+        "change, field's            2", "no change, ours            2", "no change, field's         2"]
+    scores = json.loads((tmp_path / "caption" / "test_scores.json").read_text())
+    assert scores["field"]["sizes"] == {"whole test": 4, "change": 2, "no change": 2}
+    assert scores["field"]["vocabulary"] == len(metrics.field_vocabulary(
+        c for s in data.SPLITS for p in data.load_split("levir", s, root) for c in p.captions))
+    written = (tmp_path / "caption" / "test_scores.txt").read_text()
+    again = levir("caption.py", "--eval", "--out_dir", tmp_path / "caption")
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "caption" / "test_scores.txt").read_text() == written and table in again.stdout
 
 
 # --- the reference's released weights, through the commands ---
