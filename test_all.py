@@ -4553,6 +4553,9 @@ def test_bench_cost_hours_are_flops_over_the_rate_of_each_gpu_at_each_fraction_o
     assert hours["spot"]["stage1"]["pflop"] == round(17_676 * 20 / 1e3, 1)
     # cached features: 50 epochs of 8,566 pairs, and encoding each of its 11,329 pairs once
     assert hours["spot"]["stage2_cached"]["pflop"] == round((8_566 * 50 + 11_329) / 1e3, 1)
+    # LEVIR-CC: stage 1 on the 3,407 changed train pairs' 5 captions; stage 2 on all 6,815, 10,077 pairs encoded
+    assert hours["levir"]["stage1"]["pflop"] == round(3_407 * 5 * 20 / 1e3, 1)
+    assert hours["levir"]["stage2_cached"]["pflop"] == round((6_815 * 50 + 10_077) / 1e3, 1)
 
 
 
