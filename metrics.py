@@ -892,9 +892,9 @@ class FastCaptionScorer(CaptionScorer):
 # becomes the string of its words' vocabulary ids ("12 40 7"), references keep <unk> for a word outside the
 # vocabulary, there is no PTB tokenizer, and the same four scorers run on those strings. METEOR (the jar with its
 # four modules, as they run it) then matches almost only exactly: no id is one of its function words, and ids have
-# no stems or synonyms; its paraphrase table alone still joins a few phrases of numbers (14 of the 240 items of
-# tests/metrics_vectors/levir_field.json.gz), so METEOR, and METEOR alone, depends a little on which number a word
-# gets. The vocabulary is the words seen at least 5 times in the captions, counted over all three splits as the
+# no stems or synonyms; its paraphrase table alone still joins a few phrases of numbers (it moves the METEOR of 14
+# of the 240 items of tests/metrics_vectors/levir_field.json.gz), so METEOR, and METEOR alone, depends a little on
+# which number a word gets. The vocabulary is the words seen at least 5 times in the captions, counted over all three splits as the
 # papers' preprocessing counts them, and numbered as github.com/Chen-Yang-Liu/RSCaMa preprocess_data.py numbers
 # them (its vocab.json: <NULL> 0, <UNK> 1, <START> 2, <END> 3, then the words in sorted order). They report
 # S*m = (BLEU-4 + METEOR + ROUGE-L + CIDEr-D) / 4, x100.
@@ -933,6 +933,7 @@ def score_both_ways(predictions, references, subsets, vocabulary, scorer=Caption
     re-scored on its own: the project's way (words, PTB tokens) and the field's (vocabulary ids, no tokenizer),
     METEOR with all four modules where its data is found, as the jar runs. Both score the same words: hyphens
     joined as in the field's captions."""
+    # differs from reference: its captions are scored as decoded; here "lower - right" is "lower-right" again
     predictions = {i: " ".join(field_words(c)) for i, c in predictions.items()}
     references = {i: [" ".join(field_words(r)) for r in references[i]] for i in predictions}
     ids = {i: field_ids(c, vocabulary) for i, c in predictions.items()}

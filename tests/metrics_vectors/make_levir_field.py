@@ -24,7 +24,7 @@ alike; no PTB tokenizer; Bleu(4) (closest reference length), Meteor() (meteor-1.
 as the field runs it), Rouge(), Cider(). The whole corpus, its changed pairs and its unchanged pairs are each
 scored on their own (CIDEr's IDF is per corpus). The same jar run with `-m exact` is kept too (METEOR_exact): on
 id strings stem and synonym matching find nothing, but the paraphrase table joins a few phrases of numbers, so
-METEOR with every module, the papers' number, is a little above the exact-only one.
+METEOR with every module, the papers' number, differs a little from the exact-only one.
 """
 import argparse
 import random
