@@ -558,6 +558,8 @@ def read_levir_cc(root: Path, split: str) -> list[ImagePair]:
                                     name, path)
         if "changeflag" in record:
             flag = checked_type(record["changeflag"], int, f"{where}: changeflag", "0 (unchanged) or 1 (changed)")
+            if flag not in (0, 1):
+                raise DataError(f"{where}: changeflag should be 0 (unchanged) or 1 (changed), got {flag}")
             unchanged = flag == 0
         else:
             unchanged = all(caption in LEVIR_NO_CHANGE for caption in captions)

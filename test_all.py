@@ -1647,6 +1647,9 @@ def test_levir_cc_reader_says_where_the_file_is_missing_or_wrong(tmp_path):
     write_json(tmp_path / "LevirCCcaptions.json", {"images": [levir_record("train", 1, True) | {"changeflag": "1"}]})
     with pytest.raises(data.DataError, match=r"record 0 \(train_000001.png\): changeflag should be 0"):
         data.read_levir_cc(tmp_path, "train")
+    write_json(tmp_path / "LevirCCcaptions.json", {"images": [levir_record("train", 1, True) | {"changeflag": 2}]})
+    with pytest.raises(data.DataError, match=r"changeflag should be 0 \(unchanged\) or 1 \(changed\), got 2"):
+        data.read_levir_cc(tmp_path, "train")
 
 
 def test_check_levir_prints_pairs_references_and_kinds_beside_the_published_counts(tmp_path, synth_root,
