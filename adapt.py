@@ -35,7 +35,7 @@ main_task_retrieval.py and modules/; "the reference" below):
   - the synth preset freezes the intra-image blocks outright and computes their tokens once (see build_encoder).
 
 Run:  python adapt.py --data synth            the synthetic CLIP adapted to pairs, 2 CPU cores, about 10 minutes
-      python adapt.py --data clevr            the paper's run on CLEVR-Change (GPUs recommended)
+      python adapt.py --data clevr            the paper's run on CLEVR-Change (GPUs recommended); or spot, ier, levir
       torchrun --standalone --nproc_per_node=2 adapt.py --data clevr
       python adapt.py --data synth --resume   continue an interrupted run from out_dir/ckpt_last.pt
       python adapt.py --data clevr --eval --checkpoint pretrained/pytorch_model.bin.clevr
@@ -88,7 +88,7 @@ TRAINING_KEYS = ("freeze", "epochs", "batch_size", "grad_accum", "lr", "clip_lr_
 @dataclass
 class Config:
     # data
-    data: str = flag("clevr", "dataset preset: clevr, spot, ier, pairs, synth")
+    data: str = flag("clevr", "dataset preset: clevr, spot, ier, levir, pairs, synth")
     data_root: str = flag("", "the dataset's folder (\"\" = data/<dataset>, see data.py)")
     synth_pairs: int = flag(2000, "synth only: scenes drawn on first use")
     max_words: int = flag(32, "caption length in tokens, start and end tokens included")
@@ -174,6 +174,8 @@ PRESETS = {
     "clevr": dict(epochs=12, batch_size=128, lr=1e-4, clip_lr_scale=1e-3),
     "spot": dict(epochs=20, batch_size=128, lr=1e-4, clip_lr_scale=1e-3),
     "ier": dict(epochs=20, batch_size=128, lr=1e-4, clip_lr_scale=1e-3),
+    # LEVIR-CC has no reference run: Spot-the-Diff's recipe, for as many samples per epoch (RECIPES.md, "LEVIR-CC")
+    "levir": dict(epochs=20, batch_size=128, lr=1e-4, clip_lr_scale=1e-3),
     "pairs": dict(epochs=12, batch_size=64, lr=1e-4, clip_lr_scale=1e-3),
     "synth": dict(clip_model="synth-ViT/32", intra_layers=4, freeze_intra=True, synth_pairs=6000, epochs=6,
                   batch_size=128, lr=1e-2, clip_lr_scale=0.1, num_workers=0, image_cache=True, log_every=20),
@@ -276,7 +278,7 @@ def read_pairs(config: Config, dist_, resolution: int = data.IMAGE_SIZE) -> Pair
             synth.ensure_synth(root, synth.SynthConfig(pairs=config.synth_pairs))
         if dist_.ddp:
             dist.barrier()
-    splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
+    splits = {s: data.adaptation_pairs(data.load_split(config.data, s, root)) for s in data.SPLITS}  # no unchanged
     with one_download_per_machine(dist_):  # CLIP's vocabulary, downloaded on first use
         tokenizer = clip.get_tokenizer(data.bpe_path(config.data, root))
     images = image_reader(splits, root, resolution, config.image_cache, dist_)

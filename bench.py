@@ -985,6 +985,9 @@ IMAGE_CACHE_BYTES = 224 * 224 * 3  # caches.image_cache: one uint8 (R, R, 3) ima
 #     sentences, IER's 3,061 requests; CLEVR-Change's caption files were never read here: 6 change captions per
 #     pair is an assumption (the RCC paper's 493,735 captions for 79,606 pairs), and stage 1's time scales with it;
 #   stage2_pairs: caption.py trains on one item per train pair (CLEVR-Change: a change and a no-change caption).
+#   LEVIR-CC: 2 images per annotated pair (10,077; the folders' unannotated images are never read), one feature
+#     row per pair; stage 1 one sample per (changed train pair, caption): 3,407 x 5 (data.adaptation_pairs);
+#     stage 2 every train pair, changed or not, one caption each.
 DATASET_COSTS = {
     "clevr": {"images": 3 * (33_830 + 1_988 + 3_985), "feature_rows": 2 * (33_830 + 1_988 + 3_985),
               "stage1_samples": 6 * 33_830, "stage2_pairs": 33_830, "captions_per_pair": 2},
@@ -992,6 +995,8 @@ DATASET_COSTS = {
              "stage1_samples": 17_676, "stage2_pairs": 8_566, "captions_per_pair": 1},
     "ier": {"images": 5_883, "feature_rows": 3_061 + 383 + 495,
             "stage1_samples": 3_061, "stage2_pairs": 3_061, "captions_per_pair": 1},
+    "levir": {"images": 2 * (6_815 + 1_333 + 1_929), "feature_rows": 6_815 + 1_333 + 1_929,
+              "stage1_samples": 5 * 3_407, "stage2_pairs": 6_815, "captions_per_pair": 1},
 }
 
 
@@ -1153,7 +1158,7 @@ def disk_sizes(sizes: CostSizes) -> dict:
     patches = (sizes.clip_config.image_resolution // sizes.clip_config.vision_patch_size) ** 2  # N
     row = 2 * (patches + 1) * sizes.clip_config.embed_dim * 2  # (M, E) float16
     intra = (patches + 1) * sizes.clip_config.vision_width * 4  # (N+1, D) float32
-    train_images = {"clevr": 3 * 33_830, "spot": 2 * 8_566, "ier": 4_516}
+    train_images = {"clevr": 3 * 33_830, "spot": 2 * 8_566, "ier": 4_516, "levir": 2 * 6_815}
     return {name: {"images": d["images"], "image_cache_gb": round(d["images"] * IMAGE_CACHE_BYTES / 1e9, 2),
                    "feature_rows": d["feature_rows"], "feature_cache_gb": round(d["feature_rows"] * row / 1e9, 2),
                    "freeze_intra_tokens_gb": round(train_images[name] * intra / 1e9, 2)}

@@ -107,7 +107,7 @@ SCORER = metrics.FastCaptionScorer  # speed variant (metrics.py): the plain Capt
 @dataclass
 class Config:
     # data
-    data: str = flag("clevr", "dataset preset: clevr, spot, ier, pairs or synth")
+    data: str = flag("clevr", "dataset preset: clevr, spot, ier, levir, pairs or synth")
     data_root: str = flag("", "the dataset's folder (\"\" = data/<dataset>, see data.py)")
     synth_pairs: int = flag(2000, "synth only: scenes drawn on first use (must match adapt.py's)")
     max_words: int = flag(32, "caption length in tokens, start and end tokens included")
@@ -201,6 +201,9 @@ PRESETS = {
     "clevr": dict(epochs=50, batch_size=16, lr=1e-4, use_no_change_pair=True, train_word_embedding=False),
     "spot": dict(epochs=50, batch_size=16, lr=1e-4, use_no_change_pair=False, train_word_embedding=True),
     "ier": dict(epochs=50, batch_size=16, lr=1e-4, use_no_change_pair=False, train_word_embedding=True),
+    # LEVIR-CC, no reference run: Spot-the-Diff's (real photographs, no distractor images); its unchanged pairs are
+    # ordinary training pairs with their own captions, as its papers train them (RECIPES.md, "LEVIR-CC")
+    "levir": dict(epochs=50, batch_size=16, lr=1e-4, use_no_change_pair=False, train_word_embedding=True),
     "pairs": dict(epochs=50, batch_size=16, lr=1e-4, use_no_change_pair=False, train_word_embedding=True),
     "synth": dict(synth_pairs=6000, finetune_encoder=True, epochs=4, patience=4, batch_size=32, lr=1e-3, max_len=22,
                   clip_lr_scale=0.5, train_word_embedding=True, decoder_heads=4, decoder_ffn=512, dropout=0.0,
@@ -519,8 +522,11 @@ def evaluate(run: Run, root: Path, stage1: Stage1, captioner: Captioner, tokeniz
                                      batch_size=config.eval_batch_size, num_workers=config.num_workers)
     features = split_features(captioner, feature_path, "test", eval_pairs["test"], images, dist_.device, ctx,
                               batch_size=config.eval_batch_size, num_workers=config.num_workers)
+    field = data.SOURCES[config.data].field_scoring  # LEVIR-CC: also as its papers score, with their vocabulary
+    vocabulary = metrics.field_vocabulary(c for s in data.SPLITS for p in splits[s] for c in p.captions) if field \
+        else None
     evaluate_test(run, stage1.encoder, captioner.decoder, features, eval_pairs["test"], splits["test"], images,
-                  tokenizer)
+                  tokenizer, vocabulary)
 
 
 def training_set(run: Run, stage1: Stage1, pairs, images, tokenizer, feature_path: dict, say) -> Dataset:
@@ -685,16 +691,23 @@ def format_table(table: dict) -> str:
 
 
 def evaluate_test(run: Run, encoder: PairEncoder, decoder: CaptionDecoder, features: np.ndarray, pairs,
-                  test_pairs, images, tokenizer) -> dict:
+                  test_pairs, images, tokenizer, vocabulary: dict | None = None) -> dict:
     """Decode the test split, write predictions (COCO results format), the score table, a grid PNG and the
     attention maps of the grid's first pairs; score localisation where the pairs have boxes (explain.py).
 
-    pairs are the evaluation pairs (rows of features); test_pairs the split's pairs, for the grid.
+    pairs are the evaluation pairs (rows of features); test_pairs the split's pairs, for the grid. With the field's
+    vocabulary (LEVIR-CC), the table is its papers' (whole test, change, no change, S*m), scored our way and theirs.
     """
     config, device, ctx, out_dir = run.config, run.dist_.device, run.ctx, run.out_dir
     predictions = predict(decoder, features, pairs, tokenizer, config, device, ctx, what="test")
     table = score_table(predictions, pairs)
     text = format_table(table)
+    if vocabulary is not None:  # the papers' subsets: the whole split, its changed and its unchanged pairs
+        by_type = data.ids_by_type(pairs)
+        kinds = {"whole test": [p.id for p in pairs],
+                 **{kind: by_type[kind] for kind in (data.CHANGED, data.UNCHANGED) if kind in by_type}}
+        table["field"] = metrics.score_both_ways(predictions, data.references(pairs), kinds, vocabulary, SCORER)
+        text = metrics.format_both_ways(table["field"])
     # the change pairs are the first rows of features, in the order of test_pairs (data.evaluation_pairs)
     located = explain.localisation(encoder, decoder, test_pairs, features, images, tokenizer, config.max_len,
                                    config.eval_batch_size, device, ctx)

@@ -1,8 +1,9 @@
 """Check a downloaded dataset, and draw its pairs: what to run after a download, before hours of training.
 
-- `check_dataset` (`python check.py --data clevr`, or spot, ier, pairs, synth; `--data_root DIR`): reads every
-  split, decodes every image whole (in parallel when there are many), compares the counts with the published
-  ones, and prints what is there and what is not; exit status 1 when something is missing or unreadable.
+- `check_dataset` (`python check.py --data clevr`, or spot, ier, levir, pairs, synth; `--data_root DIR`): reads
+  every split, decodes every image whole (in parallel when there are many), compares the counts with the published
+  ones (LEVIR-CC's change and no-change pairs too), and prints what is there and what is not; exit status 1 when
+  something is missing or unreadable.
 - `contact_sheet` (`python check.py --show [--data synth] [--split test] [--n 6] [--model-view] [--out sheet.png]`):
   a PNG with one row per pair, its images and captions; caption.py draws its test grid with it, the predicted
   captions above the references.
@@ -17,10 +18,9 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont, UnidentifiedImageError
 
 import clip
-from data import (CHANGE_TYPES, DISTRACTOR, IMAGE_SIZE, MAX_WORDS, NO_CHANGE_SUFFIX, SOURCES, SPLITS, DataError,
-                  ImagePair, bpe_path,
-                  dataset_root, load_image, load_split, preprocess_uint8, read_clevr_change, read_json, repair,
-                  training_captions, usable_cpus)
+from data import (CHANGE_TYPES, CHANGED, DISTRACTOR, IMAGE_SIZE, LEVIR_NO_CHANGE, MAX_WORDS, NO_CHANGE_SUFFIX,
+                  SOURCES, SPLITS, UNCHANGED, DataError, ImagePair, bpe_path, dataset_root, load_image, load_split,
+                  preprocess_uint8, read_clevr_change, read_json, repair, training_captions, usable_cpus)
 from progress import Progress
 
 # -----------------------------------------------------------------------------
@@ -30,6 +30,11 @@ PUBLISHED = {  # (pairs, references) per split as the datasets publish them; Non
     "clevr": {"train": (33_830, None), "val": (1_988, None), "test": (3_985, None)},  # RCC's splits.json
     "spot": {"train": (8_566, 17_676), "val": (1_493, 3_310), "test": (1_270, 2_107)},  # spot-the-diff's, unique img_ids
     "ier": {"train": (3_061, 3_061), "val": (383, 1_149), "test": (495, 1_485)},        # VisualRelationships' adobe
+    # LEVIR-CC: Liu et al., TGRS 2022, Table I (github.com/Chen-Yang-Liu/RSICC Example/num.png), 5 sentences a pair
+    "levir": {"train": (6_815, 34_075), "val": (1_333, 6_665), "test": (1_929, 9_645)},
+}
+PUBLISHED_KINDS = {  # (changed, unchanged) pairs per split, where a dataset publishes them (the same Table I)
+    "levir": {"train": (3_407, 3_408), "val": (667, 666), "test": (964, 965)},
 }
 
 CLEVR_IDS_IN_NO_SPLIT = 197     # CLEVR-Change's captioned ids that its splits.json leaves out (597, 857, ...)
@@ -110,6 +115,21 @@ def beside_published(found: int, published: int | None, problems: list[str], wha
     return f"{found:,} {what} (published: {published:,})"
 
 
+def kinds_line(data: str, split: str, pairs: list[ImagePair], problems: list[str]) -> str:
+    """'3,407 change pairs (published: 3,407), 3,408 no-change pairs (published: 3,408)', and the pairs whose
+    changeflag says otherwise than their captions (the papers' scripts go by the captions)."""
+    published = PUBLISHED_KINDS.get(data, {}).get(split, (None, None))
+    counts = [sum(pair.change_type == kind for pair in pairs) for kind in (CHANGED, UNCHANGED)]
+    line = ", ".join(beside_published(n, p, problems, what, split)
+                     for n, p, what in zip(counts, published, ("change pairs", "no-change pairs")))
+    disagree = [pair.id for pair in pairs if (pair.change_type == UNCHANGED)
+                != all(caption in LEVIR_NO_CHANGE for caption in pair.captions)]
+    if disagree:
+        line += (f"; {len(disagree):,} pairs whose changeflag disagrees with their captions (the no-change "
+                 f"sentences or not): {named(disagree)}")
+    return line
+
+
 def check_dataset(data: str, root: Path, tokenizer: clip.SimpleTokenizer | None, max_words: int = MAX_WORDS) -> bool:
     """Read every split of a downloaded dataset, open every image, print what is there and what is not.
 
@@ -138,6 +158,8 @@ def check_dataset(data: str, root: Path, tokenizer: clip.SimpleTokenizer | None,
         references = sum(len(pair.captions) for pair in pairs)
         print(f"  {split}: {beside_published(len(pairs), published[0], problems, 'pairs', split)}, "
               f"{beside_published(references, published[1], problems, 'references', split)}")
+        if any(pair.change_type in (CHANGED, UNCHANGED) for pair in pairs):  # LEVIR-CC's two kinds of pair
+            print("    " + kinds_line(data, split, pairs, problems))
         if not pairs and published[0] is None:  # a published count is compared above
             problems.append(f"{split}: 0 pairs")
             print(f"    no pairs: training and evaluation need at least one in every split")

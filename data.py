@@ -12,9 +12,10 @@ It holds, top to bottom, the lesson first:
      evaluation pairs with the scorer's ids and reference lists, ids per change type (stage 0's samples of
      single synthetic scenes are synth.py's SceneSamples), and to_device, where a batch meets the GPU;
 then the file handling:
-  4. the readers of the published layouts: CLEVR-Change, Spot-the-Diff, Image-Editing-Request (IER) and a simple
-     JSON format for your own pairs; the synthetic dataset (`--data synth`, the project's default) is drawn by
-     synth.py in the CLEVR-Change layout and read here like CLEVR-Change;
+  4. the readers of the published layouts: CLEVR-Change, Spot-the-Diff, Image-Editing-Request (IER), LEVIR-CC
+     (remote-sensing change captioning) and a simple JSON format for your own pairs; the synthetic dataset
+     (`--data synth`, the project's default) is drawn by synth.py in the CLEVR-Change layout and read here like
+     CLEVR-Change;
   5. images: loading with readable errors, CLIP4IDC's preprocessing, the image reader.
 The caches of preprocessed pixels, intra-image tokens and pair features are caches.py's; checking a download and
 drawing a contact sheet, check.py's.
@@ -32,6 +33,11 @@ The layouts, under the default roots (a `root` argument overrides them):
                      items repeat img_id (merged here, as CLIP4IDC's reformat_dataset.py does);
                      images/<img_id>.png (before) and images/<img_id>_2.png (after).
   data/ier           {train,valid,test}.json, lists of {"img0", "img1", "sents", "uid"}; images/<img0>, images/<img1>.
+  data/levir_cc      LevirCCcaptions.json ({"images": [{"filename": "train_000016.png", "split": "train",
+                     "changeflag": 0 or 1 (older copies lack it), "sentences": [{"tokens": [...], "raw": "..."}, ...]},
+                     ...]}, five sentences per pair) and images/{train,val,test}/{A,B}/<filename> (A before, B after,
+                     256 x 256 PNG; the folders hold more images than the file names, which are never read); your
+                     own set in this form with --data_root.
   data/pairs         your own pairs: {train,val,test}.json, each a list of
                        {"before": "a.png", "after": "b.png", "captions": ["..."],       (required)
                         "id": "...", "type": "...", "distractor": "c.png", "no_change_captions": ["..."]}
@@ -54,10 +60,10 @@ What differs from the reference (github.com/sushizixin/CLIP4IDC at commit ca4946
     convert("RGB") turns it white.
 
 Run:  python data.py                                   write a pair of your own in a temp folder, print its samples
-      python check.py --data clevr|spot|ier|pairs [--data_root DIR]   after downloading: is it complete?
+      python check.py --data clevr|spot|ier|levir|pairs [--data_root DIR]   after downloading: is it complete?
 
 Shape letters: B pairs in a batch, R image side after preprocessing (224), T caption tokens (max_words, 32),
-H, W height and width of a stored image (320 x 480 for CLEVR-Change and the synthetic set).
+H, W height and width of a stored image (320 x 480 for CLEVR-Change and the synthetic set, 256 x 256 for LEVIR-CC).
 """
 import gzip
 import json
@@ -85,6 +91,7 @@ DISTRACTOR = "distractor"  # the type of a no-change pair; the papers' "DI" colu
 NO_CHANGE_SUFFIX = "_n"    # CLEVR-Change's evaluation id of the distractor pair: "000123.png_n"
 SYNTH_BPE_FILE = "bpe_synth_vocab.txt.gz"  # synth.py writes its vocabulary there, beside the dataset
 CHANGE_BOXES_FILE = "change_captions_with_bbox.json"  # RCC's file of the changed object's boxes (optional)
+CHANGED, UNCHANGED = "change", "no change"  # LEVIR-CC's two kinds of pair: its papers score each kind alone too
 
 
 class DataError(ValueError):
@@ -102,7 +109,8 @@ class ImagePair:
     before: Path
     after: Path
     captions: list[str]                  # change captions: training targets and evaluation references
-    change_type: str | None = None       # one of CHANGE_TYPES where the dataset says (CLEVR-Change, synth)
+    change_type: str | None = None       # one of CHANGE_TYPES where the dataset says (CLEVR-Change, synth);
+    #                                      CHANGED or UNCHANGED (LEVIR-CC)
     distractor: Path | None = None       # the before scene from another viewpoint or light (CLEVR's nsc image)
     no_change_captions: list[str] = field(default_factory=list)  # captions of the pair (before, distractor)
     change_boxes: dict | None = None     # {"before", "after": [x, y, w, h] or None}: the changed object, where known
@@ -113,6 +121,16 @@ def training_captions(captions: list[str]) -> list[str]:
     # differs from reference: its dataloader_spot_caption.py trains on Spot-the-Diff's empty sentences too ([SOT, EOT]
     # as the target)
     return [caption for caption in captions if caption.strip()]
+
+
+def adaptation_pairs(pairs: list[ImagePair]) -> list[ImagePair]:
+    """The pairs stage 1 adapts to: all but the unchanged pairs of a dataset that mixes them in (LEVIR-CC).
+
+    Stage 1 learns what changed: CLEVR-Change's no-change captions are not used in it (the reference's
+    dataloader_clevr_retrieval.py), and LEVIR-CC's unchanged pairs are left out the same way. Their five captions
+    are the same five for every unchanged pair, so in a contrastive batch each would be a false negative of the
+    others (RECIPES.md, "LEVIR-CC"). Stage 2 trains on them, with their captions."""
+    return [pair for pair in pairs if pair.change_type != UNCHANGED]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -523,6 +541,68 @@ def read_ier(root: Path, split: str) -> list[ImagePair]:
     return pairs
 
 
+LEVIR_CAPTIONS = ("LevirCCcaptions.json", "LevirCCcaptions_v1.json")  # the download's name; PromptCC's copy with
+# changeflag (github.com/Chen-Yang-Liu/PromptCC, data/LEVIR_CC/)
+# The five sentences of every unchanged LEVIR-CC pair, the list its papers' evaluation scripts find those pairs by
+# (github.com/Chen-Yang-Liu/RSICC eval.py, `nochange_list`): a file without changeflag is read by them too.
+LEVIR_NO_CHANGE = ("there is no difference", "the two scenes seem identical", "the scene is the same as before",
+                   "no change has occurred", "almost nothing has changed")
+
+
+def levir_caption(sentence, where: str) -> str:
+    """A LEVIR-CC sentence as the words its papers score: its "tokens" joined by spaces (the JSON's own
+    tokenization, which github.com/Chen-Yang-Liu/RSICC utils.py `create_input_files` reads), or, in a record
+    without them, its "raw" text without periods (" the road is widened ." -> "the road is widened")."""
+    checked_type(sentence, dict, where, 'a sentence {"tokens": [...], "raw": "..."}')
+    tokens = sentence.get("tokens")
+    if isinstance(tokens, list) and tokens and all(isinstance(t, str) for t in tokens):
+        return " ".join(tokens)
+    raw = checked_type(sentence.get("raw"), str, f"{where}: 'raw' (there are no 'tokens')", "the sentence's text")
+    return " ".join(raw.replace(".", " ").split())
+
+
+def read_levir_cc(root: Path, split: str) -> list[ImagePair]:
+    """LEVIR-CC: one pair per record of LevirCCcaptions.json whose "split" is this one, in file order; the images
+    are images/<split>/A/<filename> (before) and images/<split>/B/<filename> (after).
+
+    The image folders hold more files than the JSON names: only the records are read, never the folders. A pair
+    is unchanged when its "changeflag" is 0, or, in a file without changeflag, when its captions are the five
+    no-change sentences (LEVIR_NO_CHANGE), as the papers' evaluation scripts find them.
+    """
+    found = [root / name for name in LEVIR_CAPTIONS if (root / name).is_file()]
+    if not found:
+        raise DataError(f"LEVIR-CC: no {LEVIR_CAPTIONS[0]} in {root}; {SOURCES['levir'].get_it}")
+    path = found[0]
+    content = read_json(path, "LEVIR-CC")
+    if not isinstance(content, dict) or not isinstance(content.get("images"), list):
+        raise DataError(f'{path} should be {{"images": [...]}}, one record per pair (LEVIR-CC\'s Karpathy-style file)')
+    records = checked_items(content["images"], ("filename", "split", "sentences"), path)
+    pairs, seen = [], set()
+    for position, record in enumerate(records):
+        if record["split"] != split:
+            continue
+        name = checked_type(record["filename"], str, f"{path}, record {position}: filename", 'a name such as '
+                            '"train_000016.png"')
+        if name in seen:
+            raise DataError(f"{path}: {name} appears twice in split {split}; evaluation ids must be unique")
+        seen.add(name)
+        where = f"{path}, record {position} ({name})"
+        sentences = checked_type(record["sentences"], list, f"{where}: sentences", "a list of sentences")
+        captions = checked_captions([levir_caption(s, f"{where}, sentence {k}") for k, s in enumerate(sentences)],
+                                    name, path)
+        if "changeflag" in record:
+            flag = checked_type(record["changeflag"], int, f"{where}: changeflag", "0 (unchanged) or 1 (changed)")
+            if flag not in (0, 1):
+                raise DataError(f"{where}: changeflag should be 0 (unchanged) or 1 (changed), got {flag}")
+            unchanged = flag == 0
+        else:
+            unchanged = all(caption in LEVIR_NO_CHANGE for caption in captions)
+        pairs.append(ImagePair(id=name, before=root / "images" / split / "A" / name,
+                               after=root / "images" / split / "B" / name, captions=captions,
+                               change_type=UNCHANGED if unchanged else CHANGED))
+    return pairs
+
+
 def read_user_pairs(root: Path, split: str) -> list[ImagePair]:
     """Your own pairs: root/<split>.json, a list of
     {before, after, captions[, id, type, distractor, no_change_captions]} (see the docstring at the top)."""
@@ -559,6 +639,7 @@ class Source:
     reader: Callable[[Path, str], list[ImagePair]]
     get_it: str
     repair: str = "download the dataset's images again"  # a missing or unreadable image; {root}, {json} filled in
+    field_scoring: bool = False  # caption.py --eval also scores the test split as the dataset's papers do (LEVIR-CC)
 
 
 SOURCES = {
@@ -576,6 +657,10 @@ SOURCES = {
     "ier": Source("Image-Editing-Request", "data/ier", read_ier,
                   "put {train,valid,test}.json of github.com/airsplay/VisualRelationships (dataset/adobe/) "
                   "there, and the images (link in its README) in its images/ folder"),
+    "levir": Source("LEVIR-CC", "data/levir_cc", read_levir_cc,
+                    "download it as the README of github.com/Chen-Yang-Liu/LEVIR-CC-Dataset says (Google Drive, "
+                    "Baidu or Hugging Face lcybuaa/LEVIR-CC) and put its LevirCCcaptions.json and images/ folder "
+                    "there, or give your own set in the same form with --data_root", field_scoring=True),
     "pairs": Source("your image pairs", "data/pairs", read_user_pairs,
                     "write {train,val,test}.json there, lists of {\"before\", \"after\", \"captions\"} "
                     "(format in data.py's docstring)",
@@ -590,7 +675,7 @@ def dataset_root(data: str, root: str | os.PathLike | None = None) -> Path:
 
 
 def load_split(data: str, split: str, root: str | os.PathLike | None = None) -> list[ImagePair]:
-    """The pairs of one split of a dataset ("synth", "clevr", "spot", "ier" or "pairs").
+    """The pairs of one split of a dataset ("synth", "clevr", "spot", "ier", "levir" or "pairs").
 
     The synthetic dataset is read, not drawn: the training scripts call synth.ensure_synth first.
     """

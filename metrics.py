@@ -28,7 +28,9 @@ Then what the lesson leans on, and the speed variants:
     8. speed variants             the same numbers, faster: the PTB shortcut for plain captions, a forked METEOR
                                   worker, and FastCaptionScorer, which selects every speed variant; score_captions
                                   runs the plain CaptionScorer unless asked for it, as the scripts ask in one line
-    9. the command line, and the demo
+    9. the field's scoring        how the LEVIR-CC papers score (vocabulary-id strings, no tokenizer, S*m), beside
+                                  ours, in one table
+   10. the command line, and the demo
 
 On the toolkit's own output for the corpora in tests/metrics_vectors every score agrees to the last bit, METEOR
 included.
@@ -886,7 +888,88 @@ class FastCaptionScorer(CaptionScorer):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 9. The command line, and a demo
+# 9. The field's scoring: how the LEVIR-CC papers score, beside ours
+# ---------------------------------------------------------------------------------------------------------------
+# The remote-sensing change-captioning papers (RSICCformer, PSNet, PromptCC, Chg2Cap, SEN, RSCaMa, ...) score with
+# a copy of coco-caption called as github.com/Chen-Yang-Liu/RSICC utils.py `get_eval_score` does: each caption
+# becomes the string of its words' vocabulary ids ("12 40 7"), references keep <unk> for a word outside the
+# vocabulary, there is no PTB tokenizer, and the same four scorers run on those strings. METEOR (the jar with its
+# four modules, as they run it) then matches almost only exactly: no id is one of its function words, and ids have
+# no stems or synonyms; its paraphrase table alone still joins a few phrases of numbers (it moves the METEOR of 14
+# of the 240 items of tests/metrics_vectors/levir_field.json.gz), so METEOR, and METEOR alone, depends a little on
+# which number a word gets. The vocabulary is the words seen at least 5 times in the captions, counted over all three splits as the
+# papers' preprocessing counts them, and numbered as github.com/Chen-Yang-Liu/RSCaMa preprocess_data.py numbers
+# them (its vocab.json: <NULL> 0, <UNK> 1, <START> 2, <END> 3, then the words in sorted order). They report
+# S*m = (BLEU-4 + METEOR + ROUGE-L + CIDEr-D) / 4, x100.
+FIELD_MIN_COUNT = 5           # a word seen fewer times is <unk>
+FIELD_SPECIALS = ("<NULL>", "<UNK>", "<START>", "<END>")   # ids 0..3, as RSCaMa's vocab.json
+FIELD_METRICS = ("BLEU_1", "BLEU_2", "BLEU_3", "BLEU_4", "METEOR", "ROUGE_L", "CIDEr", "S*m")
+
+
+def field_words(text):
+    """A caption as the field's words. CLIP's tokenizer decodes a hyphenated word with spaces around the hyphen
+    ("lower - right"); the field's captions keep it one word ("lower-right")."""
+    return text.replace(" - ", "-").split()
+
+
+def field_vocabulary(captions, min_count=FIELD_MIN_COUNT):
+    """{word: id} of the words seen at least min_count times in captions, numbered after FIELD_SPECIALS in sorted
+    order."""
+    counts = Counter(word for caption in captions for word in field_words(caption))
+    words = sorted(word for word, n in counts.items() if n >= min_count)
+    return {word: len(FIELD_SPECIALS) + k for k, word in enumerate(words)}
+
+
+def field_ids(text, vocabulary):
+    """The string the field's scorers see: each word's id, <UNK>'s (1) for a word outside the vocabulary."""
+    unknown = FIELD_SPECIALS.index("<UNK>")
+    return " ".join(str(vocabulary.get(word, unknown)) for word in field_words(text))
+
+
+def s_star_m(corpus):
+    """The papers' S*m of a corpus's scores, x100 like theirs."""
+    return 100 * (corpus["BLEU_4"] + corpus["METEOR"] + corpus["ROUGE_L"] + corpus["CIDEr"]) / 4
+
+
+def score_both_ways(predictions, references, subsets, vocabulary, scorer=CaptionScorer):
+    """{"project": {subset: scores}, "field": {subset: scores}, ...}, every score x100 with S*m, each subset
+    re-scored on its own: the project's way (words, PTB tokens) and the field's (vocabulary ids, no tokenizer),
+    METEOR with all four modules where its data is found, as the jar runs. Both score the same words: hyphens
+    joined as in the field's captions."""
+    # differs from reference: its captions are scored as decoded; here "lower - right" is "lower-right" again
+    predictions = {i: " ".join(field_words(c)) for i, c in predictions.items()}
+    references = {i: [" ".join(field_words(r)) for r in references[i]] for i in predictions}
+    ids = {i: field_ids(c, vocabulary) for i, c in predictions.items()}
+    id_references = {i: [field_ids(r, vocabulary) for r in references[i]] for i in predictions}
+    ways = {"project": score_subsets(predictions, references, subsets, scorer=scorer),
+            "field": score_subsets(ids, id_references, subsets, tokenize=False, scorer=scorer)}
+    table = {way: {name: {**{k: 100 * v for k, v in result["corpus"].items()}, "S*m": s_star_m(result["corpus"])}
+                   for name, result in results.items()} for way, results in ways.items()}
+    table["sizes"] = {name: len(ids) for name, ids in subsets.items()}
+    table["meteor_modules"] = next(iter(ways["project"].values()))["info"].get("meteor_modules")
+    table["vocabulary"] = len(vocabulary)
+    return table
+
+
+def format_both_ways(table):
+    """The papers' table, x100: each subset scored the project's way and the field's, one line each."""
+    names = {"CIDEr": "CIDEr-D", "ROUGE_L": "ROUGE-L"}
+    lines = [f"{'x100':<22}{'pairs':>6}  " + " ".join(f"{names.get(m, m.replace('_', '-')):>7}" for m in FIELD_METRICS)]
+    for name, size in table["sizes"].items():
+        for way, label in (("project", "ours"), ("field", "field's")):
+            scores = table[way][name]
+            lines.append(f"{name + ', ' + label:<22}{size:>6,}  "
+                         + " ".join(f"{scores[m]:7.2f}" for m in FIELD_METRICS))
+    lines.append(f"ours: words, PTB tokens, METEOR {table['meteor_modules']}")
+    lines.append(f"field's: vocabulary-id strings (the {table['vocabulary']:,} words seen >= {FIELD_MIN_COUNT} times "
+                 f"in the captions, others <unk>, kept in references), no PTB tokenizer, METEOR on the ids (exact "
+                 f"matches but for a few number phrases), as the LEVIR-CC papers score (RSICC utils.py get_eval_score)")
+    lines.append("S*m = (BLEU-4 + METEOR + ROUGE-L + CIDEr-D) / 4")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 10. The command line, and a demo
 # ---------------------------------------------------------------------------------------------------------------
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Score captions as the coco-caption toolkit does (BLEU-1..4, "

@@ -1613,7 +1613,128 @@ def test_check_names_a_missing_and_a_corrupt_image_and_fails(clevr_root, synth_r
     assert out.endswith("INCOMPLETE: train: 1 image(s) missing; test: 1 image(s) unreadable\n")
 
 
-# --- issue 41: full disks, damaged files, unwritable folders (BENCHMARKS.md section 9) ---
+# --- LEVIR-CC: LevirCCcaptions.json and images/<split>/{A,B} ---
+
+LEVIR_LONG = ("a long row of grey houses with small gardens and a narrow winding lane appears on the bareland at the "
+              "lower-right while several tall trees beside the old road at the top of the scene are cut down and a "
+              "new parking lot is built")  # 43 words: more than 32 CLIP tokens
+LEVIR_CHANGES = ("several houses appear on the bareland at the bottom", "a road is built in the lower-right corner",
+                 "some trees are removed beside the road", "a row of villas is constructed at the top")
+
+
+def levir_record(split, number, changed, flag=True, tokens=True):
+    """One record of LevirCCcaptions.json: Karpathy's form, five sentences, changeflag unless flag is False."""
+    name = f"{split}_{number:06d}.png"
+    said = ([LEVIR_CHANGES[(number + k) % len(LEVIR_CHANGES)] for k in range(5)] if changed
+            else list(data.LEVIR_NO_CHANGE))
+    sentences = [{"raw": f" {s} .", "imgid": number, "sentid": 5 * number + k, **({"tokens": s.split()} if tokens
+                                                                                 else {})} for k, s in enumerate(said)]
+    record = {"filepath": split, "filename": name, "imgid": number, "sentids": [5 * number + k for k in range(5)],
+              "split": split, "sentences": sentences}
+    return record | ({"changeflag": int(changed)} if flag else {})
+
+
+LEVIR_SPLITS = {"train": 8, "val": 2, "test": 4}  # pairs per split, every other one changed
+
+
+def write_levir(root, flag=True):
+    """A LEVIR-CC-form folder: LevirCCcaptions.json (the first record of a split without changeflag, one record
+    with raw sentences only, one caption of 43 words) and 256 x 256 PNGs, plus an image pair no record names.
+    File numbers have gaps, as the published ones."""
+    records = []
+    for split, n in LEVIR_SPLITS.items():
+        for k in range(n):
+            number = 2 * k + 1
+            records.append(levir_record(split, number, changed=k % 2 == 0, flag=flag and k > 0,
+                                        tokens=(split, k) != ("val", 1)))
+            stem = f"{split}_{number:06d}.png"
+            write_png(root / "images" / split / "A" / stem, (90, 110 + 10 * k, 70), (256, 256))
+            write_png(root / "images" / split / "B" / stem, (90 + 60 * (k % 2 == 0), 110 + 10 * k, 70), (256, 256))
+        write_png(root / "images" / split / "A" / f"{split}_000100.png", size=(256, 256))  # in no record
+        write_png(root / "images" / split / "B" / f"{split}_000100.png", size=(256, 256))
+    records[0]["sentences"][2] |= {"tokens": LEVIR_LONG.split(), "raw": f" {LEVIR_LONG} ."}
+    write_json(root / "LevirCCcaptions.json", {"images": records})
+    return root
+
+
+def test_levir_cc_reader_reads_the_records_of_a_split_not_the_image_folders(tmp_path):
+    root = write_levir(tmp_path / "levir")
+    train = data.load_split("levir", "train", root)
+    assert [p.id for p in train] == ["train_000001.png", "train_000003.png", "train_000005.png", "train_000007.png",
+                                     "train_000009.png", "train_000011.png", "train_000013.png", "train_000015.png"]
+    assert train[0].before == root / "images" / "train" / "A" / "train_000001.png"
+    assert train[0].after == root / "images" / "train" / "B" / "train_000001.png"
+    assert [p.change_type for p in train[:2]] == ["change", "no change"] and train[0].distractor is None
+    assert train[1].captions == list(data.LEVIR_NO_CHANGE) and train[0].captions[2] == LEVIR_LONG
+    assert data.load_split("levir", "val", root)[1].captions == list(data.LEVIR_NO_CHANGE)  # from "raw", periods gone
+    assert Image.open(train[0].before).size == (256, 256)
+    assert tuple(data.ImageReader()(train[0].before).shape) == (224, 224, 3)  # resized to a square, as the reference
+
+
+def test_levir_cc_without_changeflag_finds_unchanged_pairs_by_their_five_sentences(tmp_path):
+    with_flag = {s: data.load_split("levir", s, write_levir(tmp_path / "a")) for s in data.SPLITS}
+    without = {s: data.load_split("levir", s, write_levir(tmp_path / "b", flag=False)) for s in data.SPLITS}
+    assert "changeflag" not in json.loads((tmp_path / "b" / "LevirCCcaptions.json").read_text())["images"][1]
+    assert {s: [p.change_type for p in pairs] for s, pairs in without.items()} == \
+        {s: [p.change_type for p in pairs] for s, pairs in with_flag.items()}
+
+
+def test_levir_cc_stage_1_adapts_to_the_changed_pairs_and_stage_2_trains_on_all(tmp_path, synth_tokenizer):
+    train = data.load_split("levir", "train", write_levir(tmp_path / "levir"))
+    assert [p.change_type for p in data.adaptation_pairs(train)] == ["change"] * 4
+    assert len(data.AdaptationSamples(data.adaptation_pairs(train), synth_tokenizer, train=True)) == 20
+    assert len(data.CaptionItems(train, synth_tokenizer, use_no_change_pair=False)) == 8
+
+
+def test_levir_cc_reader_says_where_the_file_is_missing_or_wrong(tmp_path):
+    with pytest.raises(data.DataError, match="no LevirCCcaptions.json in .*Chen-Yang-Liu/LEVIR-CC-Dataset"):
+        data.read_levir_cc(tmp_path, "train")
+    write_json(tmp_path / "LevirCCcaptions.json", [levir_record("train", 1, True)])
+    with pytest.raises(data.DataError, match=r'should be \{"images": \[...\]\}'):
+        data.read_levir_cc(tmp_path, "train")
+    write_json(tmp_path / "LevirCCcaptions.json", {"images": [levir_record("train", 1, True) | {"changeflag": "1"}]})
+    with pytest.raises(data.DataError, match=r"record 0 \(train_000001.png\): changeflag should be 0"):
+        data.read_levir_cc(tmp_path, "train")
+    write_json(tmp_path / "LevirCCcaptions.json", {"images": [levir_record("train", 1, True) | {"changeflag": 2}]})
+    with pytest.raises(data.DataError, match=r"changeflag should be 0 \(unchanged\) or 1 \(changed\), got 2"):
+        data.read_levir_cc(tmp_path, "train")
+
+
+def test_check_levir_prints_pairs_references_and_kinds_beside_the_published_counts(tmp_path, synth_root,
+                                                                                     monkeypatch, capsys):
+    monkeypatch.setenv("CLIP_BPE_PATH", str(synth_root / data.SYNTH_BPE_FILE))  # no download in tests
+    monkeypatch.setitem(check.PUBLISHED, "levir", {"train": (8, 40), "val": (2, 10), "test": (4, 20)})
+    monkeypatch.setitem(check.PUBLISHED_KINDS, "levir", {"train": (4, 4), "val": (1, 1), "test": (2, 2)})
+    outputs = []
+    for flag in (True, False):  # the same counts from a file without changeflag
+        root = write_levir(tmp_path / f"levir_{flag}", flag=flag)
+        assert check_command(monkeypatch, "--data", "levir", "--data_root", str(root)) == 0
+        outputs.append(capsys.readouterr().out.replace(str(root), "ROOT"))
+    assert outputs[0] == outputs[1]
+    out = outputs[0]
+    assert "  train: 8 pairs (published: 8), 40 references (published: 40)\n" \
+           "    4 change pairs (published: 4), 4 no-change pairs (published: 4)\n" \
+           "    images: 16, 0 missing, 0 unreadable\n" in out
+    assert "1 longer than max_words 32" in out
+    assert out.endswith("complete: every split reads, every image opens, the published counts are met\n")
+
+
+def test_check_levir_names_a_missing_and_a_damaged_image_and_the_published_counts_it_misses(tmp_path, synth_root,
+                                                                                               monkeypatch, capsys):
+    monkeypatch.setenv("CLIP_BPE_PATH", str(synth_root / data.SYNTH_BPE_FILE))
+    root = write_levir(tmp_path / "levir")
+    missing, damaged = root / "images" / "val" / "B" / "val_000003.png", root / "images" / "test" / "A" / "test_000001.png"
+    missing.unlink()
+    damaged.write_bytes(damaged.read_bytes()[:-30])  # cut short: its last pixels and end are gone
+    assert check_command(monkeypatch, "--data", "levir", "--data_root", str(root)) == 1
+    out = capsys.readouterr().out
+    assert f"      missing: {missing}\n" in out and f"      unreadable: {damaged} (" in out
+    assert "  test: 4 pairs (published: 1,929; DIFFERENT), 20 references (published: 9,645; DIFFERENT)\n" \
+           "    2 change pairs (published: 964; DIFFERENT), 2 no-change pairs (published: 965; DIFFERENT)" in out
+    assert "INCOMPLETE: " in out and "val: 1 image(s) missing" in out and "test: 1 image(s) unreadable" in out
+
+
+# --- faults: full disks, damaged files, unwritable folders (BENCHMARKS.md section 9) ---
 
 def _noisy_png(path, size=(480, 320), seed=0, **save):
     """A PNG that does not compress (random pixels): 8 KB overwritten in its middle land in its pixel data."""
@@ -2557,6 +2678,80 @@ def test_the_normalisers_shortcut_for_plain_lines_gives_its_words():
     fast = meteor.FastMeteor(meteor.MeteorConfig(), ("exact",), None)
     assert sum(bool(meteor._PLAIN_LINE.fullmatch(line)) for line in lines) > 5_000   # most take the shortcut
     assert [fast.words(line) for line in sorted(lines)] == [meteor.meteor_normalize(line) for line in sorted(lines)]
+
+
+# --- the field's scoring: how the LEVIR-CC papers score, beside ours ---
+
+def levir_field_vectors():
+    """The LEVIR-CC-style corpus (words) and the Java toolkit's scores of it in the field's form (ids)."""
+    read = lambda name: json.loads(gzip.decompress(vectors("metrics_vectors", name).read_bytes()))  # noqa: E731
+    return read("levir_field.json.gz"), read("levir_field.coco.json.gz")
+
+
+def test_field_scoring_of_vocabulary_ids_equals_the_java_toolkits_as_the_levir_cc_papers_run_it():
+    corpus, toolkit = levir_field_vectors()
+    items = corpus["items"]
+    vocabulary = metrics.field_vocabulary(r for item in items for r in item["references"])
+    assert vocabulary == toolkit["vocabulary"] and len(vocabulary) == 69
+    assert [metrics.field_ids(item["candidate"], vocabulary) for item in items] == \
+        [item["candidate_ids"] for item in toolkit["items"]]
+    subsets = {"whole": [it["id"] for it in items],
+               **{kind: [it["id"] for it in items if it["kind"] == kind] for kind in ("change", "no change")}}
+    table = metrics.score_both_ways({it["id"]: it["candidate"] for it in items},
+                                    {it["id"]: it["references"] for it in items}, subsets, vocabulary,
+                                    metrics.FastCaptionScorer)
+    for name, expected in toolkit["scores"].items():
+        field = table["field"][name]
+        for metric in ("BLEU_1", "BLEU_2", "BLEU_3", "BLEU_4", "METEOR", "ROUGE_L", "CIDEr"):
+            assert field[metric] == pytest.approx(100 * expected[metric], abs=1e-9), (name, metric)
+        assert field["S*m"] == pytest.approx(25 * (expected["BLEU_4"] + expected["METEOR"] + expected["ROUGE_L"]
+                                                   + expected["CIDEr"]), abs=1e-9)
+    assert table["sizes"] == {"whole": 240, "change": 130, "no change": 110}
+    assert round(toolkit["scores"]["whole"]["METEOR"], 4) == 0.4311  # the table in tests/metrics_vectors/README.md
+
+
+def test_field_meteor_on_ids_matches_exactly_but_for_the_paraphrase_tables_number_phrases():
+    corpus, toolkit = levir_field_vectors()
+    predictions = {it["id"]: it["candidate_ids"] for it in toolkit["items"]}
+    references = {it["id"]: it["references_ids"] for it in toolkit["items"]}
+    exact = metrics.score_captions(predictions, references, ("METEOR",), tokenize=False, meteor_modules=("exact",))
+    assert exact["corpus"]["METEOR"] == pytest.approx(toolkit["scores"]["whole"]["METEOR_exact"], abs=1e-12)
+    assert toolkit["scores"]["whole"]["METEOR"] - toolkit["scores"]["whole"]["METEOR_exact"] == \
+        pytest.approx(0.0006, abs=1e-4)
+
+
+def test_field_words_join_clip_decoded_hyphens_and_unknown_words_are_unk_in_references_too():
+    assert metrics.field_words("a lane at the lower - right corner") == ["a", "lane", "at", "the", "lower-right",
+                                                                         "corner"]
+    vocabulary = metrics.field_vocabulary(["the road is widened"] * 5 + ["the quonset"] * 4)
+    assert vocabulary == {"is": 4, "road": 5, "the": 6, "widened": 7}  # after <NULL> <UNK> <START> <END>
+    assert metrics.field_ids("the quonset is widened", vocabulary) == "6 1 4 7"
+
+
+def test_both_ways_table_prints_whole_change_and_no_change_each_scored_ours_and_the_fields_with_s_star_m():
+    references = {"a": ["several houses appear at the lower-right", "some houses are built"],
+                  "b": list(data.LEVIR_NO_CHANGE), "c": ["a road is built in the forest", "a new road appears"]}
+    predictions = {"a": "several houses appear at the lower - right", "b": "there is no difference",
+                   "c": "a road is built"}
+    vocabulary = metrics.field_vocabulary([r for refs in references.values() for r in refs] * 5)
+    table = metrics.score_both_ways(predictions, references, {"whole test": ["a", "b", "c"], "change": ["a", "c"],
+                                                              "no change": ["b"]}, vocabulary)
+    for way in ("project", "field"):
+        scores = table[way]["change"]
+        assert scores["S*m"] == pytest.approx((scores["BLEU_4"] + scores["METEOR"] + scores["ROUGE_L"]
+                                               + scores["CIDEr"]) / 4)
+        assert table[way]["whole test"]["BLEU_4"] == pytest.approx(100.0)  # hyphens joined: every word matches
+    text = metrics.format_both_ways(table)
+    lines = text.splitlines()
+    assert lines[0].split() == ["x100", "pairs", "BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L",
+                                "CIDEr-D", "S*m"]
+    assert [line.split(",")[0] for line in lines[1:7]] == ["whole test", "whole test", "change", "change",
+                                                            "no change", "no change"]
+    assert lines[2].startswith("whole test, field's        3") and lines[5].startswith("no change, ours            1")
+    field_line = next(line for line in lines if line.startswith("field's:"))
+    assert "vocabulary-id strings" in field_line and ">= 5 times" in field_line and "<unk>" in field_line \
+        and "no PTB tokenizer" in field_line
+    assert lines[-1] == "S*m = (BLEU-4 + METEOR + ROUGE-L + CIDEr-D) / 4"
 
 
 # ======== meteor.py ========
@@ -4147,7 +4342,7 @@ def test_resuming_with_another_decoder_config_is_refused(stage1, tmp_path):
     assert result.returncode == 1 and "decoder_ffn" in result.stderr
 
 
-# --- issue 47: stale caches, empty splits, terminals, unwritable folders, SIGHUP, resume checks (BENCHMARKS.md §9) ---
+# --- faults: stale caches, empty splits, terminals, unwritable folders, SIGHUP, resume checks (BENCHMARKS.md §9) ---
 
 def test_a_replaced_image_gives_new_pixels_new_intra_tokens_and_new_pair_features(tmp_path):
     model = _tiny_encoder()  # 64-pixel images
@@ -4435,6 +4630,40 @@ def test_check_notes_pairs_in_train_and_test_and_types_the_score_table_does_not_
     monkeypatch_scores = {p.id: "x" for p in table_pairs}
     table = caption.score_table(monkeypatch_scores, table_pairs)
     assert table["sizes"] == {"total": 4, "move": 2, "recolour": 2}
+
+
+def test_levir_cc_tiny_stage_1_and_stage_2_end_to_end_print_the_papers_table_scored_both_ways(tmp_path):
+    """--data levir on a LEVIR-CC-form folder (write_levir), with a tiny CLIP of the synthetic vocabulary: stage 1
+    adapts to the changed pairs, stage 2 trains on all, --eval prints the papers' table, ours and the field's."""
+    root = write_levir(tmp_path / "levir")
+    clip_file = write_tiny_clip(tmp_path / "clip", embed_dim=64)
+    env = {**os.environ, "CLIP_BPE_PATH": str(tmp_path / "clip" / data.SYNTH_BPE_FILE)}  # the tiny CLIP's vocabulary
+
+    def levir(script, *args):
+        return subprocess.run([sys.executable, str(HERE / script), "--data", "levir", "--data_root", str(root),
+                               "--num_workers", "0", *map(str, args)], cwd=HERE, capture_output=True, text=True,
+                              timeout=300, env=env)
+
+    stage_1 = levir("adapt.py", "--clip_model", clip_file, "--intra_layers", "1", "--out_dir", tmp_path / "adapt",
+                    "--epochs", "1", "--batch_size", "8", "--eval_batch_size", "16")
+    assert stage_1.returncode == 0, stage_1.stderr
+    assert "20 training samples from 4 pairs" in stage_1.stdout  # the changed pairs' 5 captions each
+    stage_2 = levir("caption.py", *TINY_DECODER[2:], "--encoder_ckpt", tmp_path / "adapt" / "ckpt_best.pt",
+                    "--out_dir", tmp_path / "caption", "--epochs", "1", "--batch_size", "4")
+    assert stage_2.returncode == 0, stage_2.stderr
+    assert "8 training pairs" in stage_2.stdout  # the unchanged pairs too, with their captions
+    table = stage_2.stdout[stage_2.stdout.index("x100 "):stage_2.stdout.index("S*m = (BLEU-4")]
+    assert [line[:28] for line in table.splitlines()[1:7]] == [
+        "whole test, ours           4", "whole test, field's        4", "change, ours               2",
+        "change, field's            2", "no change, ours            2", "no change, field's         2"]
+    scores = json.loads((tmp_path / "caption" / "test_scores.json").read_text())
+    assert scores["field"]["sizes"] == {"whole test": 4, "change": 2, "no change": 2}
+    assert scores["field"]["vocabulary"] == len(metrics.field_vocabulary(
+        c for s in data.SPLITS for p in data.load_split("levir", s, root) for c in p.captions))
+    written = (tmp_path / "caption" / "test_scores.txt").read_text()
+    again = levir("caption.py", "--eval", "--out_dir", tmp_path / "caption")
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "caption" / "test_scores.txt").read_text() == written and table in again.stdout
 
 
 # --- the reference's released weights, through the commands ---
@@ -4851,6 +5080,9 @@ def test_bench_cost_hours_are_flops_over_the_rate_of_each_gpu_at_each_fraction_o
     assert hours["spot"]["stage1"]["pflop"] == round(17_676 * 20 / 1e3, 1)
     # cached features: 50 epochs of 8,566 pairs, and encoding each of its 11,329 pairs once
     assert hours["spot"]["stage2_cached"]["pflop"] == round((8_566 * 50 + 11_329) / 1e3, 1)
+    # LEVIR-CC: stage 1 on the 3,407 changed train pairs' 5 captions; stage 2 on all 6,815, 10,077 pairs encoded
+    assert hours["levir"]["stage1"]["pflop"] == round(3_407 * 5 * 20 / 1e3, 1)
+    assert hours["levir"]["stage2_cached"]["pflop"] == round((6_815 * 50 + 10_077) / 1e3, 1)
 
 
 
