@@ -1,7 +1,7 @@
 """Checkpoints: what a run saves, how it resumes, and which stage-1 encoder a captioner stands on.
 
 - `save_checkpoint` / `load_checkpoint`: one dict, written atomically (temporary file, fsync, rename), read back
-  with `torch.load(weights_only=True)`, which never runs code, once the CRC-32 of every member is checked.
+  with `torch.load(weights_only=True)`, which never runs code, then the CRC-32 of every member checked.
 - `rng_state` / `set_rng_state`: the random generators as plain tensors and lists, so that a resumed run draws the
   numbers it would have drawn; `start_or_resume` begins a run or continues one, refusing other settings and another
   training split (`split_fingerprint`); `check_resume` checks the files a resumed run needs before any work.
