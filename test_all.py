@@ -5103,6 +5103,86 @@ READING_PATH = {  # each stop's first line, and the line that follows the stop (
 }
 
 
+# A measured figure in the README: a number with a unit of time, size, rate or share, or a number with decimals.
+FIGURE_UNITS = {"ms": "ms", "s": "s", "seconds": "s", "min": "min", "minutes": "min", "h": "h", "hours": "h",
+                "GB": "GB", "MB": "MB", "%": "%", "pairs/s": "pairs/s", "captions/s": "captions/s"}
+README_FIGURE = re.compile(r"(?<![\w.\-/×@])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(?:\s?(" + "|".join(
+    sorted(map(re.escape, FIGURE_UNITS), key=len, reverse=True)) + r")(?![\w/]))?")
+# README figures that BENCHMARKS.md does not measure, each with why
+NOT_MEASURED_HERE = {
+    "24 h": "the reference's published time per stage",
+    "2 hours": "processes.GROUP_TIMEOUT, a setting",
+    "0.5%": "chance: 1 in 200 test pairs", "0.2%": "chance: 1 in 500 held-out scenes",
+    **dict.fromkeys(["62.77", "61.93", "61.83", "62.11"], "RSICCformer's BLEU-4 as four papers print it"),
+}
+
+
+def readme_figures(readme: str):
+    """(line, figure text, value, decimals, unit) of each measured figure in the README: numbers with a unit, and
+    numbers with decimals, outside the tables of published scores (those with a BLEU-4 column) and code spans."""
+    published = False
+    for line in readme.splitlines():
+        if line.startswith("|"):
+            published = published or "BLEU-4" in line
+        else:
+            published = False
+        if published or line.startswith("#"):
+            continue
+        text = re.sub(r"`[^`]*`|([Ss]ection |§)\d+(\.\d+)*", "", line)  # commands, files, flags; sections
+        for m in README_FIGURE.finditer(text):
+            whole, fraction, unit = m.groups()
+            if unit is None and fraction is None:
+                continue  # a bare integer: a count or a setting, not checked
+            yield line, m.group(0), float(whole.replace(",", "") + (fraction or "")), len(fraction or ".") - 1, unit
+
+
+def benchmark_blocks(benchmarks: str) -> list[str]:
+    """BENCHMARKS.md in the pieces a figure and its unit share: each paragraph (lines up to a blank line or a table),
+    each table row with its table's header line."""
+    blocks, paragraph, header = [], [], None
+    for line in benchmarks.splitlines() + [""]:
+        if line.startswith("|"):
+            if paragraph:
+                blocks, paragraph = blocks + [" ".join(paragraph)], []
+            header = header or line
+            blocks.append(line + " " + header)
+        else:
+            header = None
+            if line.strip():
+                paragraph.append(line)
+            elif paragraph:
+                blocks, paragraph = blocks + [" ".join(paragraph)], []
+    return blocks
+
+
+def benchmarks_has(blocks: list[str], value: float, decimals: int, unit: str | None) -> bool:
+    """Whether a piece of BENCHMARKS.md holds a number that rounds to value at the README's precision, with the same
+    unit in that piece (no unit asked for a bare decimal)."""
+    for block in blocks:
+        units = {FIGURE_UNITS[u] for u in FIGURE_UNITS
+                 if (u == "%" and "%" in block) or re.search(rf"(?<![\w/]){re.escape(u)}(?!\w)", block)}
+        if unit is not None and FIGURE_UNITS[unit] not in units:
+            continue
+        for m in re.finditer(r"(?<![\w.])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?", block):
+            number = float(m.group(1).replace(",", "") + (m.group(2) or ""))
+            if abs(number - value) <= 0.5 * 10 ** -decimals + 1e-9:
+                return True
+    return False
+
+
+def test_every_measured_figure_in_the_readme_has_its_line_in_benchmarks():
+    readme = (HERE / "README.md").read_text()
+    benchmarks = benchmark_blocks((HERE / "BENCHMARKS.md").read_text())
+    figures = list(readme_figures(readme))
+    assert len(figures) > 40  # the check sees the README's figures
+    missing = [f"{text!r} in: {line.strip()[:100]}" for line, text, value, decimals, unit in figures
+               if text not in NOT_MEASURED_HERE and not benchmarks_has(benchmarks, value, decimals, unit)]
+    assert missing == [], "README figures with no BENCHMARKS.md line:\n" + "\n".join(missing)
+    assert not benchmarks_has(["| 87.41 | ms |"], 72, 0, "ms")  # a figure that is not there is not found
+    assert benchmarks_has(["took 87.41 ms a step"], 87, 0, "ms") and not benchmarks_has(["87.41 GB"], 87, 0, "ms")
+    assert not benchmarks_has(["took 72.51 ms"], 72, 0, "ms")  # 72.51 is 73 at the README's precision
+
+
 def test_the_readmes_reading_path_starts_each_stop_on_its_concept_and_stays_under_2000_lines():
     readme = (HERE / "README.md").read_text()
     stops = re.findall(r"^\| \d \| `(\w+\.py)` \| (\d+)–(\d+) \|", readme, re.M)
