@@ -23,8 +23,9 @@ test_attention.png: the attention maps of the first pairs of the grid, word by w
 
 The file reads top-down: the Config and presets; the captioner (the stage-1 encoder, the decoder, the optimizer
 and one training step); the run: main, job (stage 1, the tokenizer, the captioner; then --pair, --eval or
-training), train (the loop). What the jobs and the loop call follows the lesson: captioning one pair, the test
-split, the training set, validation, checkpoints, decoding and scoring. The process set-up (DDP, autocast,
+training), train (the loop); then how an epoch is scored: validate, predict (greedy ids, then text), CIDEr-D.
+What the jobs and the loop call follows the lesson: captioning one pair, the test split, the training set,
+checkpoints, the test split's score table. The process set-up (DDP, autocast,
 GradScaler) is stage 1's, processes.setup; the loop's step boundary is loop.StepBoundary; the stage-1 checkpoint a
 captioner builds on is checkpoints.load_stage1's, and the pair features cached on disk are caches.py's.
 
@@ -481,8 +482,44 @@ def train(run: Run, root: Path, stage1: Stage1, captioner: Captioner, tokenizer)
 
 
 # -----------------------------------------------------------------------------
-# What the jobs and the loop call: caption one pair, evaluate the test split, the training set, validation,
-# checkpoints
+# How an epoch is scored: each validation pair's greedy token ids, then their text, then CIDEr-D
+
+
+@torch.no_grad()
+def validate(run: Run, captioner: Captioner, feature_path: dict, pairs, images,
+             tokenizer) -> tuple[float, dict]:
+    """Validation CIDEr-D, the metric that picks the best epoch, and the captions it scored."""
+    config, device, ctx = run.config, run.dist_.device, run.ctx
+    features = split_features(captioner, feature_path, "val", pairs, images, device, ctx,
+                              batch_size=config.eval_batch_size, num_workers=config.num_workers)
+    predictions = predict(captioner.decoder, features, pairs, tokenizer, config, device, ctx)
+    cider = metrics.score_captions(predictions, data.references(pairs), metrics=("CIDEr",),
+                                   scorer=SCORER)["corpus"]["CIDEr"]
+    return cider, predictions
+
+
+@torch.no_grad()
+def predict(decoder: CaptionDecoder, features: np.ndarray, pairs, tokenizer, config: Config, device, ctx,
+            what: str = "") -> dict[str, str]:
+    """{evaluation id: greedy caption} for pairs, whose tokens are the rows of features (rows, M, E)."""
+    was_training = decoder.training
+    decoder.eval()
+    predictions, batches = {}, math.ceil(len(pairs) / config.eval_batch_size)
+    progress = Progress(batches)
+    for b, start in enumerate(range(0, len(pairs), config.eval_batch_size), 1):
+        visual = torch.from_numpy(np.asarray(features[start:start + config.eval_batch_size], dtype=np.float32))
+        with ctx:
+            ids = decoder.greedy_decode(visual.to(device), tokenizer.sot_id, tokenizer.eot_id, config.max_len)
+        for pair, row in zip(pairs[start:start + config.eval_batch_size], ids.tolist()):
+            predictions[pair.id] = ids_to_text(row, tokenizer.decode, tokenizer.eot_id)
+        if what and (b % 20 == 0 or b == batches):
+            print(f"decoding {what}: " + progress.line(b), flush=True)
+    decoder.train(was_training)
+    return predictions
+
+
+# -----------------------------------------------------------------------------
+# What the jobs and the loop call: caption one pair, evaluate the test split, the training set, checkpoints
 
 
 def caption_pair(config: Config, stage1: Stage1, captioner: Captioner, tokenizer, device, ctx) -> None:
@@ -537,19 +574,6 @@ def training_set(run: Run, stage1: Stage1, pairs, images, tokenizer, feature_pat
     items = data.CaptionItems(pairs, tokenizer, config.use_no_change_pair, images=train_images,
                               max_words=config.max_words)
     return items if config.finetune_encoder else FeatureItems(items, feature_path["train"])
-
-
-@torch.no_grad()
-def validate(run: Run, captioner: Captioner, feature_path: dict, pairs, images,
-             tokenizer) -> tuple[float, dict]:
-    """Validation CIDEr-D, the metric that picks the best epoch, and the captions it scored."""
-    config, device, ctx = run.config, run.dist_.device, run.ctx
-    features = split_features(captioner, feature_path, "val", pairs, images, device, ctx,
-                              batch_size=config.eval_batch_size, num_workers=config.num_workers)
-    predictions = predict(captioner.decoder, features, pairs, tokenizer, config, device, ctx)
-    cider = metrics.score_captions(predictions, data.references(pairs), metrics=("CIDEr",),
-                                   scorer=SCORER)["corpus"]["CIDEr"]
-    return cider, predictions
 
 
 def describe(run: Run, samples: int, micro: int, steps_per_epoch: int, captioner: Captioner) -> str:
@@ -631,27 +655,7 @@ def read_splits(config: Config, dist_, root: Path, resolution: int) -> tuple[dic
 
 
 # -----------------------------------------------------------------------------
-# Decoding and scoring
-
-
-@torch.no_grad()
-def predict(decoder: CaptionDecoder, features: np.ndarray, pairs, tokenizer, config: Config, device, ctx,
-            what: str = "") -> dict[str, str]:
-    """{evaluation id: greedy caption} for pairs, whose tokens are the rows of features (rows, M, E)."""
-    was_training = decoder.training
-    decoder.eval()
-    predictions, batches = {}, math.ceil(len(pairs) / config.eval_batch_size)
-    progress = Progress(batches)
-    for b, start in enumerate(range(0, len(pairs), config.eval_batch_size), 1):
-        visual = torch.from_numpy(np.asarray(features[start:start + config.eval_batch_size], dtype=np.float32))
-        with ctx:
-            ids = decoder.greedy_decode(visual.to(device), tokenizer.sot_id, tokenizer.eot_id, config.max_len)
-        for pair, row in zip(pairs[start:start + config.eval_batch_size], ids.tolist()):
-            predictions[pair.id] = ids_to_text(row, tokenizer.decode, tokenizer.eot_id)
-        if what and (b % 20 == 0 or b == batches):
-            print(f"decoding {what}: " + progress.line(b), flush=True)
-    decoder.train(was_training)
-    return predictions
+# Scoring the test split: the score table
 
 
 def score_table(predictions: dict[str, str], pairs) -> dict:

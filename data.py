@@ -153,8 +153,12 @@ class AdaptationSamples(Dataset):
     """Stage 1: one sample per (pair, change caption), as the reference's dataloader_clevr_retrieval.py; empty
     captions give no sample.
 
-    In training, with probability swap_prob the before image is replaced by the pair's distractor view
-    (pairs without one, as in Spot-the-Diff, never swap); the caption stays the change caption.
+    In training, with probability swap_prob (SWAP_PROB, 0.5, as the reference) the before image is replaced by the
+    pair's distractor view (pairs without one, as in Spot-the-Diff, never swap); the caption stays the change
+    caption. Why: the distractor is the before scene from a slightly moved camera or under other light, so the
+    pair (distractor, after) holds the same change plus a nuisance one, and the change caption is still true of it.
+    Matching both pairs to one caption teaches the pair embedding to follow what changed in the scene and to
+    ignore viewpoint and lighting, which CLEVR-Change's distractors test (Robust Change Captioning, Park et al.).
     A sample: {"before": (3, R, R), "after": (3, R, R), "caption": (T,), "pair_index": int, "swapped": bool}.
     """
 

@@ -4878,12 +4878,13 @@ def test_bench_cost_hours_are_flops_over_the_rate_of_each_gpu_at_each_fraction_o
 # --- the README's reading path ---
 
 READING_PATH = {  # each stop's first line, and the line that follows the stop (the next concept)
-    "clip.py": (r"# 1\. The model", r"# 3\. "), "encoder.py": (r"class EncoderConfig", r"    # --- speed variant"),
+    "clip.py": (r"# 1\. The model", r"# 2\. "), "encoder.py": (r"class EncoderConfig", r"# --- the demo"),
     "losses.py": (r"# --- Differentiable all-gather", r'if __name__ == "__main__":'),
+    "data.py": (r"# 1\. The image pair", r"def to_device"),
     "adapt.py": (r"# Model, optimizer and schedule", r"# What the run calls"),
-    "decoder.py": (r"class DecoderConfig", r"    def _check_inputs"),
+    "decoder.py": (r"class DecoderConfig", r"# Demo"),
     "caption.py": (r"# The stage-1 encoder and the captioner", r"# What the jobs and the loop call"),
-    "metrics.py": (r"class MetricsConfig", r"# 5\. "), "meteor.py": (r"# 1\. METEOR's score", r"    # What the lesson leans on"),
+    "metrics.py": (r"class MetricsConfig", r"# 6\. "),
 }
 
 
