@@ -17,10 +17,11 @@ logit_scale clamping; after every epoch, rank captions against pairs on the vali
 and keep the best checkpoint; at the end, report the best checkpoint's test retrieval.
 
 The file reads top-down: the Config and presets; reading stage 1's data; the model, optimizer, schedule and one
-training step; the run: main (the set-up), train_and_test (data, model, optimizer, resume), train (the loop); then how the
-loop scores an epoch, the validation retrieval (evaluate, retrieval). What the run calls follows the lesson: its
-checkpoint, the test split and --eval, the DDP and torch.compile wrap. The process set-up (DDP from the environment, autocast, GradScaler) is processes.setup; the
-loop's step boundary (divergence check, Ctrl-C and SIGTERM, progress line, saves) is loop.StepBoundary.
+training step; the run: main (the set-up), train_and_test (data, model, optimizer, resume), train (the loop); then
+how the loop scores an epoch, the validation retrieval (evaluate, retrieval). What the run calls follows the
+lesson: its checkpoint, the test split and --eval, the DDP and torch.compile wrap. The process set-up (DDP from the
+environment, autocast, GradScaler) is processes.setup; the loop's step boundary (divergence check, Ctrl-C and
+SIGTERM, progress line, saves) is loop.StepBoundary.
 
 Stage 0, which made the synthetic CLIP that the synth preset adapts, is pretrain.py: CLIP's own pretraining on
 single images, with this file's optimizer, schedule and retrieval.
@@ -96,8 +97,8 @@ class Config:
     num_workers: int = flag(-1, "DataLoader processes per training process that read the images and hand over their "
                                 "uint8 pixels; 0: the training process reads them between steps. -1 (auto): on a GPU "
                                 "every CPU this process may use but one (shared by torchrun's processes on a machine), "
-                                "on the CPU 4. Decoding a pair's PNGs takes about 10 ms of CPU; with --image_cache a "
-                                "worker hands over thousands of pairs a second (BENCHMARKS.md)")
+                                "on the CPU 4. How many pairs a second a worker hands over, from PNGs or "
+                                "--image_cache: BENCHMARKS.md section 7")
     # model
     clip_model: str = flag("ViT-B/32", "model name (clip.MODELS) or weights file")
     intra_layers: int = flag(9, "vision blocks that see each image alone; the rest see the pair")
@@ -151,15 +152,10 @@ class Config:
         if self.resume and self.checkpoint:
             raise ConfigError(f"--checkpoint {self.checkpoint} with --resume: --resume continues out_dir/ckpt_last.pt "
                               f"(pass that run's --out_dir); --checkpoint is for --eval")
-        # at least one word between the start and end tokens; CLIP's text positions hold 77 (clip.CLIPConfig)
-        check_length("max_words", self.max_words, 3, self.text_positions, "start token, at least one word, "
-                             "end token; CLIP's text tower has 77 positions")
-
-    @property
-    def text_positions(self) -> int:
-        """The text tower's positions, which max_words must fit: a pretrained CLIP's 77 (a loaded model's own are
-        checked in build_clip; pretrain.py's CLIP from scratch has max_words of them)."""
-        return clip.CLIPConfig.context_length
+        # at least one word between the start and end tokens; CLIP's text positions hold 77 (clip.CLIPConfig; a
+        # loaded model's own are checked in build_clip)
+        check_length("max_words", self.max_words, 3, clip.CLIPConfig.context_length, "start token, at least one "
+                     "word, end token; CLIP's text tower has 77 positions")
 
 
 # Dataset presets, applied before the command-line flags (the reference's scripts/retrieve_clevr.sh and

@@ -107,9 +107,8 @@ def save_checkpoint(state: dict, path) -> None:
 class BackgroundWriter:
     """Checkpoints written on a thread of their own, so that a training step does not wait for the disk.
 
-    Writing stage 1's whole training state (1.6 GB: the model and AdamW's two moments) takes 2-3.5 s on a GPU
-    machine, against an 87 ms step (BENCHMARKS.md section 11): written in the loop, every save would stop the GPU
-    that long. write() copies the state's tensors to the host first (the step waits for that copy alone: the
+    Writing stage 1's whole training state (the model and AdamW's two moments) takes many steps' time on a GPU
+    machine (BENCHMARKS.md section 11): written in the loop, every save would stop the GPU that long. write() copies the state's tensors to the host first (the step waits for that copy alone: the
     weights change in place at the next step), then a thread writes the copy with save_checkpoint (atomic, fsync,
     the same bytes). One write at a time: a second write(), and wait(), first wait for the one in flight, and raise
     its error (a full disk: DiskFull) there."""
@@ -208,7 +207,7 @@ def load_checkpoint(path, required=("model", "config"), release: bool = False) -
 def check_checksums(path) -> None:
     """Refuse a checkpoint whose bytes do not match the CRC-32 of its members (torch.save writes a zip archive, and
     torch.load does not compare them: 8 KB overwritten inside a tensor loads, as other numbers). Reading the file
-    again costs about 0.3 s per GB from the page cache (BENCHMARKS.md section 9)."""
+    again costs little beside the load (BENCHMARKS.md section 9)."""
     if not zipfile.is_zipfile(path):  # torch.save's legacy format (before torch 1.6) has no checksums
         return
     member = None

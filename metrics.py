@@ -467,7 +467,7 @@ def _ptb_rules():
     """
     # JFlex's [:letter:] is Java's Character.isLetter over the Basic Multilingual Plane: Python's str.isalpha(), that
     # is \w but for digits, "_" and the other numeric characters (superscripts, roman numerals, ...). Written so, as
-    # a negated class: a class listing the 49,000 letters takes 0.1 s to compile.
+    # a negated class: a class listing the 49,000 letters is slow to compile.
     numeric = "".join(ch for ch in map(chr, range(0x10000)) if ch.isalnum() and not (ch.isalpha() or ch.isdecimal()))
     L = rf"[^\W\d_{numeric}\U00010000-\U0010ffff]"
     LD = rf"(?:{L}|\d)"
@@ -796,8 +796,8 @@ def ptb_tokenize_fast(text):
     """ptb_tokenize(text), with a shortcut for captions of words, spaces and lone , ; ! ? . marks (most captions):
     the lexer's tokens are then the words, but for the few it splits, and the marks, which the wrapper drops. A word
     before a period is asked of the lexer (one step: an abbreviation keeps its period). Trying each of the lexer's
-    80 rules at every position is slow in Python: on the CLEVR-Change-sized corpus this shortcut buys 79% of the
-    whole process's time (`python bench.py metrics`, quiet 2-core machine)."""
+    80 rules at every position is slow in Python; what this shortcut buys of the whole process: BENCHMARKS.md
+    section 6 (`python bench.py metrics`)."""
     if _DIGITS_SPACED.search(text):
         return ptb_tokenize(text)
     if _LOWER_WORDS.fullmatch(text):              # lower-case words and spaces: nothing to lower or drop
@@ -825,8 +825,8 @@ class MeteorWorker:
     """meteor.item_stats_many(items), shared with a forked process, which starts on the items chunk by chunk while
     this process computes BLEU and ROUGE-L; finish() then computes here, from the last chunk back, those the worker
     has not begun, so that both end together whatever the machine's load. The worker is forked, so it has the
-    parent's METEOR tables without pickling them. It buys 44% of the whole scoring process on 2 quiet cores
-    (`python bench.py metrics`); the command line uses it, the training scripts do not (they may hold CUDA)."""
+    parent's METEOR tables without pickling them. What it buys: BENCHMARKS.md section 6 (`python bench.py
+    metrics`); the command line uses it, the training scripts do not (they may hold CUDA)."""
 
     def __init__(self, meteor, items):
         meteor.prepare_items(items)     # every word registered before the fork: the worker never prepares again

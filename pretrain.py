@@ -68,14 +68,9 @@ class Config(adapt.Config):  # adapt.py's knobs and a CLIP's sizes from scratch;
     scratch_text_layers: int = flag(3, "scratch model: text blocks")
     scratch_embed_dim: int = flag(256, "scratch model: joint embedding width")
 
-    def __post_init__(self):  # adapt.py's checks, then the scratch model's sizes
+    def __post_init__(self):  # adapt.py's checks (max_words at most 77, as OpenAI's CLIP), then the scratch sizes
         super().__post_init__()
         check_settings(self, positive=SCRATCH_SIZES)
-
-    @property
-    def text_positions(self) -> int:
-        """A CLIP from scratch has max_words text positions; a pretrained one its own (adapt.Config)."""
-        return self.max_words if self.clip_model == "scratch" else super().text_positions
 
 
 # The scenes preset: a CLIP of width 128 (6 vision blocks on 32-pixel patches, 2 text blocks), from scratch;
