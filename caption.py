@@ -16,7 +16,9 @@ pair (before, view-shifted before) with a no-change caption, their two losses su
 The best epoch is chosen by CIDEr-D on the validation split, with patience; the test split is decoded and
 scored once at the end, and again by --eval: overall, semantic changes only, and per change type
 (color, material, add, drop, move, distractor), each subset re-scored on its own as the papers' toolkit
-does (metrics.py), plus a grid PNG of test pairs with their predicted and reference captions. Where the
+does (metrics.py), then, where the pairs carry CLEVR-Change's change types (the synthetic set, CLEVR-Change),
+the kind of change each caption says, by keywords, right per true kind (metrics.change_kinds); plus a grid PNG of
+test pairs with their predicted and reference captions. Where the
 data knows where the changed object is (the synthetic set; CLEVR-Change with RCC's boxes file), it also scores
 localisation, a pointing game on the encoder's and the decoder's attention (explain.py), and writes
 test_attention.png: the attention maps of the first pairs of the grid, word by word.
@@ -699,6 +701,10 @@ def evaluate_test(run: Run, encoder: PairEncoder, decoder: CaptionDecoder, featu
     predictions = predict(decoder, features, pairs, tokenizer, config, device, ctx, what="test")
     table = score_table(predictions, pairs)
     text = format_table(table)
+    if {pair.change_type for pair in pairs} <= {*data.CHANGE_TYPES, data.DISTRACTOR}:  # CLEVR-Change's types (synth)
+        table["kinds"] = metrics.change_kinds([{"image_id": i, "caption": c} for i, c in predictions.items()],
+                                              test_pairs)
+        text += "\n\nkind of change said, by keywords (metrics.said_kind): " + metrics.format_kinds(table["kinds"])
     # the change pairs are the first rows of features, in the order of test_pairs (data.evaluation_pairs)
     located = explain.localisation(encoder, decoder, test_pairs, features, images, tokenizer, config.max_len,
                                    config.eval_batch_size, device, ctx)

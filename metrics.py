@@ -28,7 +28,8 @@ Then what the lesson leans on, and the speed variants:
     8. speed variants             the same numbers, faster: the PTB shortcut for plain captions, a forked METEOR
                                   worker, and FastCaptionScorer, which selects every speed variant; score_captions
                                   runs the plain CaptionScorer unless asked for it, as the scripts ask in one line
-    9. the command line, and the demo
+    9. the kind of change a caption says, by keywords (CLEVR-Change-style captions; no toolkit has it)
+   10. the command line, and the demo
 
 On the toolkit's own output for the corpora in tests/metrics_vectors every score agrees to the last bit, METEOR
 included.
@@ -886,7 +887,67 @@ class FastCaptionScorer(CaptionScorer):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 9. The command line, and a demo
+# 9. The kind of change a caption says, by keywords, for CLEVR-Change-style captions (synthetic set, CLEVR-Change)
+# ---------------------------------------------------------------------------------------------------------------
+# No toolkit computes this score; BENCHMARKS.md's and the README's "kind of change right, by keywords" figures come
+# from it, and caption.py --eval prints it when the test split's pairs carry CLEVR-Change's change types. These
+# names are data.py's and synth.py's (a test checks they agree): this file reads text and imports neither.
+CHANGE_KINDS = ("color", "material", "add", "drop", "move")  # data.CHANGE_TYPES
+NO_CHANGE_KIND = "distractor"                                # data.DISTRACTOR, the type of a no-change pair
+NO_CHANGE_ID_SUFFIX = "_n"                                   # data.NO_CHANGE_SUFFIX: a no-change pair's evaluation id
+COLOR_WORDS = ("gray", "red", "blue", "green", "brown", "purple", "cyan", "yellow")  # CLEVR's, as synth.COLORS
+MATERIAL_WORDS = ("rubber", "matte", "metal", "shiny", "metallic")  # the words of synth.MATERIAL_WORDS
+
+# The keyword rules of BENCHMARKS.md's figures "by keywords over the test predictions": the first that matches wins.
+# Drops are tried before additions because "appeared" is inside "disappeared".
+NO_CHANGE_WORDS = ("same", "no change", "nothing", "identical", "no difference")
+ADDED_WORDS = ("appeared", "newly placed", "added")
+DROPPED_WORDS = ("disappeared", "missing", "gone", "no longer")
+MOVED_WORDS = ("location", "moved")
+
+
+def said_kind(caption: str) -> str:
+    """The kind of change a caption says: no change (NO_CHANGE_KIND), add, drop, move, else color or material
+    when its last word is a colour or a material word (CLEVR's, as synth.py names them), else "?"."""
+    for kind, words in ((NO_CHANGE_KIND, NO_CHANGE_WORDS), ("drop", DROPPED_WORDS), ("add", ADDED_WORDS),
+                        ("move", MOVED_WORDS)):
+        if any(w in caption for w in words):  # substrings of the caption, as the rules were written
+            return kind
+    last = caption.split()[-1] if caption.split() else ""
+    return "color" if last in COLOR_WORDS else "material" if last in MATERIAL_WORDS else "?"
+
+
+def change_kinds(predictions: list[dict], pairs: list) -> dict:
+    """For each true kind (the change types, then distractor): how many predictions say it, out of how many
+    ("right", "total"), and the confusion, true kind -> said kind -> count, most said first.
+
+    predictions is caption.py's test_predictions.json ([{"image_id", "caption"}]); pairs the test split's
+    data.ImagePair records (their id and change_type), whose no-change pairs are evaluated as "<id>_n"."""
+    change_type = {pair.id: pair.change_type for pair in pairs}
+    confusion: dict[str, Counter] = {}
+    for prediction in predictions:
+        i = prediction["image_id"]
+        if not i.endswith(NO_CHANGE_ID_SUFFIX) and i not in change_type:
+            raise CaptionInputError(f"kinds: prediction {i!r} is not a pair of the test split read; give the dataset "
+                                    f"the run was tested on (--data, --data_root)")
+        truth = NO_CHANGE_KIND if i.endswith(NO_CHANGE_ID_SUFFIX) else change_type[i]
+        confusion.setdefault(truth, Counter())[said_kind(prediction["caption"])] += 1
+    order = [k for k in (*CHANGE_KINDS, NO_CHANGE_KIND) if k in confusion]
+    return {"right": {k: confusion[k][k] for k in order}, "total": {k: confusion[k].total() for k in order},
+            "confusion": {k: dict(confusion[k].most_common()) for k in order}}
+
+
+def format_kinds(kinds: dict, confusion: bool = False) -> str:
+    """'color 36/40, material 27/40, ..., distractor 183/200' and, with confusion, one line per true kind."""
+    lines = [", ".join(f"{k} {kinds['right'][k]}/{kinds['total'][k]}" for k in kinds["right"])]
+    if confusion:
+        lines += [f"  {truth} -> " + ", ".join(f"{said} {n}" for said, n in said_counts.items())
+                  for truth, said_counts in kinds["confusion"].items()]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 10. The command line, and a demo
 # ---------------------------------------------------------------------------------------------------------------
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Score captions as the coco-caption toolkit does (BLEU-1..4, "

@@ -2503,6 +2503,41 @@ def test_end_to_end_from_raw_text_gives_the_toolkits_numbers():
     assert metrics.score_captions(predictions, references, scorer=metrics.FastCaptionScorer) == result
 
 
+# --- the kind of change a caption says, by keywords ---
+
+@pytest.mark.parametrize("caption, kind", [
+    ("the two scenes seem identical", "distractor"), ("there is no difference", "distractor"),
+    ("nothing has moved", "distractor"),  # the no-change words come first
+    ("a big metal sphere has been newly placed", "add"), ("the red cube is missing", "drop"),
+    ("the red cube has disappeared", "drop"),  # "appeared" is inside it: drops are tried first
+    ("the cube is no longer there", "drop"), ("the small cube changed its location", "move"),
+    ("the gray sphere became red", "color"), ("the red sphere turned shiny", "material"),
+    ("the rubber cube became metal", "material"), ("the red sphere became big", "?"), ("", "?")])
+def test_the_kind_of_change_a_caption_says_is_the_first_keyword_rule_that_matches(caption, kind):
+    assert metrics.said_kind(caption) == kind
+
+
+def test_change_kinds_counts_each_true_kind_said_and_the_confusion():
+    pairs = [data.ImagePair(f"{i}.png", Path("b.png"), Path("a.png"), captions=[], change_type=kind)
+             for i, kind in enumerate(["color", "color", "drop", "move"])]
+    said = {"0.png": "the cube became red", "1.png": "the cube is gone", "2.png": "the cube is gone",
+            "3.png": "the scenes are the same", "0.png_n": "the scenes are the same", "1.png_n": "nothing changed",
+            "2.png_n": "the cube moved"}
+    kinds = metrics.change_kinds([{"image_id": i, "caption": c} for i, c in said.items()], pairs)
+    assert metrics.format_kinds(kinds, confusion=True).splitlines() == [
+        "color 1/2, drop 1/1, move 0/1, distractor 2/3",  # in data.CHANGE_TYPES's order; kinds not tested left out
+        "  color -> color 1, drop 1", "  drop -> drop 1", "  move -> distractor 1", "  distractor -> distractor 2, move 1"]
+    with pytest.raises(metrics.CaptionInputError, match="'9.png' is not a pair of the test split"):
+        metrics.change_kinds([{"image_id": "9.png", "caption": "the cube moved"}], pairs)
+
+
+def test_the_kind_of_change_scores_names_are_data_pys_and_synth_pys():
+    assert metrics.CHANGE_KINDS == data.CHANGE_TYPES and metrics.NO_CHANGE_KIND == data.DISTRACTOR
+    assert metrics.NO_CHANGE_ID_SUFFIX == data.NO_CHANGE_SUFFIX
+    assert set(metrics.COLOR_WORDS) == set(synth.COLORS)
+    assert set(metrics.MATERIAL_WORDS) == {w for words in synth.MATERIAL_WORDS.values() for w in words}
+
+
 # --- the PTB tokenizer ---
 
 @pytest.mark.parametrize("name", CORPORA)
@@ -4692,32 +4727,6 @@ def test_bench_synth_counts_both_synth_steps_flops_and_their_fraction_of_the_mat
         assert 0 < products["share_of_operator_time"] < 1 and products["gflop_per_s"] > 0
     # stage 2 runs the inter-image blocks on 64 pairs (change + distractor) and a decoder; stage 1 on 128 pairs
     assert result["stage2"]["gflop_per_step"] != result["stage1"]["gflop_per_step"]
-
-
-@pytest.mark.parametrize("caption, kind", [
-    ("the two scenes seem identical", "distractor"), ("there is no difference", "distractor"),
-    ("nothing has moved", "distractor"),  # the no-change words come first
-    ("a big metal sphere has been newly placed", "add"), ("the red cube is missing", "drop"),
-    ("the red cube has disappeared", "drop"),  # "appeared" is inside it: drops are tried first
-    ("the cube is no longer there", "drop"), ("the small cube changed its location", "move"),
-    ("the gray sphere became red", "color"), ("the red sphere turned shiny", "material"),
-    ("the rubber cube became metal", "material"), ("the red sphere became big", "?"), ("", "?")])
-def test_bench_kinds_reads_the_kind_of_change_from_the_first_keyword_rule_that_matches(caption, kind):
-    assert bench.said_kind(caption) == kind
-
-
-def test_bench_kinds_counts_each_true_kind_said_and_the_confusion():
-    pairs = [data.ImagePair(f"{i}.png", Path("b.png"), Path("a.png"), captions=[], change_type=kind)
-             for i, kind in enumerate(["color", "color", "drop", "move"])]
-    said = {"0.png": "the cube became red", "1.png": "the cube is gone", "2.png": "the cube is gone",
-            "3.png": "the scenes are the same", "0.png_n": "the scenes are the same", "1.png_n": "nothing changed",
-            "2.png_n": "the cube moved"}
-    kinds = bench.change_kinds([{"image_id": i, "caption": c} for i, c in said.items()], pairs)
-    assert bench.format_kinds(kinds, confusion=True).splitlines() == [
-        "color 1/2, drop 1/1, move 0/1, distractor 2/3",  # in data.CHANGE_TYPES's order; kinds not tested left out
-        "  color -> color 1, drop 1", "  drop -> drop 1", "  move -> distractor 1", "  distractor -> distractor 2, move 1"]
-    with pytest.raises(SystemExit, match="'9.png' is not a pair of the test split"):
-        bench.change_kinds([{"image_id": "9.png", "caption": "the cube moved"}], pairs)
 
 
 def test_bench_stamped_run_logs_both_streams_line_by_line_with_the_seconds_since_the_start(tmp_path, capsys):
