@@ -100,7 +100,7 @@ class Config:
                                 "on the CPU 4. How many pairs a second a worker hands over, from PNGs or "
                                 "--image_cache: BENCHMARKS.md section 7")
     # model
-    clip_model: str = flag("ViT-B/32", "model name (clip.MODELS) or weights file")
+    clip_model: str = flag("ViT-B/32", "model name (clip_files.MODELS) or weights file")
     intra_layers: int = flag(9, "vision blocks that see each image alone; the rest see the pair")
     freeze: bool = flag(True, "freeze the reference's set: patch, class and position embeddings, ln_pre, token "
                               "embedding")
