@@ -78,7 +78,7 @@ from processes import keep_freed_memory, loader_workers, one_download_per_machin
 from progress import JsonlLog
 from stopping import check_finite_model, final_test_stopped, refuse_empty_splits, run_main
 
-CLS_ROWS_ONLY = True  # speed variant (encoder.py): stage 1's last inter-image block at the 2 CLS rows alone
+CLS_ROWS_ONLY = True  # speed variant: PairEncoder.embed_pair, beside encode_pair (the last block at the CLS rows)
 MAX_LOGIT_SCALE = math.log(100)  # logit_scale is clamped to ln(100): a temperature of at least 0.01, as CLIP
 MODEL_KEYS = ("data", "clip_model", "intra_layers", "freeze_intra", "max_words", "synth_pairs")
 # what --resume also refuses to change: what the training computes (its batch, schedule, rates, data order)

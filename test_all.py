@@ -3973,7 +3973,7 @@ def test_a_training_step_that_is_not_a_log_step_never_makes_the_host_wait_for_th
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, enabled=dtype == "float16")
     alone = processes.Distributed(False, 0, 0, 1, cpu, True)
     run = loop.Run(types.SimpleNamespace(log_every=10, save_every=10), alone, dtype, ctx, scaler, tmp_path)
-    boundary = loop.StepBoundary(run, steps_per_epoch=100, total_steps=1000, first_step=0, save=None)
+    boundary = loop.StepBoundary(run, steps_per_epoch=100, total_steps=1000, first_step=0, state=None)
     # stage 1: the batch to the device (normalised there), the step, the step boundary (step 1: no check)
     encoder = _tiny_encoder().train()
     config1 = adapt.Config(max_words=16)
