@@ -16,11 +16,12 @@ synthetic CLIP "synth-ViT/32" shipped in assets/); train with AdamW, warmup + co
 logit_scale clamping; after every epoch, rank captions against pairs on the validation split (metrics.py)
 and keep the best checkpoint; at the end, report the best checkpoint's test retrieval.
 
-The file reads top-down: the Config and presets; the model, optimizer, schedule and one training step; stage 1's
-data; the run: main (the set-up), train_and_test (data, model, optimizer, resume), train (the loop). What the run
-calls follows the lesson: its checkpoint, the test split and --eval, the retrieval evaluation, the DDP and
-torch.compile wrap. The process set-up (DDP from the environment, autocast, GradScaler) is processes.setup; the
-loop's step boundary (divergence check, Ctrl-C and SIGTERM, progress line, saves) is loop.StepBoundary.
+The file reads top-down: the Config and presets; reading stage 1's data; the model, optimizer, schedule and one
+training step; the run: main (the set-up), train_and_test (data, model, optimizer, resume), train (the loop); then
+how the loop scores an epoch, the validation retrieval (evaluate, retrieval). What the run calls follows the
+lesson: its checkpoint, the test split and --eval, the DDP and torch.compile wrap. The process set-up (DDP from the
+environment, autocast, GradScaler) is processes.setup; the loop's step boundary (divergence check, Ctrl-C and
+SIGTERM, progress line, saves) is loop.StepBoundary.
 
 Stage 0, which made the synthetic CLIP that the synth preset adapts, is pretrain.py: CLIP's own pretraining on
 single images, with this file's optimizer, schedule and retrieval.
@@ -77,7 +78,7 @@ from processes import keep_freed_memory, loader_workers, one_download_per_machin
 from progress import JsonlLog
 from stopping import check_finite_model, final_test_stopped, refuse_empty_splits, run_main
 
-CLS_ROWS_ONLY = True  # speed variant (encoder.py): stage 1's last inter-image block at the 2 CLS rows alone
+CLS_ROWS_ONLY = True  # speed variant: PairEncoder.embed_pair, beside encode_pair (the last block at the CLS rows)
 MAX_LOGIT_SCALE = math.log(100)  # logit_scale is clamped to ln(100): a temperature of at least 0.01, as CLIP
 MODEL_KEYS = ("data", "clip_model", "intra_layers", "freeze_intra", "max_words", "synth_pairs")
 # what --resume also refuses to change: what the training computes (its batch, schedule, rates, data order)
@@ -96,10 +97,10 @@ class Config:
     num_workers: int = flag(-1, "DataLoader processes per training process that read the images and hand over their "
                                 "uint8 pixels; 0: the training process reads them between steps. -1 (auto): on a GPU "
                                 "every CPU this process may use but one (shared by torchrun's processes on a machine), "
-                                "on the CPU 4. Decoding a pair's PNGs takes about 10 ms of CPU; with --image_cache a "
-                                "worker hands over thousands of pairs a second (BENCHMARKS.md)")
+                                "on the CPU 4. How many pairs a second a worker hands over, from PNGs or "
+                                "--image_cache: BENCHMARKS.md section 7")
     # model
-    clip_model: str = flag("ViT-B/32", "model name (clip.MODELS) or weights file")
+    clip_model: str = flag("ViT-B/32", "model name (clip_files.MODELS) or weights file")
     intra_layers: int = flag(9, "vision blocks that see each image alone; the rest see the pair")
     freeze: bool = flag(True, "freeze the reference's set: patch, class and position embeddings, ln_pre, token "
                               "embedding")
@@ -151,15 +152,10 @@ class Config:
         if self.resume and self.checkpoint:
             raise ConfigError(f"--checkpoint {self.checkpoint} with --resume: --resume continues out_dir/ckpt_last.pt "
                               f"(pass that run's --out_dir); --checkpoint is for --eval")
-        # at least one word between the start and end tokens; CLIP's text positions hold 77 (clip.CLIPConfig)
-        check_length("max_words", self.max_words, 3, self.text_positions, "start token, at least one word, "
-                             "end token; CLIP's text tower has 77 positions")
-
-    @property
-    def text_positions(self) -> int:
-        """The text tower's positions, which max_words must fit: a pretrained CLIP's 77 (a loaded model's own are
-        checked in build_clip; pretrain.py's CLIP from scratch has max_words of them)."""
-        return clip.CLIPConfig.context_length
+        # at least one word between the start and end tokens; CLIP's text positions hold 77 (clip.CLIPConfig; a
+        # loaded model's own are checked in build_clip)
+        check_length("max_words", self.max_words, 3, clip.CLIPConfig.context_length, "start token, at least one "
+                     "word, end token; CLIP's text tower has 77 positions")
 
 
 # Dataset presets, applied before the command-line flags (the reference's scripts/retrieve_clevr.sh and
@@ -180,6 +176,33 @@ PRESETS = {
     "synth": dict(clip_model="synth-ViT/32", intra_layers=4, freeze_intra=True, synth_pairs=6000, epochs=6,
                   batch_size=128, lr=1e-2, clip_lr_scale=0.1, num_workers=0, image_cache=True, log_every=20),
 }
+
+
+# -----------------------------------------------------------------------------
+# Stage 1's data: image pairs and their change captions
+
+
+class PairData(NamedTuple):
+    """Stage 1's dataset as read: its splits of image pairs, its tokenizer and its image reader."""
+    splits: dict                      # split name -> [data.ImagePair]
+    tokenizer: clip.SimpleTokenizer   # the dataset's vocabulary (the synthetic set has its own)
+    images: data.ImageReader          # pixels of an image file, decoded or from the image cache
+
+
+def read_pairs(config: Config, dist_, resolution: int = data.IMAGE_SIZE) -> PairData:
+    """The dataset's splits of image pairs, its tokenizer and image reader of resolution x resolution images (the
+    synthetic set drawn if missing)."""
+    root = data.dataset_root(config.data, config.data_root or None)
+    if config.data == "synth":  # drawn once, by the master, while the other processes wait
+        if dist_.master:
+            synth.ensure_synth(root, synth.SynthConfig(pairs=config.synth_pairs))
+        if dist_.ddp:
+            dist.barrier()
+    splits = {s: data.adaptation_pairs(data.load_split(config.data, s, root)) for s in data.SPLITS}  # no unchanged
+    with one_download_per_machine(dist_):  # CLIP's vocabulary, downloaded on first use
+        tokenizer = clip.get_tokenizer(data.bpe_path(config.data, root))
+    images = image_reader(splits, root, resolution, config.image_cache, dist_)
+    return PairData(splits, tokenizer, images)
 
 
 # -----------------------------------------------------------------------------
@@ -256,33 +279,6 @@ def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp
     with torch.no_grad():  # a temperature below 0.01 makes the softmax too sharp to train, as CLIP found
         logit_scale.clamp_(max=MAX_LOGIT_SCALE)
     return total, grad_norm
-
-
-# -----------------------------------------------------------------------------
-# Stage 1's data: image pairs and their change captions
-
-
-class PairData(NamedTuple):
-    """Stage 1's dataset as read: its splits of image pairs, its tokenizer and its image reader."""
-    splits: dict                      # split name -> [data.ImagePair]
-    tokenizer: clip.SimpleTokenizer   # the dataset's vocabulary (the synthetic set has its own)
-    images: data.ImageReader          # pixels of an image file, decoded or from the image cache
-
-
-def read_pairs(config: Config, dist_, resolution: int = data.IMAGE_SIZE) -> PairData:
-    """The dataset's splits of image pairs, its tokenizer and image reader of resolution x resolution images (the
-    synthetic set drawn if missing)."""
-    root = data.dataset_root(config.data, config.data_root or None)
-    if config.data == "synth":  # drawn once, by the master, while the other processes wait
-        if dist_.master:
-            synth.ensure_synth(root, synth.SynthConfig(pairs=config.synth_pairs))
-        if dist_.ddp:
-            dist.barrier()
-    splits = {s: data.adaptation_pairs(data.load_split(config.data, s, root)) for s in data.SPLITS}  # no unchanged
-    with one_download_per_machine(dist_):  # CLIP's vocabulary, downloaded on first use
-        tokenizer = clip.get_tokenizer(data.bpe_path(config.data, root))
-    images = image_reader(splits, root, resolution, config.image_cache, dist_)
-    return PairData(splits, tokenizer, images)
 
 
 # -----------------------------------------------------------------------------
@@ -409,6 +405,56 @@ def train(run: Run, raw_model: PairEncoder, optimizer, train_set, pairs: PairDat
 
 
 # -----------------------------------------------------------------------------
+# Evaluation: rank every caption of a split against every pair (the reference's main_task_retrieval.py, `eval_epoch`)
+
+
+@torch.no_grad()
+def evaluate(model: PairEncoder, split, tokenizer, images, config: Config, device, ctx) -> dict:
+    """Retrieval on a split of pairs: each change caption ranked against every pair, each pair against the
+    captions (retrieval)."""
+    was_training = model.training
+    model.eval()
+    texts, text_to_pair = data.retrieval_texts(split)  # every caption of the split, and its pair's row
+    # a generator of its own: evaluating must not draw from the global one that training's random choices use
+    loader = DataLoader(data.PairImages(split, images), batch_size=config.eval_batch_size,
+                        num_workers=config.num_workers, generator=torch.Generator(), pin_memory=device.type == "cuda")
+    pair_embeddings = []
+    for batch in loader:
+        pixels = data.to_device(batch, device, ("before", "after"))  # (B, 3, R, R) each
+        with ctx:
+            pair_embeddings.append(model(pixels["before"], pixels["after"])["pair_embedding"].float())  # (B, E)
+    scores = retrieval(model, torch.cat(pair_embeddings), texts, text_to_pair, tokenizer, config, device, ctx)
+    model.train(was_training)
+    return scores
+
+
+@torch.no_grad()
+def retrieval(model: nn.Module, visual: torch.Tensor, texts: list[str], text_to_row: list[int], tokenizer,
+              config: Config, device, ctx) -> dict:
+    """Recall at 1, 5, 10 and the median and mean rank, both ways (metrics.retrieval_metrics), of texts against the
+    visual embeddings (rows, E) by cosine similarity; text i describes row text_to_row[i]. Stage 0 (pretrain.py)
+    ranks its scenes' descriptions with it too."""
+    text_embeddings = []
+    for start in range(0, len(texts), config.eval_batch_size):
+        tokens = torch.stack([data.text_tokens(tokenizer, t, config.max_words)
+                              for t in texts[start:start + config.eval_batch_size]]).to(device)  # (B, T)
+        with ctx:
+            text_embeddings.append(model.encode_text(tokens).float())  # (B, E)
+    visual_e = torch.nn.functional.normalize(visual, dim=-1)  # (rows, E)
+    text_e = torch.nn.functional.normalize(torch.cat(text_embeddings), dim=-1)  # (n_texts, E)
+    scores = metrics.retrieval_metrics((text_e @ visual_e.T).cpu().numpy(), text_to_row)
+    return {f"{direction}_{name}": value for direction, by_name in scores.items() for name, value in by_name.items()}
+
+
+def retrieval_table(scores: dict) -> str:
+    return "\n".join(f"  {k:<18} {v:8.2f}" for k, v in scores.items())
+
+
+def summary(scores: dict) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in scores.items() if k.endswith(("R1", "R5")))
+
+
+# -----------------------------------------------------------------------------
 # What the run calls: its checkpoint, the test split; --eval
 
 
@@ -472,56 +518,6 @@ def evaluate_checkpoint(config: Config, dist_, ctx, out_dir: Path) -> None:
     scores = evaluate(model.to(dist_.device), splits["test"], tokenizer, images, config, dist_.device, ctx)
     save_json({"checkpoint": str(path), **scores}, out_dir / "test_retrieval.json")
     print(f"test retrieval of {path}:\n{retrieval_table(scores)}")
-
-
-# -----------------------------------------------------------------------------
-# Evaluation: rank every caption of a split against every pair (the reference's main_task_retrieval.py, `eval_epoch`)
-
-
-@torch.no_grad()
-def evaluate(model: PairEncoder, split, tokenizer, images, config: Config, device, ctx) -> dict:
-    """Retrieval on a split of pairs: each change caption ranked against every pair, each pair against the
-    captions (retrieval)."""
-    was_training = model.training
-    model.eval()
-    texts, text_to_pair = data.retrieval_texts(split)  # every caption of the split, and its pair's row
-    # a generator of its own: evaluating must not draw from the global one that training's random choices use
-    loader = DataLoader(data.PairImages(split, images), batch_size=config.eval_batch_size,
-                        num_workers=config.num_workers, generator=torch.Generator(), pin_memory=device.type == "cuda")
-    pair_embeddings = []
-    for batch in loader:
-        pixels = data.to_device(batch, device, ("before", "after"))  # (B, 3, R, R) each
-        with ctx:
-            pair_embeddings.append(model(pixels["before"], pixels["after"])["pair_embedding"].float())  # (B, E)
-    scores = retrieval(model, torch.cat(pair_embeddings), texts, text_to_pair, tokenizer, config, device, ctx)
-    model.train(was_training)
-    return scores
-
-
-@torch.no_grad()
-def retrieval(model: nn.Module, visual: torch.Tensor, texts: list[str], text_to_row: list[int], tokenizer,
-              config: Config, device, ctx) -> dict:
-    """Recall at 1, 5, 10 and the median and mean rank, both ways (metrics.retrieval_metrics), of texts against the
-    visual embeddings (rows, E) by cosine similarity; text i describes row text_to_row[i]. Stage 0 (pretrain.py)
-    ranks its scenes' descriptions with it too."""
-    text_embeddings = []
-    for start in range(0, len(texts), config.eval_batch_size):
-        tokens = torch.stack([data.text_tokens(tokenizer, t, config.max_words)
-                              for t in texts[start:start + config.eval_batch_size]]).to(device)  # (B, T)
-        with ctx:
-            text_embeddings.append(model.encode_text(tokens).float())  # (B, E)
-    visual_e = torch.nn.functional.normalize(visual, dim=-1)  # (rows, E)
-    text_e = torch.nn.functional.normalize(torch.cat(text_embeddings), dim=-1)  # (n_texts, E)
-    scores = metrics.retrieval_metrics((text_e @ visual_e.T).cpu().numpy(), text_to_row)
-    return {f"{direction}_{name}": value for direction, by_name in scores.items() for name, value in by_name.items()}
-
-
-def retrieval_table(scores: dict) -> str:
-    return "\n".join(f"  {k:<18} {v:8.2f}" for k, v in scores.items())
-
-
-def summary(scores: dict) -> str:
-    return ", ".join(f"{k} {v:.1f}" for k, v in scores.items() if k.endswith(("R1", "R5")))
 
 
 # -----------------------------------------------------------------------------

@@ -735,57 +735,8 @@ def metrics_scoring(corpus: str | os.PathLike = TIMING_CORPUS, runs: int = 3, va
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The README's first command, whole: the kind of change each test caption says, and the command itself from a
-# clean clone, its lines time-stamped, cut into phases (section 1)
-
-# The keyword rules of BENCHMARKS.md's figures "by keywords over the test predictions": the first that matches wins.
-# Drops are tried before additions because "appeared" is inside "disappeared".
-NO_CHANGE_WORDS = ("same", "no change", "nothing", "identical", "no difference")
-ADDED_WORDS = ("appeared", "newly placed", "added")
-DROPPED_WORDS = ("disappeared", "missing", "gone", "no longer")
-MOVED_WORDS = ("location", "moved")
-
-
-def said_kind(caption: str) -> str:
-    """The kind of change a caption says: no change (data.DISTRACTOR), add, drop, move, else color or material
-    when its last word is a colour or a material word (CLEVR's, as synth.py names them), else "?"."""
-    for kind, words in ((data.DISTRACTOR, NO_CHANGE_WORDS), ("drop", DROPPED_WORDS), ("add", ADDED_WORDS),
-                        ("move", MOVED_WORDS)):
-        if any(w in caption for w in words):  # substrings of the caption, as the rules were written
-            return kind
-    last = caption.split()[-1] if caption.split() else ""
-    materials = {w for words in synth.MATERIAL_WORDS.values() for w in words}
-    return "color" if last in synth.COLORS else "material" if last in materials else "?"
-
-
-def change_kinds(predictions: list[dict], pairs: list[data.ImagePair]) -> dict:
-    """For each true kind (the change types, then distractor): how many predictions say it, out of how many
-    ("right", "total"), and the confusion, true kind -> said kind -> count, most said first.
-
-    predictions is caption.py's test_predictions.json; pairs the test split, whose no-change pairs are
-    evaluated as "<id>_n" (data.evaluation_pairs)."""
-    change_type = {pair.id: pair.change_type for pair in pairs}
-    confusion: dict[str, collections.Counter] = {}
-    for prediction in predictions:
-        i = prediction["image_id"]
-        if not i.endswith(data.NO_CHANGE_SUFFIX) and i not in change_type:
-            raise SystemExit(f"kinds: prediction {i!r} is not a pair of the test split read; give the dataset the "
-                             f"run was tested on (--data, --data_root)")
-        truth = data.DISTRACTOR if i.endswith(data.NO_CHANGE_SUFFIX) else change_type[i]
-        confusion.setdefault(truth, collections.Counter())[said_kind(prediction["caption"])] += 1
-    order = [k for k in (*data.CHANGE_TYPES, data.DISTRACTOR) if k in confusion]
-    return {"right": {k: confusion[k][k] for k in order}, "total": {k: confusion[k].total() for k in order},
-            "confusion": {k: dict(confusion[k].most_common()) for k in order}}
-
-
-def format_kinds(kinds: dict, confusion: bool = False) -> str:
-    """'color 36/40, material 27/40, ..., distractor 183/200' and, with confusion, one line per true kind."""
-    lines = [", ".join(f"{k} {kinds['right'][k]}/{kinds['total'][k]}" for k in kinds["right"])]
-    if confusion:
-        lines += [f"  {truth} -> " + ", ".join(f"{said} {n}" for said, n in said_counts.items())
-                  for truth, said_counts in kinds["confusion"].items()]
-    return "\n".join(lines)
-
+# The README's first command, whole: the command itself from a clean clone, its lines time-stamped, cut into phases,
+# and the kind of change each test caption says (metrics.change_kinds) (section 1)
 
 def run_kinds(run_dir: str | os.PathLike, name: str = "synth", root: str | None = None) -> tuple[dict, dict | None]:
     """change_kinds of a caption.py run folder against its dataset's test split; and the pointing game's table
@@ -796,16 +747,19 @@ def run_kinds(run_dir: str | os.PathLike, name: str = "synth", root: str | None 
         raise SystemExit(f"kinds: no {path}; give the folder of a caption.py run (e.g. runs/caption_synth)")
     try:
         pairs = data.load_split(name, "test", root)
+        kinds = metrics.change_kinds(json.loads(path.read_text()), pairs)
     except data.DataError as error:
         raise SystemExit(f"kinds: {error}")
+    except metrics.CaptionInputError as error:  # a prediction that is not a pair of this test split
+        raise SystemExit(str(error))
     scores = run_dir / "test_scores.json"
     located = json.loads(scores.read_text()).get("localisation") if scores.is_file() else None
-    return change_kinds(json.loads(path.read_text()), pairs), located
+    return kinds, located
 
 
 def print_kinds(run_dir: str, name: str, root: str | None, confusion: bool) -> None:
     kinds, located = run_kinds(run_dir, name, root)
-    print(format_kinds(kinds, confusion))
+    print(metrics.format_kinds(kinds, confusion))
     if located:
         print(explain.format_localisation(located))
 
@@ -943,7 +897,8 @@ def first_command(folder: str | os.PathLike, commit: str | None = None, avx2: bo
     if outputs[1].is_file():
         try:
             kinds, located = run_kinds(outputs[1].parent, "synth", root)
-            summary.update(kinds=format_kinds(kinds), kinds_confusion=kinds["confusion"], localisation=located)
+            summary.update(kinds=metrics.format_kinds(kinds), kinds_confusion=kinds["confusion"],
+                           localisation=located)
         except SystemExit as error:  # the summary keeps the timings of a run whose outputs are not the usual ones
             summary["kinds"] = str(error)
     save_json(summary, folder / "summary.json")

@@ -16,15 +16,18 @@ pair (before, view-shifted before) with a no-change caption, their two losses su
 The best epoch is chosen by CIDEr-D on the validation split, with patience; the test split is decoded and
 scored once at the end, and again by --eval: overall, semantic changes only, and per change type
 (color, material, add, drop, move, distractor), each subset re-scored on its own as the papers' toolkit
-does (metrics.py), plus a grid PNG of test pairs with their predicted and reference captions. Where the
+does (metrics.py), then, where the pairs carry CLEVR-Change's change types (the synthetic set, CLEVR-Change),
+the kind of change each caption says, by keywords, right per true kind (metrics.change_kinds); plus a grid PNG of
+test pairs with their predicted and reference captions. Where the
 data knows where the changed object is (the synthetic set; CLEVR-Change with RCC's boxes file), it also scores
 localisation, a pointing game on the encoder's and the decoder's attention (explain.py), and writes
 test_attention.png: the attention maps of the first pairs of the grid, word by word.
 
 The file reads top-down: the Config and presets; the captioner (the stage-1 encoder, the decoder, the optimizer
 and one training step); the run: main, job (stage 1, the tokenizer, the captioner; then --pair, --eval or
-training), train (the loop). What the jobs and the loop call follows the lesson: captioning one pair, the test
-split, the training set, validation, checkpoints, decoding and scoring. The process set-up (DDP, autocast,
+training), train (the loop); then how an epoch is scored: validate, predict (greedy ids, then text), CIDEr-D.
+What the jobs and the loop call follows the lesson: captioning one pair, the test split, the training set,
+checkpoints, the test split's score table. The process set-up (DDP, autocast,
 GradScaler) is stage 1's, processes.setup; the loop's step boundary is loop.StepBoundary; the stage-1 checkpoint a
 captioner builds on is checkpoints.load_stage1's, and the pair features cached on disk are caches.py's.
 
@@ -484,8 +487,44 @@ def train(run: Run, root: Path, stage1: Stage1, captioner: Captioner, tokenizer)
 
 
 # -----------------------------------------------------------------------------
-# What the jobs and the loop call: caption one pair, evaluate the test split, the training set, validation,
-# checkpoints
+# How an epoch is scored: each validation pair's greedy token ids, then their text, then CIDEr-D
+
+
+@torch.no_grad()
+def validate(run: Run, captioner: Captioner, feature_path: dict, pairs, images,
+             tokenizer) -> tuple[float, dict]:
+    """Validation CIDEr-D, the metric that picks the best epoch, and the captions it scored."""
+    config, device, ctx = run.config, run.dist_.device, run.ctx
+    features = split_features(captioner, feature_path, "val", pairs, images, device, ctx,
+                              batch_size=config.eval_batch_size, num_workers=config.num_workers)
+    predictions = predict(captioner.decoder, features, pairs, tokenizer, config, device, ctx)
+    cider = metrics.score_captions(predictions, data.references(pairs), metrics=("CIDEr",),
+                                   scorer=SCORER)["corpus"]["CIDEr"]
+    return cider, predictions
+
+
+@torch.no_grad()
+def predict(decoder: CaptionDecoder, features: np.ndarray, pairs, tokenizer, config: Config, device, ctx,
+            what: str = "") -> dict[str, str]:
+    """{evaluation id: greedy caption} for pairs, whose tokens are the rows of features (rows, M, E)."""
+    was_training = decoder.training
+    decoder.eval()
+    predictions, batches = {}, math.ceil(len(pairs) / config.eval_batch_size)
+    progress = Progress(batches)
+    for b, start in enumerate(range(0, len(pairs), config.eval_batch_size), 1):
+        visual = torch.from_numpy(np.asarray(features[start:start + config.eval_batch_size], dtype=np.float32))
+        with ctx:
+            ids = decoder.greedy_decode(visual.to(device), tokenizer.sot_id, tokenizer.eot_id, config.max_len)
+        for pair, row in zip(pairs[start:start + config.eval_batch_size], ids.tolist()):
+            predictions[pair.id] = ids_to_text(row, tokenizer.decode, tokenizer.eot_id)
+        if what and (b % 20 == 0 or b == batches):
+            print(f"decoding {what}: " + progress.line(b), flush=True)
+    decoder.train(was_training)
+    return predictions
+
+
+# -----------------------------------------------------------------------------
+# What the jobs and the loop call: caption one pair, evaluate the test split, the training set, checkpoints
 
 
 def caption_pair(config: Config, stage1: Stage1, captioner: Captioner, tokenizer, device, ctx) -> None:
@@ -543,19 +582,6 @@ def training_set(run: Run, stage1: Stage1, pairs, images, tokenizer, feature_pat
     items = data.CaptionItems(pairs, tokenizer, config.use_no_change_pair, images=train_images,
                               max_words=config.max_words)
     return items if config.finetune_encoder else FeatureItems(items, feature_path["train"])
-
-
-@torch.no_grad()
-def validate(run: Run, captioner: Captioner, feature_path: dict, pairs, images,
-             tokenizer) -> tuple[float, dict]:
-    """Validation CIDEr-D, the metric that picks the best epoch, and the captions it scored."""
-    config, device, ctx = run.config, run.dist_.device, run.ctx
-    features = split_features(captioner, feature_path, "val", pairs, images, device, ctx,
-                              batch_size=config.eval_batch_size, num_workers=config.num_workers)
-    predictions = predict(captioner.decoder, features, pairs, tokenizer, config, device, ctx)
-    cider = metrics.score_captions(predictions, data.references(pairs), metrics=("CIDEr",),
-                                   scorer=SCORER)["corpus"]["CIDEr"]
-    return cider, predictions
 
 
 def describe(run: Run, samples: int, micro: int, steps_per_epoch: int, captioner: Captioner) -> str:
@@ -637,27 +663,7 @@ def read_splits(config: Config, dist_, root: Path, resolution: int) -> tuple[dic
 
 
 # -----------------------------------------------------------------------------
-# Decoding and scoring
-
-
-@torch.no_grad()
-def predict(decoder: CaptionDecoder, features: np.ndarray, pairs, tokenizer, config: Config, device, ctx,
-            what: str = "") -> dict[str, str]:
-    """{evaluation id: greedy caption} for pairs, whose tokens are the rows of features (rows, M, E)."""
-    was_training = decoder.training
-    decoder.eval()
-    predictions, batches = {}, math.ceil(len(pairs) / config.eval_batch_size)
-    progress = Progress(batches)
-    for b, start in enumerate(range(0, len(pairs), config.eval_batch_size), 1):
-        visual = torch.from_numpy(np.asarray(features[start:start + config.eval_batch_size], dtype=np.float32))
-        with ctx:
-            ids = decoder.greedy_decode(visual.to(device), tokenizer.sot_id, tokenizer.eot_id, config.max_len)
-        for pair, row in zip(pairs[start:start + config.eval_batch_size], ids.tolist()):
-            predictions[pair.id] = ids_to_text(row, tokenizer.decode, tokenizer.eot_id)
-        if what and (b % 20 == 0 or b == batches):
-            print(f"decoding {what}: " + progress.line(b), flush=True)
-    decoder.train(was_training)
-    return predictions
+# Scoring the test split: the score table
 
 
 def score_table(predictions: dict[str, str], pairs) -> dict:
@@ -704,10 +710,14 @@ def evaluate_test(run: Run, encoder: PairEncoder, decoder: CaptionDecoder, featu
     text = format_table(table)
     if vocabulary is not None:  # the papers' subsets: the whole split, its changed and its unchanged pairs
         by_type = data.ids_by_type(pairs)
-        kinds = {"whole test": [p.id for p in pairs],
-                 **{kind: by_type[kind] for kind in (data.CHANGED, data.UNCHANGED) if kind in by_type}}
-        table["field"] = metrics.score_both_ways(predictions, data.references(pairs), kinds, vocabulary, SCORER)
+        subsets = {"whole test": [p.id for p in pairs],
+                   **{kind: by_type[kind] for kind in (data.CHANGED, data.UNCHANGED) if kind in by_type}}
+        table["field"] = metrics.score_both_ways(predictions, data.references(pairs), subsets, vocabulary, SCORER)
         text = metrics.format_both_ways(table["field"])
+    if {pair.change_type for pair in pairs} <= {*data.CHANGE_TYPES, data.DISTRACTOR}:  # CLEVR-Change's types (synth)
+        table["kinds"] = metrics.change_kinds([{"image_id": i, "caption": c} for i, c in predictions.items()],
+                                              test_pairs)
+        text += "\n\nkind of change said, by keywords (metrics.said_kind): " + metrics.format_kinds(table["kinds"])
     # the change pairs are the first rows of features, in the order of test_pairs (data.evaluation_pairs)
     located = explain.localisation(encoder, decoder, test_pairs, features, images, tokenizer, config.max_len,
                                    config.eval_batch_size, device, ctx)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 import clip
+import clip_files
 from encoder import EncoderConfig, PairEncoder
 from files import NO_SPACE, fsync_dir, no_space, remove_partial_files, signals_deferred
 from flags import ConfigError
@@ -107,10 +108,10 @@ def save_checkpoint(state: dict, path) -> None:
 class BackgroundWriter:
     """Checkpoints written on a thread of their own, so that a training step does not wait for the disk.
 
-    Writing stage 1's whole training state (1.6 GB: the model and AdamW's two moments) takes 2-3.5 s on a GPU
-    machine, against an 87 ms step (BENCHMARKS.md section 11): written in the loop, every save would stop the GPU
-    that long. write() copies the state's tensors to the host first (the step waits for that copy alone: the
-    weights change in place at the next step), then a thread writes the copy with save_checkpoint (atomic, fsync,
+    Writing stage 1's whole training state (the model and AdamW's two moments) takes many steps' time on a GPU
+    machine (BENCHMARKS.md section 11): written in the loop, every save would stop the GPU that long. write()
+    copies the state's tensors to the host first (the step waits for that copy alone: the weights change in place
+    at the next step), then a thread writes the copy with save_checkpoint (atomic, fsync,
     the same bytes). One write at a time: a second write(), and wait(), first wait for the one in flight, and raise
     its error (a full disk: DiskFull) there."""
 
@@ -208,7 +209,7 @@ def load_checkpoint(path, required=("model", "config"), release: bool = False) -
 def check_checksums(path) -> None:
     """Refuse a checkpoint whose bytes do not match the CRC-32 of its members (torch.save writes a zip archive, and
     torch.load does not compare them: 8 KB overwritten inside a tensor loads, as other numbers). Reading the file
-    again costs about 0.3 s per GB from the page cache (BENCHMARKS.md section 9)."""
+    again costs little beside the load (BENCHMARKS.md section 9)."""
     if not zipfile.is_zipfile(path):  # torch.save's legacy format (before torch 1.6) has no checksums
         return
     member = None
@@ -415,7 +416,7 @@ def load_stage1(encoder_ckpt: str, data: str, intra_layers: int, trained: dict |
     hint = None if trained is None else trained.get("encoder_ckpt")
     path = Path(encoder_ckpt or (hint if hint and Path(hint).is_file() else f"runs/adapt_{data}/ckpt_best.pt"))
     encoder, state = load_encoder(path, intra_layers)
-    sha256 = clip.sha256_of(path)
+    sha256 = clip_files.sha256_of(path)
     if trained is not None and trained["encoder_sha256"] != sha256:
         raise ConfigError(f"{path} is not the stage-1 checkpoint the captioner was trained on (its sha256 "
                           f"differs); pass that one with --encoder_ckpt, or train stage 2 again")

@@ -123,16 +123,6 @@ def training_captions(captions: list[str]) -> list[str]:
     return [caption for caption in captions if caption.strip()]
 
 
-def adaptation_pairs(pairs: list[ImagePair]) -> list[ImagePair]:
-    """The pairs stage 1 adapts to: all but the unchanged pairs of a dataset that mixes them in (LEVIR-CC).
-
-    Stage 1 learns what changed: CLEVR-Change's no-change captions are not used in it (the reference's
-    dataloader_clevr_retrieval.py), and LEVIR-CC's unchanged pairs are left out the same way. Their five captions
-    are the same five for every unchanged pair, so in a contrastive batch each would be a false negative of the
-    others (RECIPES.md, "LEVIR-CC"). Stage 2 trains on them, with their captions."""
-    return [pair for pair in pairs if pair.change_type != UNCHANGED]
-
-
 # ---------------------------------------------------------------------------------------------------
 # 2. Caption token ids
 # ---------------------------------------------------------------------------------------------------
@@ -171,8 +161,12 @@ class AdaptationSamples(Dataset):
     """Stage 1: one sample per (pair, change caption), as the reference's dataloader_clevr_retrieval.py; empty
     captions give no sample.
 
-    In training, with probability swap_prob the before image is replaced by the pair's distractor view
-    (pairs without one, as in Spot-the-Diff, never swap); the caption stays the change caption.
+    In training, with probability swap_prob (SWAP_PROB, 0.5, as the reference) the before image is replaced by the
+    pair's distractor view (pairs without one, as in Spot-the-Diff, never swap); the caption stays the change
+    caption. Why: the distractor is the before scene from a slightly moved camera or under other light, so the
+    pair (distractor, after) holds the same change plus a nuisance one, and the change caption is still true of it.
+    Matching both pairs to one caption teaches the pair embedding to follow what changed in the scene and to
+    ignore viewpoint and lighting, which CLEVR-Change's distractors test (Robust Change Captioning, Park et al.).
     A sample: {"before": (3, R, R), "after": (3, R, R), "caption": (T,), "pair_index": int, "swapped": bool}.
     """
 
@@ -559,6 +553,16 @@ def levir_caption(sentence, where: str) -> str:
         return " ".join(tokens)
     raw = checked_type(sentence.get("raw"), str, f"{where}: 'raw' (there are no 'tokens')", "the sentence's text")
     return " ".join(raw.replace(".", " ").split())
+
+
+def adaptation_pairs(pairs: list[ImagePair]) -> list[ImagePair]:
+    """The pairs stage 1 adapts to: all but the unchanged pairs of a dataset that mixes them in (LEVIR-CC).
+
+    Stage 1 learns what changed: CLEVR-Change's no-change captions are not used in it (the reference's
+    dataloader_clevr_retrieval.py), and LEVIR-CC's unchanged pairs are left out the same way. Their five captions
+    are the same five for every unchanged pair, so in a contrastive batch each would be a false negative of the
+    others (RECIPES.md, "LEVIR-CC"). Stage 2 trains on them, with their captions."""
+    return [pair for pair in pairs if pair.change_type != UNCHANGED]
 
 
 def read_levir_cc(root: Path, split: str) -> list[ImagePair]:

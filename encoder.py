@@ -21,11 +21,11 @@ The reference is github.com/sushizixin/CLIP4IDC at commit ca49461; this file fol
   reference's interleaved (before, after) pairs; each image is encoded alone, so this changes nothing.
 - The no-decay set also holds the LayerNorm weights (see `no_decay_names`).
 
-The lesson runs from EncoderConfig to the end of PairEncoder.optimizer_groups: the config, the frozen parts and
-the no-decay rule, then PairEncoder (its five steps in order, encode_pair, forward, what trains). A section of its
-own follows, "speed variant": stage 1's pair embedding from the two CLS rows of the last inter-image block alone
-(embed_pair, block_at_rows), which forward runs when PairEncoder.cls_rows_only is set (adapt.py sets it); then
-the demo.
+The lesson runs from EncoderConfig to the end of block_at_rows: the config, the frozen parts and the no-decay
+rule, then PairEncoder (its five steps in order, encode_pair, and beside it embed_pair, the same pair embedding
+computed from the two CLS rows of the last inter-image block alone; forward, which chooses between the two by
+PairEncoder.cls_rows_only (adapt.py sets it from adapt.CLS_ROWS_ONLY); what trains), then block_at_rows, the one
+block computed at chosen rows. Then the demo.
 
 Run `python encoder.py` to push a random image pair through a tiny random CLIP and print every shape.
 The benchmark of one full-size training step is `python bench.py adapt`.
@@ -85,8 +85,8 @@ class PairEncoder(nn.Module):
     """CLIP with its vision tower split into intra-image and inter-image layers (the reference's
     modules/module_clip.py, `VisualTransformer`)."""
 
-    # The one switch of the speed variant at the end of this class: True makes forward compute the pair embedding
-    # from the two CLS rows of the last inter-image block alone (embed_pair). adapt.py switches it on.
+    # The one switch of the speed variant beside encode_pair: True makes forward compute the pair embedding from the
+    # two CLS rows of the last inter-image block alone (embed_pair). adapt.py sets it from adapt.CLS_ROWS_ONLY.
     cls_rows_only = False
 
     def __init__(self, clip_model: clip.CLIP, config: EncoderConfig = EncoderConfig()):
@@ -170,6 +170,27 @@ class PairEncoder(nn.Module):
         tokens = self.project(self.inter_image(self.join(*self.intra_pair(before, after))))  # (B, L, E)
         return {"pair_embedding": self.pool(tokens[:, self.cls_rows]), "pair_tokens": tokens}
 
+    # --- the same pair embedding, faster: the speed variant beside the plain computation (cls_rows_only) ---
+    # Retrieval reads only the two CLS rows of the last inter-image block, so that block (through block_at_rows,
+    # after this class), ln_post and the projection can run on those rows alone. What it buys: BENCHMARKS.md
+    # section 2, "The CLS-rows speed variant, with and without". test_all.py checks that the two agree.
+
+    def embed_pair(self, before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+        """encode_pair's pair embedding alone, (B, E), as retrieval needs it (stage 1): only the two CLS tokens
+        of the last block's output are read, so that block, ln_post and the projection run on them alone."""
+        x = self.join(*self.intra_pair(before, after))  # (B, L, D)
+        # differs from reference: it computes every token, then pools two; the same numbers up to float rounding
+        blocks = self.clip.visual.transformer.resblocks[self.config.intra_layers:]
+        if not blocks:  # no inter-image block to compute the rows: they are the join's
+            x = x[:, self.cls_rows]  # (B, 2, D)
+        else:
+            for block in blocks[:-1]:
+                x = block(x)  # (B, L, D)
+            x = block_at_rows(blocks[-1], x, self.cls_rows)  # (B, 2, D)
+        return self.pool(self.project(x))  # (B, 2, E) -> (B, E)
+
+    # --- stage 1's view ---
+
     def encode_text(self, text: torch.Tensor) -> torch.Tensor:
         """CLIP's caption embedding, the feature at the end-of-text token: (B, T) token ids -> (B, E)."""
         return self.clip.encode_text(text)
@@ -182,7 +203,7 @@ class PairEncoder(nn.Module):
         computed inside the wrapped module: losses.contrastive_loss(out["text_embedding"], out["pair_embedding"],
         out["logit_scale"]).
         """
-        if self.cls_rows_only:  # the speed variant (embed_pair, below): the same numbers up to float rounding
+        if self.cls_rows_only:  # the speed variant (embed_pair, above): the same numbers up to float rounding
             pair_embedding = self.embed_pair(before, after)  # (B, E)
         else:
             pair_embedding = self.encode_pair(before, after)["pair_embedding"]  # (B, E)
@@ -241,25 +262,6 @@ class PairEncoder(nn.Module):
                  "lr": lr * lr_scales[role], "lr_scale": lr_scales[role],
                  "weight_decay": weight_decay if decay else 0.0}
                 for (role, decay), params in groups.items() if params]
-
-    # --- speed variant: stage 1's pair embedding from the two CLS rows alone (cls_rows_only) ---
-    # Retrieval reads only the two CLS rows of the last inter-image block, so that block (through block_at_rows,
-    # below), ln_post and the projection can run on those rows alone. It makes a synth stage-1 step 171 ms instead
-    # of 265-270 ms (bench.py synth, 2026-11-27, a machine with avx2 + avx512_bf16, two alternating rounds).
-
-    def embed_pair(self, before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-        """encode_pair's pair embedding alone, (B, E), as retrieval needs it (stage 1): only the two CLS tokens
-        of the last block's output are read, so that block, ln_post and the projection run on them alone."""
-        x = self.join(*self.intra_pair(before, after))  # (B, L, D)
-        # differs from reference: it computes every token, then pools two; the same numbers up to float rounding
-        blocks = self.clip.visual.transformer.resblocks[self.config.intra_layers:]
-        if not blocks:  # no inter-image block to compute the rows: they are the join's
-            x = x[:, self.cls_rows]  # (B, 2, D)
-        else:
-            for block in blocks[:-1]:
-                x = block(x)  # (B, L, D)
-            x = block_at_rows(blocks[-1], x, self.cls_rows)  # (B, 2, D)
-        return self.pool(self.project(x))  # (B, 2, E) -> (B, E)
 
 
 def block_at_rows(block: clip.ResidualAttentionBlock, x: torch.Tensor, rows: slice) -> torch.Tensor:

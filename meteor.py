@@ -146,7 +146,21 @@ def _fixed_matches(cands, cover1, cover2):
     return fixed, used1, used2, open_choice
 
 
-_PATH_RANK = operator.itemgetter(0, 1, 2)    # (-weighted matches, chunks, distance): PARTIAL_COMPARE_TOTAL
+class _Path(NamedTuple):
+    """A partial alignment of Meteor._resolve's beam search (Java's PartialAlignment)."""
+    rank: int            # -(matches1 + matches2): more weighted matches rank first
+    chunks: int          # chunks closed so far
+    distance: int        # summed |reference start - hypothesis start| of its matches
+    matches1: int        # weighted hypothesis words matched (a Java int: truncated at every addition)
+    matches2: int        # weighted reference words matched
+    ref_end: int         # end of its last match in the reference
+    last: int            # end of its last match in the hypothesis, or -1 once a skip closed the chunk
+    used1: int           # bit mask of the hypothesis words used
+    used2: int           # bit mask of the reference words used
+    chosen: tuple | None  # the chosen matches, newest first, as a linked list (match, earlier)
+
+
+_PATH_RANK = operator.attrgetter("rank", "chunks", "distance")    # Java's PARTIAL_COMPARE_TOTAL
 METEOR_SEARCH_WEIGHTS = {"exact": 1.0, "stem": 0.5, "synonym": 0.5, "paraphrase": 0.5}   # MeteorScorer: "best
 # weights for evaluation", used only to rank partial alignments; the score uses MeteorConfig.weights.
 
@@ -221,12 +235,10 @@ class Meteor:
         weights, beam = self.search_weights, self.config.beam
         options_at = [[(m, ((1 << m[3]) - 1) << m[2], ((1 << m[1]) - 1) << m[0], abs(m[0] - m[2]),
                         m[3] * weights[m[4]], m[1] * weights[m[4]]) for m in options] for options in cands]
-        # A partial alignment: (-(matches1 + matches2), chunks, distance, matches1, matches2, end of its last match
-        # in the reference, end of its last match in the hypothesis or -1 once a skip closed the chunk, used
-        # hypothesis words, used reference words, chosen matches). matches1/2 are Java ints and `matches1 +=
-        # length * weight` truncates: a one-word stem, synonym or paraphrase match (search weight 0.5) adds nothing.
-        # Java's idx is max(end in the reference, current): a skip only advances it, so it is not stored.
-        paths = [(0, 0, 0, 0, 0, 0, -1, used1, used2, None)]
+        # Partial alignments (_Path). matches1/2 are Java ints and `matches1 += length * weight` truncates: a
+        # one-word stem, synonym or paraphrase match (search weight 0.5) adds nothing. Java's idx is max(end in the
+        # reference, current): a skip only advances it, so it is not stored.
+        paths = [_Path(0, 0, 0, 0, 0, 0, -1, used1, used2, None)]
         for current in range(n_ref):
             if len(paths) > 1:
                 paths.sort(key=_PATH_RANK)                # stable, as Collections.sort
@@ -240,31 +252,32 @@ class Meteor:
                     elif current in fixed:                # a fixed match starts here
                         start, length, m_start, m_length, stage = fixed[current]
                         m1, m2 = int(m1 + m_length * weights[stage]), int(m2 + length * weights[stage])
-                        following.append((-(m1 + m2), chunks + (last != -1 and m_start != last), distance
-                                          + abs(start - m_start), m1, m2, start + length, m_start + m_length,
-                                          u1, u2, chosen))
+                        following.append(_Path(-(m1 + m2), chunks + (last != -1 and m_start != last), distance
+                                               + abs(start - m_start), m1, m2, start + length, m_start + m_length,
+                                               u1, u2, chosen))
                     continue
                 for match, mask1, mask2, dist, w1, w2 in options:
                     if u1 & mask1 or u2 & mask2:
                         continue
                     n1, n2 = int(m1 + w1), int(m2 + w2)
-                    following.append((-(n1 + n2), chunks + (last != -1 and match[2] != last), distance, n1, n2,
-                                      match[0] + match[1], match[2] + match[3], u1 | mask1, u2 | mask2,
-                                      (match, chosen)))
+                    following.append(_Path(-(n1 + n2), chunks + (last != -1 and match[2] != last), distance, n1,
+                                           n2, match[0] + match[1], match[2] + match[3], u1 | mask1, u2 | mask2,
+                                           (match, chosen)))
                     # Java adds the distance to the path being extended, not to the new one: the skip path and
                     # the later alternatives inherit it. Reproduced, since it decides ties.
                     distance += dist
-                if last == -1 and distance == path[2]:    # skip this reference word: an open chunk ends
+                if last == -1 and distance == path.distance:    # skip this reference word: an open chunk ends
                     following.append(path)
                 else:
-                    following.append((path[0], chunks + (last != -1), distance, m1, m2, ref_end, -1, u1, u2,
-                                      chosen))
+                    following.append(_Path(path.rank, chunks + (last != -1), distance, m1, m2, ref_end, -1, u1, u2,
+                                           chosen))
             paths = following or [paths[0]]               # "unexpected conditions": keep the best path
         if len(paths) > 1:
             paths.sort(key=_PATH_RANK)
             del paths[beam:]
-        best = min(((p[0], p[1] + (p[6] != -1), p[2]), n) for n, p in enumerate(paths))   # close the last chunk
-        chosen, link = dict(fixed), paths[best[1]][9]
+        # the best path once its last chunk is closed; the first of equals, as Java's scan
+        best = min(paths, key=lambda p: (p.rank, p.chunks + (p.last != -1), p.distance))
+        chosen, link = dict(fixed), best.chosen
         while link is not None:
             chosen[link[0][0]] = link[0]
             link = link[1]
@@ -601,7 +614,8 @@ def _checked_modules(modules, resources):
 # The paraphrase table: 5.3 million (phrase, paraphrase) pairs over 17,811 words, 272 MB unzipped, in triples of
 # lines: probability, phrase, paraphrase (words separated by single spaces). A pair can only ever match when every
 # word of both phrases occurs in the corpus being scored, so Meteor keeps only those pairs. Reading them this way
-# takes about 8 s; a run reads the same pairs from an index in a fraction of a second (load_paraphrases, section 5).
+# takes seconds; a run reads the same pairs from an index instead (load_paraphrases, section 5; BENCHMARKS.md
+# section 6).
 def read_paraphrases(resources, vocabulary):
     """{phrase (tuple of words): [paraphrases in file order]} for the pairs whose words are all in the set
     `vocabulary`."""
@@ -830,9 +844,8 @@ def snowball_stem(word):
 # ---------------------------------------------------------------------------------------------------------------
 # 5.1 The paraphrase index, for read_paraphrases (section 2). Unzipping the table alone takes seconds, so it is turned
 # once into a word-id index cached on disk. The index files each pair under its rarest word: a run reads only the
-# pairs filed under its own vocabulary, then keeps those whose words it all has (0.02 s for CLEVR's 85 words).
-# It buys 57% of the whole scoring process on the CLEVR-Change-sized corpus (`python bench.py metrics`, quiet
-# 2-core machine; 29-39% on a loaded one).
+# pairs filed under its own vocabulary, then keeps those whose words it all has. What it buys of the whole scoring
+# process: BENCHMARKS.md section 6 (`python bench.py metrics`).
 def _paraphrase_cache_dir(gz):
     with open(gz, "rb") as f:
         head = f.read(1 << 16)
@@ -966,8 +979,8 @@ def _read_paraphrase_index(out, vocabulary):
 # 5.2 Many items at once, for Meteor.item_stats_many (section 1). The beam search of Meteor._resolve, one alignment
 # at a time in Python, is about half of METEOR's time. FastMeteor.item_stats_many collects the alignments of many
 # items that need a search (each distinct one once) and runs that same search on all of them together with numpy,
-# step for step, so that every tie is broken the same way. It buys 33% of the whole scoring process on the
-# CLEVR-Change-sized corpus (`python bench.py metrics`, quiet; 19-27% loaded).
+# step for step, so that every tie is broken the same way. What it buys of the whole scoring process: BENCHMARKS.md
+# section 6 (`python bench.py metrics`).
 # Its sentences (_FastSentence) are built from per-word records, computed once per word, and hold each phrase's
 # paraphrases grouped by first word as lists made once per phrase (a pair's paraphrase matches then need no set),
 # the longer phrases found down a trie of the table's phrases.
@@ -1028,8 +1041,8 @@ class FastMeteor(Meteor):
 
     def words(self, text):
         """Meteor.words, with a shortcut for lines of lower-case letters, digits and spaces (most PTB-tokenized
-        captions): no rule of the normaliser changes them, so their words are the line split on spaces. It buys
-        23% of the whole scoring process (`python bench.py metrics`, quiet 2-core machine)."""
+        captions): no rule of the normaliser changes them, so their words are the line split on spaces. What it
+        buys: BENCHMARKS.md section 6 (`python bench.py metrics`)."""
         if text not in self._words and _PLAIN_LINE.fullmatch(text):
             self._words[text] = text.split()
         return super().words(text)
@@ -1254,13 +1267,13 @@ class FastMeteor(Meteor):
 
 
 # 5.3 The garbage collector paused, for scoring with it running: around all of metrics.py's scoring (its
-# FastCaptionScorer and command line), where METEOR's tuples are most of what it would scan. It buys 44% of the
-# whole scoring process on the CLEVR-Change-sized corpus (`python bench.py metrics`, quiet; 27-41% loaded).
+# FastCaptionScorer and command line), where METEOR's tuples are most of what it would scan. What it buys of the
+# whole scoring process: BENCHMARKS.md section 6 (`python bench.py metrics`).
 @contextlib.contextmanager
 def collector_paused():
     """Scoring allocates millions of small tuples and dicts and leaves no reference cycles. Python's cyclic garbage
-    collector would scan them again and again (about 40% of the run time here), so it is paused meanwhile. Its
-    first pass after the pause still scans all the survivors once (0.3 s on a CLEVR-sized corpus): metrics.py's
+    collector would scan them again and again, so it is paused meanwhile. Its first pass after the pause still
+    scans all the survivors once: metrics.py's
     FastCaptionScorer and command line therefore hold one pause around all their steps (an inner pause changes
     nothing)."""
     enabled = gc.isenabled()

@@ -30,7 +30,8 @@ Then what the lesson leans on, and the speed variants:
                                   runs the plain CaptionScorer unless asked for it, as the scripts ask in one line
     9. the field's scoring        how the LEVIR-CC papers score (vocabulary-id strings, no tokenizer, S*m), beside
                                   ours, in one table
-   10. the command line, and the demo
+   10. the kind of change a caption says, by keywords (CLEVR-Change-style captions; no toolkit has it)
+   11. the command line, and the demo
 
 On the toolkit's own output for the corpora in tests/metrics_vectors every score agrees to the last bit, METEOR
 included.
@@ -469,7 +470,7 @@ def _ptb_rules():
     """
     # JFlex's [:letter:] is Java's Character.isLetter over the Basic Multilingual Plane: Python's str.isalpha(), that
     # is \w but for digits, "_" and the other numeric characters (superscripts, roman numerals, ...). Written so, as
-    # a negated class: a class listing the 49,000 letters takes 0.1 s to compile.
+    # a negated class: a class listing the 49,000 letters is slow to compile.
     numeric = "".join(ch for ch in map(chr, range(0x10000)) if ch.isalnum() and not (ch.isalpha() or ch.isdecimal()))
     L = rf"[^\W\d_{numeric}\U00010000-\U0010ffff]"
     LD = rf"(?:{L}|\d)"
@@ -798,8 +799,8 @@ def ptb_tokenize_fast(text):
     """ptb_tokenize(text), with a shortcut for captions of words, spaces and lone , ; ! ? . marks (most captions):
     the lexer's tokens are then the words, but for the few it splits, and the marks, which the wrapper drops. A word
     before a period is asked of the lexer (one step: an abbreviation keeps its period). Trying each of the lexer's
-    80 rules at every position is slow in Python: on the CLEVR-Change-sized corpus this shortcut buys 79% of the
-    whole process's time (`python bench.py metrics`, quiet 2-core machine)."""
+    80 rules at every position is slow in Python; what this shortcut buys of the whole process: BENCHMARKS.md
+    section 6 (`python bench.py metrics`)."""
     if _DIGITS_SPACED.search(text):
         return ptb_tokenize(text)
     if _LOWER_WORDS.fullmatch(text):              # lower-case words and spaces: nothing to lower or drop
@@ -827,8 +828,8 @@ class MeteorWorker:
     """meteor.item_stats_many(items), shared with a forked process, which starts on the items chunk by chunk while
     this process computes BLEU and ROUGE-L; finish() then computes here, from the last chunk back, those the worker
     has not begun, so that both end together whatever the machine's load. The worker is forked, so it has the
-    parent's METEOR tables without pickling them. It buys 44% of the whole scoring process on 2 quiet cores
-    (`python bench.py metrics`); the command line uses it, the training scripts do not (they may hold CUDA)."""
+    parent's METEOR tables without pickling them. What it buys: BENCHMARKS.md section 6 (`python bench.py
+    metrics`); the command line uses it, the training scripts do not (they may hold CUDA)."""
 
     def __init__(self, meteor, items):
         meteor.prepare_items(items)     # every word registered before the fork: the worker never prepares again
@@ -969,7 +970,67 @@ def format_both_ways(table):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 10. The command line, and a demo
+# 10. The kind of change a caption says, by keywords, for CLEVR-Change-style captions (synthetic set, CLEVR-Change)
+# ---------------------------------------------------------------------------------------------------------------
+# No toolkit computes this score; BENCHMARKS.md's and the README's "kind of change right, by keywords" figures come
+# from it, and caption.py --eval prints it when the test split's pairs carry CLEVR-Change's change types. These
+# names are data.py's and synth.py's (a test checks they agree): this file reads text and imports neither.
+CHANGE_KINDS = ("color", "material", "add", "drop", "move")  # data.CHANGE_TYPES
+NO_CHANGE_KIND = "distractor"                                # data.DISTRACTOR, the type of a no-change pair
+NO_CHANGE_ID_SUFFIX = "_n"                                   # data.NO_CHANGE_SUFFIX: a no-change pair's evaluation id
+COLOR_WORDS = ("gray", "red", "blue", "green", "brown", "purple", "cyan", "yellow")  # CLEVR's, as synth.COLORS
+MATERIAL_WORDS = ("rubber", "matte", "metal", "shiny", "metallic")  # the words of synth.MATERIAL_WORDS
+
+# The keyword rules of BENCHMARKS.md's figures "by keywords over the test predictions": the first that matches wins.
+# Drops are tried before additions because "appeared" is inside "disappeared".
+NO_CHANGE_WORDS = ("same", "no change", "nothing", "identical", "no difference")
+ADDED_WORDS = ("appeared", "newly placed", "added")
+DROPPED_WORDS = ("disappeared", "missing", "gone", "no longer")
+MOVED_WORDS = ("location", "moved")
+
+
+def said_kind(caption: str) -> str:
+    """The kind of change a caption says: no change (NO_CHANGE_KIND), add, drop, move, else color or material
+    when its last word is a colour or a material word (CLEVR's, as synth.py names them), else "?"."""
+    for kind, words in ((NO_CHANGE_KIND, NO_CHANGE_WORDS), ("drop", DROPPED_WORDS), ("add", ADDED_WORDS),
+                        ("move", MOVED_WORDS)):
+        if any(w in caption for w in words):  # substrings of the caption, as the rules were written
+            return kind
+    last = caption.split()[-1] if caption.split() else ""
+    return "color" if last in COLOR_WORDS else "material" if last in MATERIAL_WORDS else "?"
+
+
+def change_kinds(predictions: list[dict], pairs: list) -> dict:
+    """For each true kind (the change types, then distractor): how many predictions say it, out of how many
+    ("right", "total"), and the confusion, true kind -> said kind -> count, most said first.
+
+    predictions is caption.py's test_predictions.json ([{"image_id", "caption"}]); pairs the test split's
+    data.ImagePair records (their id and change_type), whose no-change pairs are evaluated as "<id>_n"."""
+    change_type = {pair.id: pair.change_type for pair in pairs}
+    confusion: dict[str, Counter] = {}
+    for prediction in predictions:
+        i = prediction["image_id"]
+        if not i.endswith(NO_CHANGE_ID_SUFFIX) and i not in change_type:
+            raise CaptionInputError(f"kinds: prediction {i!r} is not a pair of the test split read; give the dataset "
+                                    f"the run was tested on (--data, --data_root)")
+        truth = NO_CHANGE_KIND if i.endswith(NO_CHANGE_ID_SUFFIX) else change_type[i]
+        confusion.setdefault(truth, Counter())[said_kind(prediction["caption"])] += 1
+    order = [k for k in (*CHANGE_KINDS, NO_CHANGE_KIND) if k in confusion]
+    return {"right": {k: confusion[k][k] for k in order}, "total": {k: confusion[k].total() for k in order},
+            "confusion": {k: dict(confusion[k].most_common()) for k in order}}
+
+
+def format_kinds(kinds: dict, confusion: bool = False) -> str:
+    """'color 36/40, material 27/40, ..., distractor 183/200' and, with confusion, one line per true kind."""
+    lines = [", ".join(f"{k} {kinds['right'][k]}/{kinds['total'][k]}" for k in kinds["right"])]
+    if confusion:
+        lines += [f"  {truth} -> " + ", ".join(f"{said} {n}" for said, n in said_counts.items())
+                  for truth, said_counts in kinds["confusion"].items()]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 11. The command line, and a demo
 # ---------------------------------------------------------------------------------------------------------------
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Score captions as the coco-caption toolkit does (BLEU-1..4, "

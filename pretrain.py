@@ -7,7 +7,7 @@ It is stage 1's loop one step earlier, with CLIP itself (SceneCLIP) in place of 
 place of a pair: adapt.py's Config (and the sizes of a CLIP from scratch), optimizer, schedule and retrieval
 scores, and a loop of its own written as adapt.py's, with the same step boundary (StepBoundary). It ends
 by checking CLIP-style zero-shot classification of held-out objects and by writing the weights in OpenAI's names
-and format: the file assets/synth-ViT-32.pt that clip.MODELS names "synth-ViT/32" and adapt.py's synth preset
+and format: the file assets/synth-ViT-32.pt that clip_files.MODELS names "synth-ViT/32" and adapt.py's synth preset
 adapts.
 
 Run:  python pretrain.py                      train a synthetic CLIP (draws data/synth_scenes on first use; about
@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader
 
 import adapt
 import clip
+import clip_files
 import data
 import synth
 from batches import batch_plan, epoch_batches, training_loader
@@ -59,7 +60,7 @@ MODEL_KEYS = ("data", "clip_model", "intra_layers", "freeze_intra", "max_words",
 class Config(adapt.Config):  # adapt.py's knobs and a CLIP's sizes from scratch; the scenes preset sets their values
     data: str = flag("scenes", "stage 0's one dataset: single synthetic scenes (data/synth_scenes)")
     clip_model: str = flag("ViT-B/32", '"scratch": a CLIP from scratch at the scratch_* sizes; or a model name '
-                                       '(clip.MODELS) or weights file, trained further')
+                                       '(clip_files.MODELS) or weights file, trained further')
     out_dir: str = flag("", 'checkpoints and logs ("" = runs/pretrain_scenes)')
     scratch_width: int = flag(256, "scratch model: vision width")
     scratch_layers: int = flag(6, "scratch model: vision blocks")
@@ -68,14 +69,9 @@ class Config(adapt.Config):  # adapt.py's knobs and a CLIP's sizes from scratch;
     scratch_text_layers: int = flag(3, "scratch model: text blocks")
     scratch_embed_dim: int = flag(256, "scratch model: joint embedding width")
 
-    def __post_init__(self):  # adapt.py's checks, then the scratch model's sizes
+    def __post_init__(self):  # adapt.py's checks (max_words at most 77, as OpenAI's CLIP), then the scratch sizes
         super().__post_init__()
         check_settings(self, positive=SCRATCH_SIZES)
-
-    @property
-    def text_positions(self) -> int:
-        """A CLIP from scratch has max_words text positions; a pretrained one its own (adapt.Config)."""
-        return self.max_words if self.clip_model == "scratch" else super().text_positions
 
 
 # The scenes preset: a CLIP of width 128 (6 vision blocks on 32-pixel patches, 2 text blocks), from scratch;
@@ -246,7 +242,7 @@ def finish_stage0(model: SceneCLIP, tokenizer, config: Config, device, ctx, out_
     say("zero-shot attributes of held-out single-object scenes, CLIP-style (prompts of all 96 objects): "
         + ", ".join(f"{k} {v:.1f}%" for k, v in accuracy.items()))
     path = export_clip(model.clip, out_dir / SYNTH_CLIP_FILE)
-    say(f"wrote {path}, sha256 {clip.sha256_of(path)}")
+    say(f"wrote {path}, sha256 {clip_files.sha256_of(path)}")
 
 
 # -----------------------------------------------------------------------------

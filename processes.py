@@ -165,10 +165,9 @@ def keep_freed_memory(largest_block: int = 32 << 20) -> bool:
 
     By default glibc serves a large block (over a threshold that grows to at most 32 MiB) with a fresh mmap and
     unmaps it when freed. A training step's activations are such blocks, so each step gets new pages, and the
-    kernel zeroes and maps every page on first touch: 175,000 page faults and 0.6-0.8 s of system time in a
-    6 s ViT-B/32 step on 2 CPU threads, 14% of a synth stage-1 step (BENCHMARKS.md section 3). After this call
-    blocks up to largest_block come from the heap and the heap is never trimmed, so a step reuses the pages of
-    the step before (0 faults). The price: the process keeps its peak memory until it ends. This is what
+    kernel zeroes and maps every page on first touch (what that costs a step: BENCHMARKS.md section 3). After
+    this call blocks up to largest_block come from the heap and the heap is never trimmed, so a step reuses the
+    pages of the step before (0 faults). The price: the process keeps its peak memory until it ends. This is what
     jemalloc or tcmalloc would give, without a dependency. Returns False, doing nothing, off glibc.
     """
     try:

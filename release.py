@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 import clip
+import clip_files
 from decoder import CaptionDecoder, DecoderConfig
 from encoder import EncoderConfig, PairEncoder, tiny_pair_encoder
 
@@ -165,7 +166,7 @@ def release_stage(state) -> int | None:
 def read_release(path) -> tuple[int, dict[str, torch.Tensor]]:
     """(stage, state dict) of a reference release file, read as data (weights_only), never run as code.
 
-    Raises clip.FileError, one line saying what was expected, for a file of any other kind.
+    Raises clip_files.FileError, one line saying what was expected, for a file of any other kind.
     """
     path = Path(path)
     if not path.is_file():
@@ -175,10 +176,11 @@ def read_release(path) -> tuple[int, dict[str, torch.Tensor]]:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # not a torch file, or one holding more than tensors and containers
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
-        raise clip.FileError(f"{path} is not {RELEASE}; torch.load read no state dict from it ({reason})") from None
+        raise clip_files.FileError(f"{path} is not {RELEASE}; torch.load read no state dict from it "
+                                   f"({reason})") from None
     stage = release_stage(state)
     if stage is None:
-        raise clip.FileError(f"{path} is not {RELEASE}")
+        raise clip_files.FileError(f"{path} is not {RELEASE}")
     return stage, state
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-import clip
+import clip_files
 import data
 from checkpoints import CheckpointError
 from files import STOP_SIGNALS, DiskFull, Unwritable
@@ -280,7 +280,7 @@ def refuse_empty_splits(splits: dict, names, config) -> None:
 
 
 # The errors a user can fix, by the file, flag or data they name: the scripts print these as one line.
-USER_ERRORS = (FileNotFoundError, FileExistsError, ConfigError, CheckpointError, data.DataError, clip.FileError,
+USER_ERRORS = (FileNotFoundError, FileExistsError, ConfigError, CheckpointError, data.DataError, clip_files.FileError,
                DiskFull, Unwritable)
 
 

@@ -446,7 +446,7 @@ def render(objects: list[dict], cfg: SynthConfig, view: dict = IDENTITY_VIEW) ->
 
 
 def write_png(path: Path, pixels: np.ndarray, level: int) -> None:
-    """An RGB PNG with no row filter and zlib at level: 3x faster than Pillow's encoder, which tries filters."""
+    """An RGB PNG with no row filter and zlib at level: faster than Pillow's encoder, which tries filters (BENCHMARKS.md section 7)."""
     height, width, _ = pixels.shape
     rows = np.zeros((height, 1 + 3 * width), np.uint8)  # each row starts with its filter type, 0 ("None")
     rows[:, 1:] = pixels.reshape(height, -1)
