@@ -10,21 +10,15 @@ preset applied before them, then one loop. The same file runs on one CPU or GPU 
 several (`torchrun --standalone --nproc_per_node=2 adapt.py`, or several machines with torchrun's
 --nnodes/--rdzv flags): DDP is detected from the environment.
 
-What it does, in order: set up processes and precision; read the dataset (drawing the synthetic one on
-first use); build the pair encoder from a pretrained CLIP (OpenAI's ViT-B/32, or for --data synth the
-synthetic CLIP "synth-ViT/32" shipped in assets/); train with AdamW, warmup + cosine, gradient clipping and
-logit_scale clamping; after every epoch, rank captions against pairs on the validation split (metrics.py)
-and keep the best checkpoint; at the end, report the best checkpoint's test retrieval.
+The file reads top-down: the Config (the flags) and the presets; stage 1's data; the model, optimizer, schedule
+and one training step; the run: main, train_and_test (data, model, optimizer, resume, samples), train (the loop);
+then how the loop scores an epoch: evaluate, retrieval, retrieval_metrics (every caption ranked against every
+pair, R@K). After the lesson: the checkpoint, the test split and --eval, the DDP and torch.compile wrap. What keeps
+a run safe and fast (the processes, the step boundary's saves and stops, the caches) is plumbing/'s: every call
+to it says `plumbing.`, and can be skipped on a first reading.
 
-The file reads top-down: the Config and presets; reading stage 1's data; the model, optimizer, schedule and one
-training step; the run: main (the set-up), train_and_test (data, model, optimizer, resume), train (the loop); then
-how the loop scores an epoch, the validation retrieval (evaluate, retrieval). What the run calls follows the
-lesson: its checkpoint, the test split and --eval, the DDP and torch.compile wrap. The process set-up (DDP from the
-environment, autocast, GradScaler) is processes.setup; the loop's step boundary (divergence check, Ctrl-C and
-SIGTERM, progress line, saves) is loop.StepBoundary.
-
-Stage 0, which made the synthetic CLIP that the synth preset adapts, is pretrain.py: CLIP's own pretraining on
-single images, with this file's optimizer, schedule and retrieval.
+Stage 0, which made the synthetic CLIP that the synth preset adapts, runs through this file's step and loop
+(pretrain.py): CLIP itself on one image and its description, in place of the pair encoder on a pair.
 
 Differs from the reference implementation (github.com/sushizixin/CLIP4IDC at commit ca49461, its
 main_task_retrieval.py and modules/; "the reference" below):
@@ -33,53 +27,44 @@ main_task_retrieval.py and modules/; "the reference" below):
   - torch's AdamW (with bias correction) instead of BertAdam (without it); LayerNorm weights not decayed;
   - the global batch is divided by the number of processes (the reference divides by GPUs per machine);
   - checkpoints hold the optimizer and RNG states, so an interrupted run resumes where it stopped;
-  - the synth preset freezes the intra-image blocks outright and computes their tokens once (see build_encoder).
+  - the synth preset freezes the intra-image blocks outright and computes their tokens once (see build_encoder);
+  - ties in retrieval ranks count against the true match (retrieval_metrics).
 
-Run:  python adapt.py --data synth            the synthetic CLIP adapted to pairs: 6 minutes on 2 AVX-512 cores
+Run:  python adapt.py --data synth            the synthetic CLIP adapted to pairs (README: how long, by CPU)
       python adapt.py --data clevr            the paper's run on CLEVR-Change, on one GPU; or spot, ier, levir
       torchrun --standalone --nproc_per_node=2 adapt.py --data clevr
       python adapt.py --data synth --resume   continue an interrupted run from out_dir/ckpt_last.pt
       python adapt.py --data clevr --eval --checkpoint pretrained/pytorch_model.bin.clevr
                                               the test retrieval of the reference's released stage-1 weights
 
-Shape letters: B pairs in a batch, R image side (224), T caption tokens (32), E joint embedding width.
+Shape letters: B pairs in a batch, R image side (224), T caption tokens (32), E joint embedding width,
+P pairs of a split, C captions of a split.
 """
 import dataclasses
 import functools
-import json
 import math
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed import destroy_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 import clip
 import data
-import metrics
+import plumbing
 import synth
-from batches import batch_plan, epoch_batches, training_loader
-from caches import IntraTokens, image_reader
-from checkpoints import (check_resume, load_checkpoint, load_encoder, rng_state, seed_everything, split_fingerprint,
-                         start_or_resume, vocabulary_hint, vocabulary_tensor)
-from encoder import EncoderConfig, PairEncoder
-from files import OutDirLock, check_out_dir, save_json
-from flags import ConfigError, check_length, check_settings, flag, parse_config
-from loop import Run, StepBoundary
+from encoder import EncoderConfig, PairEncoder, from_checkpoint
 from losses import contrastive_loss
-from processes import keep_freed_memory, loader_workers, one_download_per_machine, setup
-from progress import JsonlLog
-from stopping import check_finite_model, final_test_stopped, refuse_empty_splits, run_main
+from plumbing import ConfigError, flag
 
 CLS_ROWS_ONLY = True  # speed variant: PairEncoder.embed_pair, beside encode_pair (the last block at the CLS rows)
 MAX_LOGIT_SCALE = math.log(100)  # logit_scale is clamped to ln(100): a temperature of at least 0.01, as CLIP
+INPUTS = ("before", "after", "caption")  # what a step feeds the model: PairEncoder(before, after, text)
 MODEL_KEYS = ("data", "clip_model", "intra_layers", "freeze_intra", "max_words", "synth_pairs")
 # what --resume also refuses to change: what the training computes (its batch, schedule, rates, data order)
 TRAINING_KEYS = ("freeze", "epochs", "batch_size", "grad_accum", "lr", "clip_lr_scale", "weight_decay", "warmup",
@@ -100,7 +85,7 @@ class Config:
                                 "on the CPU 4. How many pairs a second a worker hands over, from PNGs or "
                                 "--image_cache: BENCHMARKS.md section 7")
     # model
-    clip_model: str = flag("ViT-B/32", "model name (clip_files.MODELS) or weights file")
+    clip_model: str = flag("ViT-B/32", "model name (plumbing/clip_files.py's MODELS) or weights file")
     intra_layers: int = flag(9, "vision blocks that see each image alone; the rest see the pair")
     freeze: bool = flag(True, "freeze the reference's set: patch, class and position embeddings, ln_pre, token "
                               "embedding")
@@ -131,7 +116,7 @@ class Config:
                             "A100/H100, about 8x IEEE float32's rate; --no-tf32 for IEEE float32, to compare a run "
                             "with the CPU's numbers")
     compile: bool = flag(False, "torch.compile the model (after the DDP wrap): up to a minute of compiling, then fused "
-                                "element-wise work; no faster on the CPU (BENCHMARKS.md), not yet timed on a GPU")
+                                "element-wise work; no faster on the CPU (BENCHMARKS.md section 11: the H200's step)")
     out_dir: str = flag("", 'checkpoints and logs ("" = runs/adapt_<dataset>)')
     log_every: int = flag(10, "optimizer steps between progress lines; the check that the loss and gradient norm are "
                               "finite runs then too (and before every save), not every step: reading a number from a "
@@ -143,10 +128,9 @@ class Config:
     checkpoint: str = flag("", '--eval: ours ("" = out_dir/ckpt_best.pt) or a release, pretrained/pytorch_model.bin.*')
 
     def __post_init__(self):  # a bad value fails here, before any data is read
-        check_settings(self, positive=("synth_pairs", "max_words", "intra_layers", "epochs", "batch_size",
-                                               "grad_accum", "lr", "log_every", "save_every", "eval_batch_size"),
-                               non_negative=("clip_lr_scale", "weight_decay", "grad_clip"),
-                               fraction=("warmup",))
+        plumbing.check_settings(self, positive=("synth_pairs", "max_words", "intra_layers", "epochs", "batch_size",
+                                                "grad_accum", "lr", "log_every", "save_every", "eval_batch_size"),
+                                non_negative=("clip_lr_scale", "weight_decay", "grad_clip"), fraction=("warmup",))
         if self.num_workers < -1:
             raise ConfigError(f"--num_workers {self.num_workers}: it must be >= 0, or -1 for auto")
         if self.resume and self.checkpoint:
@@ -154,8 +138,8 @@ class Config:
                               f"(pass that run's --out_dir); --checkpoint is for --eval")
         # at least one word between the start and end tokens; CLIP's text positions hold 77 (clip.CLIPConfig; a
         # loaded model's own are checked in build_clip)
-        check_length("max_words", self.max_words, 3, clip.CLIPConfig.context_length, "start token, at least one "
-                     "word, end token; CLIP's text tower has 77 positions")
+        plumbing.check_length("max_words", self.max_words, 3, clip.CLIPConfig.context_length, "start token, at "
+                              "least one word, end token; CLIP's text tower has 77 positions")
 
 
 # Dataset presets, applied before the command-line flags (the reference's scripts/retrieve_clevr.sh and
@@ -184,24 +168,23 @@ PRESETS = {
 
 class PairData(NamedTuple):
     """Stage 1's dataset as read: its splits of image pairs, its tokenizer and its image reader."""
-    splits: dict                      # split name -> [data.ImagePair]
+    splits: dict                      # split name -> [data.ImagePair], the pairs that changed
     tokenizer: clip.SimpleTokenizer   # the dataset's vocabulary (the synthetic set has its own)
-    images: data.ImageReader          # pixels of an image file, decoded or from the image cache
+    images: data.ImageReader          # path -> uint8 pixels (R, R, 3): decoded, or from the image cache
 
 
 def read_pairs(config: Config, dist_, resolution: int = data.IMAGE_SIZE) -> PairData:
-    """The dataset's splits of image pairs, its tokenizer and image reader of resolution x resolution images (the
-    synthetic set drawn if missing)."""
+    """The dataset's splits of image pairs, its tokenizer and image reader of resolution x resolution images."""
     root = data.dataset_root(config.data, config.data_root or None)
-    if config.data == "synth":  # drawn once, by the master, while the other processes wait
-        if dist_.master:
-            synth.ensure_synth(root, synth.SynthConfig(pairs=config.synth_pairs))
-        if dist_.ddp:
-            dist.barrier()
-    splits = {s: data.adaptation_pairs(data.load_split(config.data, s, root)) for s in data.SPLITS}  # no unchanged
-    with one_download_per_machine(dist_):  # CLIP's vocabulary, downloaded on first use
-        tokenizer = clip.get_tokenizer(data.bpe_path(config.data, root))
-    images = image_reader(splits, root, resolution, config.image_cache, dist_)
+    if config.data == "synth":  # the embedded dataset, drawn by synth.py on first use (by the master; others wait)
+        plumbing.by_master(dist_, synth.ensure_synth, root, synth.SynthConfig(pairs=config.synth_pairs))
+    # data.load_split reads the dataset's own layout (data.py section 4) into ImagePairs: before, after, captions
+    # and, for CLEVR-Change and the synthetic set, the distractor view; adaptation_pairs leaves out the pairs that
+    # did not change (LEVIR-CC's), whose captions all say so and tell no pair apart
+    splits = {s: data.adaptation_pairs(data.load_split(config.data, s, root)) for s in data.SPLITS}
+    tokenizer = plumbing.dataset_tokenizer(data.bpe_path(config.data, root), dist_)  # OpenAI's: downloaded once
+    # path -> uint8 pixels: each image decoded and resized to R x R, or with --image_cache read from a file of them
+    images = plumbing.image_reader(splits, root, resolution, config.image_cache, dist_)
     return PairData(splits, tokenizer, images)
 
 
@@ -211,13 +194,13 @@ def read_pairs(config: Config, dist_, resolution: int = data.IMAGE_SIZE) -> Pair
 
 def build_clip(config: Config, vocab_size: int) -> clip.CLIP:
     """A pretrained CLIP: OpenAI's ViT-B/32, the synthetic CLIP (pretrain.py's), or a weights file."""
-    clip_model, _ = clip.load(config.clip_model)
+    clip_model, _ = plumbing.load_clip(config.clip_model)  # the checksummed file, read as data, never run
     if clip_model.config.vocab_size != vocab_size:
         raise ConfigError(f"{config.clip_model} has a vocabulary of {clip_model.config.vocab_size} tokens "
                           f"but the {config.data} dataset's tokenizer has {vocab_size}; use the model's "
-                          f"vocabulary file" + vocabulary_hint())
-    check_length("max_words", config.max_words, 3, clip_model.config.context_length,
-                 f"{config.clip_model}'s text tower has {clip_model.config.context_length} positions")
+                          f"vocabulary file" + plumbing.vocabulary_hint())
+    plumbing.check_length("max_words", config.max_words, 3, clip_model.config.context_length,
+                          f"{config.clip_model}'s text tower has {clip_model.config.context_length} positions")
     return clip_model
 
 
@@ -234,12 +217,12 @@ def build_encoder(config: Config, vocab_size: int) -> tuple[PairEncoder, dict]:
         model.freeze()
     if config.freeze_intra:
         # differs from reference: the intra-image blocks do not train at all (the reference trains every CLIP
-        # block at lr x 1e-3), so each image's intra-image tokens are a constant that caches.IntraTokens computes once
+        # block at lr x 1e-3), so each image's intra-image tokens are a constant, computed once (train_and_test)
         model.freeze(model.intra_image_parts())
     return model, dataclasses.asdict(clip_model.config)
 
 
-def build_optimizer(model: nn.Module, config: Config, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, config: Config) -> torch.optim.AdamW:
     # new joint parameters at lr, CLIP at lr x clip_lr_scale; no decay on biases and norms (encoder.py)
     groups = model.optimizer_groups(config.lr, config.clip_lr_scale, config.weight_decay)
     # differs from reference: AdamW with bias correction; the reference's BertAdam has none
@@ -255,25 +238,25 @@ def get_lr(step: int, total_steps: int, config: Config) -> float:
 
 
 def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp: bool,
-               logit_scale: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
+               logit_scale: torch.nn.Parameter, inputs=INPUTS) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over grad_accum micro-batches; returns the mean loss and the gradient norm before
-    clipping (tensors, not synced)."""
+    clipping (tensors, not synced). inputs: the batch entries the model reads (stage 0: an image and a caption)."""
     total = 0.0
     for i, batch in enumerate(micro_batches):
         # under DDP, the gradients are all-reduced only in the last micro-batch's backward
         with model.no_sync() if ddp and i < len(micro_batches) - 1 else nullcontext():
             with ctx:
                 # the captions come cut after the batch's last end-of-text token (data.collate_text; --compile: not cut)
-                out = model(batch["before"], batch["after"], batch["caption"])
+                out = model(*(batch[k] for k in inputs))  # the pairs' and their captions' embeddings, (B, E) each
                 # the all-gather inside the loss sees one micro-batch per process: accumulation shrinks the
                 # set of contrastive negatives to micro-batch x processes, it does not grow it
                 loss = contrastive_loss(out["text_embedding"], out["pair_embedding"], out["logit_scale"])
                 loss = loss / len(micro_batches)
-            scaler.scale(loss).backward()
+            scaler.scale(loss).backward()  # float16: the loss times the scale, so that small gradients do not underflow
         total = total + loss.detach()
-    scaler.unscale_(optimizer)
+    scaler.unscale_(optimizer)  # first: the norm is clipped on the true gradients, not on the scaled ones
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-    scaler.step(optimizer)
+    scaler.step(optimizer)  # float16: skipped when a gradient is inf or NaN, and update() then halves the scale
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():  # a temperature below 0.01 makes the softmax too sharp to train, as CLIP found
@@ -286,120 +269,106 @@ def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config, ddp
 
 
 def main(argv=None):
-    config = parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
-    out_dir = Path(config.out_dir or f"runs/adapt_{config.data}")
-    check_out_dir(out_dir)  # a file there is refused before any work
-    keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
-    dist_, dtype, ctx, scaler = setup(config)
-    config = dataclasses.replace(config, num_workers=loader_workers(config.num_workers, dist_.device))
-    seed_everything(config.seed + dist_.rank)
-    with OutDirLock(out_dir, dist_.master):  # one run at a time writes there; a second is refused
-        if config.eval:
-            evaluate_checkpoint(config, dist_, ctx, out_dir)
+    config = plumbing.parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
+    # DDP from torchrun's environment, the device, autocast and GradScaler, the seed; one run at a time in out_dir
+    with plumbing.started(config, Path(config.out_dir or f"runs/adapt_{config.data}")) as run:
+        if run.config.eval:
+            evaluate_checkpoint(run)
         else:
-            train_and_test(Run(config, dist_, dtype, ctx, scaler, out_dir))
-    if dist_.ddp:
-        dist.barrier()  # every process done before any tears the group down (a gloo peer may abort otherwise)
-        destroy_process_group()
+            train_and_test(run)
 
 
-def train_and_test(run: Run) -> None:
+def train_and_test(run: plumbing.Run) -> None:
     """Stage 1: read the data, build the encoder, train it, then score the test split."""
     config, dist_ = run.config, run.dist_
-    device, master = dist_.device, dist_.master
     if config.resume:  # what it resumes on, before any work
-        check_resume(run.out_dir)
+        plumbing.check_resume(run.out_dir)
     pairs = read_pairs(config, dist_)
-    refuse_empty_splits(pairs.splits, data.SPLITS, config)
-    train_set = data.AdaptationSamples(pairs.splits["train"], pairs.tokenizer, train=True, images=pairs.images,
-                                       max_words=config.max_words)
-    with one_download_per_machine(dist_):  # OpenAI's weights, downloaded on first use
+    plumbing.refuse_empty_splits(pairs.splits, data.SPLITS, config)
+    with plumbing.one_download_per_machine(dist_):  # OpenAI's weights, downloaded on first use
         model, clip_config = build_encoder(config, pairs.tokenizer.vocab_size)
-    model.to(device)
-    optimizer = build_optimizer(model, config, device)
-    ckpt_path = run.out_dir / "ckpt_last.pt"
-    state = start_or_resume(ckpt_path, config, MODEL_KEYS + TRAINING_KEYS, dist_, model, optimizer,
-                            run.scaler, split_fingerprint(pairs.splits["train"]))
-    if state is not None and master:
-        print(f"resumed {ckpt_path} at step {state['step']}")
-    if config.freeze_intra:  # training reads each image's intra tokens, computed now (by the master, under DDP)
-        started = time.time()
-        train_set.images = IntraTokens(model, pairs.splits["train"], pairs.images, config.eval_batch_size,
-                                       device, run.ctx, pairs.images.cache_dir or run.out_dir, dist_)
-        if master:
-            print(f"intra-image tokens of {len(train_set.images.row)} training images {train_set.images.origin} "
-                  f"({time.time() - started:.0f} s): the intra-image blocks are frozen")
-    step = train(run, model, optimizer, train_set, pairs, clip_config, state)
-    if master:
-        test(run, model, pairs, step)
+    model.to(dist_.device)
+    optimizer = build_optimizer(model, config)
+    train_split = plumbing.split_fingerprint(pairs.splits["train"])  # what a resumed run checks it trains on
+    state = plumbing.start_or_resume(run, MODEL_KEYS + TRAINING_KEYS, model, optimizer, train_split)
+    images = pairs.images  # (R, R, 3) uint8 pixels of an image file; with frozen intra-image blocks, its tokens:
+    if config.freeze_intra:  # (N+1, D) each, computed once now (by the master, under DDP), read by every step
+        images = plumbing.IntraTokens(model, pairs.splits["train"], pairs.images, config.eval_batch_size,
+                                      dist_.device, run.ctx, pairs.images.cache_dir or run.out_dir, dist_)
+        plumbing.say(run, f"intra-image tokens of {len(images.row)} training images {images.origin}: the "
+                          f"intra-image blocks are frozen")
+    # one sample per (pair, change caption); half the time the before image is the distractor view (data.py)
+    train_set = data.AdaptationSamples(pairs.splits["train"], pairs.tokenizer, train=True, images=images,
+                                       max_words=config.max_words)
+    checkpoint = functools.partial(stage1_checkpoint, model, optimizer, run, clip_config, pairs.tokenizer,
+                                   train_split=train_split)
+    step = train(run, model, optimizer, train_set, validate=lambda m: evaluate(
+        m, pairs.splits["val"], pairs.tokenizer, pairs.images, config, dist_.device, run.ctx),
+        checkpoint=checkpoint, state=state)
+    if dist_.master:
+        test(run, model, lambda m: evaluate(m, pairs.splits["test"], pairs.tokenizer, pairs.images, config,
+                                            dist_.device, run.ctx), step)
 
 
-def train(run: Run, raw_model: PairEncoder, optimizer, train_set, pairs: PairData, clip_config: dict,
-          state: dict | None) -> int:
-    """The training loop; after every epoch, validation retrieval on the master, which keeps the best epoch in
-    ckpt_best.pt. Returns the last step."""
+def train(run: plumbing.Run, raw_model: nn.Module, optimizer, train_set, validate, checkpoint, state: dict | None,
+          inputs=INPUTS) -> int:
+    """The training loop; after every epoch, validate(model) on the master, whose text->pair R@1 picks the best
+    epoch (kept in ckpt_best.pt). checkpoint(**progress) is the run's checkpoint at the step the loop has reached.
+    Stage 0 (pretrain.py) trains CLIP itself through it. Returns the last step."""
     config, dist_, out_dir = run.config, run.dist_, run.out_dir
     device, master = dist_.device, dist_.master
-    say = print if master else (lambda *a, **k: None)
     model = wrap(raw_model, config, dist_)  # what the step calls: under torchrun DDP's, with --compile compiled
     step, best, best_epoch, history = 0, -1.0, -1, []
     if state is not None:
         step, best, best_epoch, history = state["step"], state["best_metric"], state["best_epoch"], state["history"]
-    micro, sampler, steps_per_epoch = batch_plan(train_set, config.batch_size, config.grad_accum, dist_,
-                                                 config.seed)
+    # the global batch as micro-batches per process and accumulation step; the sampler deals the samples out
+    micro, sampler, steps_per_epoch = plumbing.batch_plan(train_set, config.batch_size, config.grad_accum, dist_,
+                                                          config.seed)
     total_steps = config.epochs * steps_per_epoch
-    if master:
-        save_json(dataclasses.asdict(config), out_dir / "config.json")
-        say(json.dumps(dataclasses.asdict(config)))
-        say(describe(run, len(train_set), len(pairs.splits["train"]), micro, steps_per_epoch, raw_model))
-
-    train_split = split_fingerprint(pairs.splits["train"])  # what a resumed run checks it trains on
+    plumbing.announce(run, describe(run, train_set, micro, steps_per_epoch, raw_model))
 
     def state(path):  # the checkpoint at the step and epoch the loop has reached
-        return checkpoint(raw_model, optimizer, run, clip_config, pairs.tokenizer, epoch=epoch, step=step,
-                          best_metric=best, best_epoch=best_epoch, history=history, train_split=train_split)
+        return checkpoint(epoch=epoch, step=step, best_metric=best, best_epoch=best_epoch, history=history)
 
-    loader = training_loader(train_set, sampler, micro, config.num_workers, device,
-                             functools.partial(data.collate_text, cut=not config.compile))
-    # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (StepBoundary)
-    with StepBoundary(run, steps_per_epoch, total_steps, step, state) as boundary:
+    loader = plumbing.training_loader(train_set, sampler, micro, config.num_workers, device,
+                                      functools.partial(data.collate_text, cut=not config.compile))
+    # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (plumbing.StepBoundary)
+    with plumbing.StepBoundary(run, steps_per_epoch, total_steps, step, state) as boundary:
         model.train()
         while step < total_steps:
             epoch = step // steps_per_epoch
             done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
-            batches = epoch_batches(loader, epoch, done_in_epoch, config.grad_accum)  # the sampler's epoch
+            batches = plumbing.epoch_batches(loader, epoch, done_in_epoch, config.grad_accum)  # the sampler's epoch
             for _ in range(done_in_epoch, steps_per_epoch):
                 lr = get_lr(step, total_steps, config)
                 for group in optimizer.param_groups:
                     group["lr"] = lr * group["lr_scale"]
                 try:
-                    micro_batches = [data.to_device(next(batches), device, ("before", "after", "caption"))
-                                     for _ in range(config.grad_accum)]
+                    micro_batches = [data.to_device(next(batches), device, inputs) for _ in range(config.grad_accum)]
                 except data.DataError as error:  # a damaged image: ckpt_last.pt at the last step, then one line
                     raise boundary.damaged(error, step) from None
                 loss, grad_norm = train_step(model, optimizer, run.scaler, micro_batches, run.ctx, config, dist_.ddp,
-                                             raw_model.clip.logit_scale)
+                                             raw_model.clip.logit_scale, inputs)
                 step += 1
                 if boundary.after_step(step, lr, loss, grad_norm):  # the master's log steps: .item() waits, here only
                     loss_value, scale = loss.item(), raw_model.clip.logit_scale.exp().item()
-                    say(boundary.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=loss_value,
-                                      lr=get_lr(step, total_steps, config), temp=1 / scale if scale else math.inf),
-                        flush=True)
+                    print(boundary.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=loss_value,
+                                        lr=get_lr(step, total_steps, config), temp=1 / scale if scale else math.inf),
+                          flush=True)
                     boundary.log.write(step=step, epoch=epoch, loss=loss_value,
                                        lr=get_lr(step, total_steps, config), logit_scale=scale)
                 boundary.save_or_stop()  # ckpt_last.pt every save_every steps; for Ctrl-C or SIGTERM, then stops
             boundary.end_epoch()  # the finiteness check of the epoch's last steps
             if master:  # end of epoch: validation retrieval on the master, the others wait
-                check_finite_model(raw_model, step, lr)  # a non-finite model is never scored nor saved
-                scores = evaluate(raw_model, pairs.splits["val"], pairs.tokenizer, pairs.images, config, device,
-                                  run.ctx)
+                plumbing.check_finite_model(raw_model, step, lr)  # a non-finite model is never scored nor saved
+                scores = validate(raw_model)
                 history.append({"epoch": epoch, "step": step, **scores})
                 improved = scores["text_to_pair_R1"] >= best  # a tie keeps the later epoch, as the reference
                 best, best_epoch = (scores["text_to_pair_R1"], epoch) if improved else (best, best_epoch)
                 boundary.log.write(step=step, epoch=epoch, split="val", **scores)
                 best_file = [out_dir / "ckpt_best.pt"] if improved else []  # saved first: no line printed
                 boundary.save(*best_file, out_dir / "ckpt_last.pt")  # can lose a checkpoint (the writer's thread)
-                say(f"epoch {epoch + 1} validation: {summary(scores)}" + (" (best so far)" if improved else ""))
+                print(f"epoch {epoch + 1} validation: {summary(scores)}" + (" (best so far)" if improved else ""))
             boundary.stop_if_signalled()  # Ctrl-C or SIGTERM in any process; under DDP also the epoch's barrier
     return step
 
@@ -431,19 +400,61 @@ def evaluate(model: PairEncoder, split, tokenizer, images, config: Config, devic
 @torch.no_grad()
 def retrieval(model: nn.Module, visual: torch.Tensor, texts: list[str], text_to_row: list[int], tokenizer,
               config: Config, device, ctx) -> dict:
-    """Recall at 1, 5, 10 and the median and mean rank, both ways (metrics.retrieval_metrics), of texts against the
-    visual embeddings (rows, E) by cosine similarity; text i describes row text_to_row[i]. Stage 0 (pretrain.py)
-    ranks its scenes' descriptions with it too."""
+    """Recall at 1, 5, 10 and the median and mean rank, both ways (retrieval_metrics), of texts against the visual
+    embeddings (P, E) by cosine similarity; text i describes row text_to_row[i]."""
     text_embeddings = []
     for start in range(0, len(texts), config.eval_batch_size):
         tokens = torch.stack([data.text_tokens(tokenizer, t, config.max_words)
                               for t in texts[start:start + config.eval_batch_size]]).to(device)  # (B, T)
         with ctx:
             text_embeddings.append(model.encode_text(tokens).float())  # (B, E)
-    visual_e = torch.nn.functional.normalize(visual, dim=-1)  # (rows, E)
-    text_e = torch.nn.functional.normalize(torch.cat(text_embeddings), dim=-1)  # (n_texts, E)
-    scores = metrics.retrieval_metrics((text_e @ visual_e.T).cpu().numpy(), text_to_row)
+    visual_e = torch.nn.functional.normalize(visual, dim=-1)  # (P, E)
+    text_e = torch.nn.functional.normalize(torch.cat(text_embeddings), dim=-1)  # (C, E)
+    scores = retrieval_metrics((text_e @ visual_e.T).cpu().numpy(), text_to_row)  # (C, P) cosine similarities
     return {f"{direction}_{name}": value for direction, by_name in scores.items() for name, value in by_name.items()}
+
+
+def retrieval_metrics(sim, text_to_pair, ties="pessimistic") -> dict:
+    """R@1/5/10 (%), median and mean rank (1 = best), text->pair and pair->text (the reference's metrics.py, from
+    CLIP4Clip: `tensor_text_to_video_metrics`, `tensor_video_to_text_sim`, `compute_metrics`).
+
+    sim: (C, P) similarities of every caption with every pair; text_to_pair[c] is caption c's pair, and a pair may
+    have several captions. text->pair ranks each caption against all pairs. pair->text scores a pair against a
+    pair's caption group by the group's best caption, then ranks the true group among the P groups. Medians as in
+    the reference: torch.median (the lower middle value) for text->pair, np.median (the mean of the two middle
+    values) for pair->text.
+    # differs from reference: torch.argsort leaves the order of tied similarities unspecified (and CLIP4Clip's
+    # compute_metrics counts a tied row several times); here a tie counts against the true match ("pessimistic",
+    # so a constant matrix scores R@1 = 0), or for it with ties="optimistic".
+    """
+    sim, text_to_pair = np.asarray(sim, dtype=np.float64), np.asarray(text_to_pair)
+    n_texts, n_pairs = sim.shape                                            # (C, P)
+    assert text_to_pair.shape == (n_texts,), f"text_to_pair must have {n_texts} entries, got {text_to_pair.shape}"
+    assert ties in ("pessimistic", "optimistic"), f"ties must be 'pessimistic' or 'optimistic', got {ties!r}"
+    if n_texts and (text_to_pair.min() < 0 or text_to_pair.max() >= n_pairs):
+        raise ValueError(f"text_to_pair values must be pair indices in [0, {n_pairs})")
+    if not np.isfinite(sim).all():
+        raise ValueError("sim holds NaN or infinite values; drop padded rows before ranking")
+    captioned = np.bincount(text_to_pair, minlength=n_pairs) > 0
+    if not captioned.all():
+        raise ValueError(f"pairs {np.flatnonzero(~captioned)[:5].tolist()} have no caption: every pair needs at "
+                         f"least one for pair->text ranking")
+
+    def ranks(scores, true_scores):  # 0-based: how many entries score higher (a tie, if pessimistic, too)
+        higher = (scores > true_scores[:, None]).sum(axis=1)
+        return higher + (scores == true_scores[:, None]).sum(axis=1) - 1 if ties == "pessimistic" else higher
+
+    def summary(r, median):
+        return {"R1": 100.0 * float(np.mean(r < 1)), "R5": 100.0 * float(np.mean(r < 5)),
+                "R10": 100.0 * float(np.mean(r < 10)), "MedianR": median(r + 1), "MeanR": float(np.mean(r + 1))}
+
+    text_ranks = ranks(sim, sim[np.arange(n_texts), text_to_pair])         # (C,)
+    group_best = np.full((n_pairs, n_pairs), -np.inf)                       # (P groups, P pairs)
+    np.maximum.at(group_best, text_to_pair, sim)
+    pair_scores = group_best.T                                              # (P pairs, P groups): truth on diagonal
+    pair_ranks = ranks(pair_scores, np.diag(pair_scores))                   # (P,)
+    return {"text_to_pair": summary(text_ranks, lambda r: float(np.sort(r)[(len(r) - 1) // 2])),
+            "pair_to_text": summary(pair_ranks, lambda r: float(np.median(r)))}
 
 
 def retrieval_table(scores: dict) -> str:
@@ -458,53 +469,53 @@ def summary(scores: dict) -> str:
 # What the run calls: its checkpoint, the test split; --eval
 
 
-def checkpoint(model: PairEncoder, optimizer, run: Run, clip_config: dict, tokenizer, **progress) -> dict:
+def stage1_checkpoint(model: PairEncoder, optimizer, run: plumbing.Run, clip_config: dict, tokenizer,
+                      **progress) -> dict:
     """What ckpt_last.pt and ckpt_best.pt hold: enough to resume, and to rebuild the encoder in stage 2."""
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": run.scaler.state_dict(),
             "config": dataclasses.asdict(run.config), "clip_config": clip_config,
-            "encoder_config": dataclasses.asdict(model.config),
+            "encoder_config": dataclasses.asdict(model.config) if isinstance(model, PairEncoder) else None,
             # the vocabulary itself, so that the file travels alone; its path only as a hint of where it came from
-            "vocabulary": vocabulary_tensor(tokenizer.bpe_path), "bpe_path": str(tokenizer.bpe_path),
-            **progress, "rng": rng_state()}
+            "vocabulary": plumbing.vocabulary_tensor(tokenizer.bpe_path), "bpe_path": str(tokenizer.bpe_path),
+            **progress, "rng": plumbing.rng_state()}
 
 
-def describe(run: Run, samples: int, pairs: int, micro: int, steps_per_epoch: int, model: nn.Module) -> str:
+def describe(run: plumbing.Run, train_set, micro: int, steps_per_epoch: int, model: nn.Module) -> str:
     """The run in one line: how much it trains on, with which batch, where."""
     config, dist_ = run.config, run.dist_
-    return (f"{samples} training samples from {pairs} pairs; global batch {config.batch_size} = {micro} x "
+    pairs = f" from {len(train_set.pairs)} pairs" if hasattr(train_set, "pairs") else ""  # stage 0: scenes
+    return (f"{len(train_set)} training samples{pairs}; global batch {config.batch_size} = {micro} x "
             f"{dist_.world_size} processes x {config.grad_accum} accumulation; {steps_per_epoch} steps per epoch, "
             f"{config.epochs * steps_per_epoch} in all; {run.dtype} on {dist_.device}; "
             f"{sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.1f}M trainable parameters")
 
 
-def test(run: Run, model: PairEncoder, pairs: PairData, step: int) -> None:
-    """The test split's retrieval, scored once, with the epoch chosen on validation (test_retrieval.json)."""
-    best = load_checkpoint(run.out_dir / "ckpt_best.pt")
+def test(run: plumbing.Run, model: nn.Module, score, step: int) -> dict:
+    """The test split's retrieval (score(model)), scored once, with the epoch chosen on validation, written to the
+    log and test_retrieval.json; the best checkpoint (ckpt_best.pt) is returned."""
+    best = plumbing.load_checkpoint(run.out_dir / "ckpt_best.pt")
     model.load_state_dict(best["model"])
     try:
-        scores = evaluate(model, pairs.splits["test"], pairs.tokenizer, pairs.images, run.config, run.dist_.device,
-                          run.ctx)
+        scores = score(model)
     except KeyboardInterrupt as interrupt:  # Ctrl-C, SIGTERM: training is done, only the scores are not
-        raise final_test_stopped(interrupt, run.out_dir) from None
-    save_test(run, best, scores, step)
-
-
-def save_test(run: Run, best: dict, scores: dict, step: int) -> None:
-    """The test scores of the best epoch (best: ckpt_best.pt) in the log and in test_retrieval.json, and printed."""
+        raise plumbing.final_test_stopped(interrupt, run.out_dir) from None
     best_epoch = best["best_epoch"]
-    JsonlLog(run.out_dir / "log.jsonl").write(step=step, split="test", best_epoch=best_epoch, **scores)
-    save_json({"best_epoch": best_epoch, "val_text_to_pair_R1": best["best_metric"], **scores},
-              run.out_dir / "test_retrieval.json")
+    plumbing.JsonlLog(run.out_dir / plumbing.LOG_NAME).write(step=step, split="test", best_epoch=best_epoch, **scores)
+    plumbing.save_json({"best_epoch": best_epoch, "val_text_to_pair_R1": best["best_metric"], **scores},
+                       run.out_dir / "test_retrieval.json")
     print(f"test retrieval of the best epoch ({best_epoch + 1}, chosen on validation):\n{retrieval_table(scores)}")
+    return best
 
 
-def evaluate_checkpoint(config: Config, dist_, ctx, out_dir: Path) -> None:
+def evaluate_checkpoint(run: plumbing.Run) -> None:
     """--eval: the test split's retrieval with a stage-1 checkpoint: adapt.py's (out_dir/ckpt_best.pt), or the
     adaptation stage of a CLIP4IDC release (--checkpoint pretrained/pytorch_model.bin.clevr), the paper's table."""
+    config, dist_, ctx = run.config, run.dist_, run.ctx
     if not dist_.master:  # one process scores the test split; under torchrun the others wait for it
         return
-    path = Path(config.checkpoint or out_dir / "ckpt_best.pt")
-    model, state = load_encoder(path, config.intra_layers, "adapt.py --eval --checkpoint")
+    path = Path(config.checkpoint or run.out_dir / "ckpt_best.pt")
+    state = plumbing.read_encoder(path, config.intra_layers, "adapt.py --eval --checkpoint")  # ours or a release
+    model = from_checkpoint(state)
     model.cls_rows_only = CLS_ROWS_ONLY  # as the training's test: the same scores
     if state.get("release") and config.dtype == "auto":  # scored in float32, as the reference's figures: bf16
         ctx = nullcontext()  # autocast on a GPU moves ranks that nearly tie (BENCHMARKS.md section 12)
@@ -513,10 +524,10 @@ def evaluate_checkpoint(config: Config, dist_, ctx, out_dir: Path) -> None:
     if tokenizer.vocab_size != model.clip.config.vocab_size:
         raise ConfigError(f"{path} has a vocabulary of {model.clip.config.vocab_size} tokens but the "
                           f"{config.data} dataset's tokenizer has {tokenizer.vocab_size}"
-                          + vocabulary_hint(tokenizer))
-    refuse_empty_splits(splits, ("test",), config)
+                          + plumbing.vocabulary_hint(tokenizer))
+    plumbing.refuse_empty_splits(splits, ("test",), config)
     scores = evaluate(model.to(dist_.device), splits["test"], tokenizer, images, config, dist_.device, ctx)
-    save_json({"checkpoint": str(path), **scores}, out_dir / "test_retrieval.json")
+    plumbing.save_json({"checkpoint": str(path), **scores}, run.out_dir / "test_retrieval.json")
     print(f"test retrieval of {path}:\n{retrieval_table(scores)}")
 
 
@@ -550,4 +561,4 @@ def torch_version() -> tuple[int, int]:
 
 
 if __name__ == "__main__":
-    run_main(main, "adapt.py")
+    plumbing.run_main(main, "adapt.py")

@@ -17,19 +17,18 @@ The best epoch is chosen by CIDEr-D on the validation split, with patience; the 
 scored once at the end, and again by --eval: overall, semantic changes only, and per change type
 (color, material, add, drop, move, distractor), each subset re-scored on its own as the papers' toolkit
 does (metrics.py), then, where the pairs carry CLEVR-Change's change types (the synthetic set, CLEVR-Change),
-the kind of change each caption says, by keywords, right per true kind (metrics.change_kinds); plus a grid PNG of
-test pairs with their predicted and reference captions. Where the
-data knows where the changed object is (the synthetic set; CLEVR-Change with RCC's boxes file), it also scores
-localisation, a pointing game on the encoder's and the decoder's attention (explain.py), and writes
-test_attention.png: the attention maps of the first pairs of the grid, word by word.
+the kind of change each caption says, by keywords (metrics.change_kinds); plus a grid PNG of test pairs with their
+predicted and reference captions. Where the data knows where the changed object is (the synthetic set;
+CLEVR-Change with RCC's boxes file), it also scores localisation, a pointing game on the encoder's and the
+decoder's attention (explain.py), and writes test_attention.png: the attention maps of the first pairs of the grid.
 
-The file reads top-down: the Config and presets; the captioner (the stage-1 encoder, the decoder, the optimizer
-and one training step); the run: main, job (stage 1, the tokenizer, the captioner; then --pair, --eval or
-training), train (the loop); then how an epoch is scored: validate, predict (greedy ids, then text), CIDEr-D.
-What the jobs and the loop call follows the lesson: captioning one pair, the test split, the training set,
-checkpoints, the test split's score table. The process set-up (DDP, autocast,
-GradScaler) is stage 1's, processes.setup; the loop's step boundary is loop.StepBoundary; the stage-1 checkpoint a
-captioner builds on is checkpoints.load_stage1's, and the pair features cached on disk are caches.py's.
+The file reads top-down: the Config and presets; the captioner (the decoder on the stage-1 encoder, the optimizer
+and one training step); the run: main, job (stage 1's encoder handed over, the tokenizer, the captioner; then
+--pair, --eval or training), train (the loop) and what it trains on; then how an epoch is scored (validate:
+the pairs' tokens, greedy ids, their text, CIDEr-D) and how the test split is (evaluate_test, the score table).
+After the lesson: captioning one pair, checkpoints, resuming, and the reference's released decoder. What keeps a
+run safe and fast (the processes, the step boundary, the caches) is plumbing/'s: every call to it says
+`plumbing.`, and can be skipped on a first reading.
 
 Differs from the reference implementation (github.com/sushizixin/CLIP4IDC at commit ca49461, its
 main_task_caption.py and modules/; "the reference" below):
@@ -54,12 +53,11 @@ Run:  python caption.py --data synth                  train on the synthetic set
       python caption.py --data clevr --encoder_ckpt pretrained/pytorch_model.bin.clevr
                                                       stage 2 on the reference's released stage-1 weights
 
-Shape letters: B pairs in a batch, M visual tokens per pair (100), E width (512), T caption tokens, V vocabulary.
+Shape letters: B pairs in a batch, M visual tokens per pair (100), E width (512), T caption tokens, V vocabulary,
+R image side (224), P pairs of a split.
 """
 import dataclasses
-import json
 import math
-import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -67,33 +65,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed import destroy_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
-import clip
 import data
 import explain
 import metrics
+import plumbing
 import synth
-from batches import batch_plan, epoch_batches, training_loader
-from caches import FeatureItems, IntraTokens, feature_paths, image_reader, split_features
-from check import contact_sheet
-from checkpoints import (Stage1, check_resume, checkpoint_tokenizer, load_checkpoint, load_stage1, load_trained,
-                         rng_state, seed_everything, split_fingerprint, start_or_resume,
-                         vocabulary_hint, vocabulary_tensor)
 from decoder import CaptionDecoder, DecoderConfig, ids_to_text
-from encoder import FROZEN_IN_REFERENCE, PairEncoder, no_decay_names
-from files import OutDirLock, check_out_dir, save_json
-from flags import ConfigError, check_image_path, check_length, check_settings, flag, parse_config
-from loop import Run, StepBoundary
+from encoder import FROZEN_IN_REFERENCE, PairEncoder, from_checkpoint, no_decay_names
 from losses import caption_loss
-from processes import keep_freed_memory, loader_workers, one_download_per_machine, setup
-from progress import Progress
-from release import release_decoder, release_stage
-from stopping import check_finite_model, final_test_stopped, refuse_empty_splits, run_main
+from plumbing import ConfigError, flag
 
 MODEL_KEYS = ("data", "max_words", "finetune_encoder", "use_no_change_pair", "train_word_embedding",
               "decoder_layers", "decoder_heads", "decoder_ffn")
@@ -171,18 +155,18 @@ class Config:
     explain: str = flag("", "with --pair: also write this PNG of where the encoder and the decoder attend")
 
     def __post_init__(self):  # a bad value fails here, before any data is read
-        check_settings(self, positive=("max_words", "intra_layers", "decoder_layers", "decoder_heads",
+        plumbing.check_settings(self, positive=("max_words", "intra_layers", "decoder_layers", "decoder_heads",
                                        "decoder_ffn", "epochs", "batch_size", "grad_accum", "lr", "max_len",
                                        "log_every", "save_every", "eval_batch_size"),
-                       non_negative=("patience", "clip_lr_scale", "weight_decay", "grad_clip", "dropout"),
-                       fraction=("warmup",))
+                                non_negative=("patience", "clip_lr_scale", "weight_decay", "grad_clip", "dropout"),
+                                fraction=("warmup",))
         if self.num_workers < -1:
             raise ConfigError(f"--num_workers {self.num_workers}: it must be >= 0, or -1 for auto")
         # at least one word before the end token; the upper bounds are the decoder's positions (load_stage1)
-        check_length("max_words", self.max_words, 2, clip.CLIPConfig.context_length,
-                     "a word and the end token; CLIP's text positions, which the decoder uses, hold 77")
+        plumbing.check_length("max_words", self.max_words, 2, DecoderConfig.max_positions,
+                              "a word and the end token; CLIP's text positions, which the decoder uses, hold 77")
         if self.explain:  # its format is checked now, not found unwritable after the work
-            check_image_path("explain", self.explain)
+            plumbing.check_image_path("explain", self.explain)
         for image in self.pair:
             if "://" in image:
                 raise ConfigError(f"--pair {image}: a URL; --pair reads image files on this machine: download it "
@@ -215,7 +199,7 @@ PRESETS = {
 
 
 # -----------------------------------------------------------------------------
-# The stage-1 encoder and the captioner
+# The captioner: the caption decoder on the stage-1 encoder
 
 
 class Captioner(nn.Module):
@@ -245,7 +229,7 @@ class Captioner(nn.Module):
         # the captions come cut to the batch's longest one (data.collate_captions)
         caption_in = torch.cat([batch[f"{n}_in"] for n in names])  # (kB, T)
         states = self.decoder.caption_states(visual, caption_in, caption_in == self.pad_id)  # (kB, T, E)
-        losses = []  # the change loss and the no-change loss, each a mean over its own tokens, summed (as the reference)
+        losses = []  # the change and the no-change loss, each a mean over its own tokens, summed (as the reference)
         for k, name in enumerate(names):
             targets = batch[f"{name}_targets"]  # (n,): where the targets are not padding, found by the collate
             chosen = states[k * B:(k + 1) * B].flatten(0, 1).index_select(0, targets)  # (n, E)
@@ -255,7 +239,8 @@ class Captioner(nn.Module):
         return sum(losses)
 
 
-def build_captioner(config: Config, encoder: PairEncoder, clip_config: dict, freeze_intra: bool = False) -> Captioner:
+def build_captioner(config: Config, encoder: PairEncoder, clip_config: dict, pad_id: int,
+                    freeze_intra: bool = False) -> Captioner:
     """The decoder sized from CLIP (width E, vocabulary, positions), tied to CLIP's embeddings.
 
     freeze_intra: stage 1 froze the intra-image blocks (adapt.py --freeze_intra); finetuning keeps them frozen.
@@ -279,12 +264,12 @@ def build_captioner(config: Config, encoder: PairEncoder, clip_config: dict, fre
             frozen += encoder.intra_image_parts()
         # the text tower has no use in stage 2 (the reference runs it on a dummy caption and drops the output)
         encoder.freeze(tuple(frozen) + ("transformer", "ln_final", "text_projection", "logit_scale"))
-        return Captioner(decoder, encoder, clip.PAD_ID)
+        return Captioner(decoder, encoder, pad_id)
     # differs from reference: the encoder is not part of the model; the embeddings are copies of CLIP's
     decoder = CaptionDecoder(decoder_config, nn.Parameter(token_embedding.detach().clone()),
                              nn.Parameter(positions.detach().clone(), requires_grad=False))
     decoder.word_embedding.requires_grad_(config.train_word_embedding)
-    return Captioner(decoder, None, clip.PAD_ID)
+    return Captioner(decoder, None, pad_id)
 
 
 def build_optimizer(captioner: Captioner, config: Config) -> torch.optim.AdamW:
@@ -337,118 +322,136 @@ def train_step(model, optimizer, scaler, micro_batches, ctx, config: Config,
 
 
 # -----------------------------------------------------------------------------
-# The run: main, then job (stage 1, the tokenizer, the captioner; --pair, --eval or training), then train (the
-# loop)
+# The run: main, job (stage 1's encoder, the tokenizer, the captioner; --pair, --eval or training), train (the loop)
 
 
 def main(argv=None):
-    config = parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
+    config = plumbing.parse_config(Config, PRESETS, argv, description=__doc__.split("\n")[0])
     if config.explain and not config.pair:
         raise ConfigError("--explain writes the attention maps of one pair: use it with --pair BEFORE AFTER "
                           "(--eval writes test_attention.png by itself)")
-    keep_freed_memory()  # the steps reuse freed memory instead of page-faulting on fresh pages
     out_dir = Path(config.out_dir or f"runs/caption_{config.data}")
-    if config.pair:  # writes nothing there, and reads ckpt_best.pt, which a run there replaces atomically
-        return job(config, out_dir)
-    check_out_dir(out_dir)  # a file there is refused before any work
-    # one run at a time writes there (under torchrun its master holds the lock): a second is refused at once
-    with OutDirLock(out_dir, master=int(os.environ.get("RANK", 0)) == 0):
-        job(config, out_dir)
-
-
-def job(config: Config, out_dir: Path) -> None:
-    """--pair, --eval or training, once the command line is read: the processes, stage 1, the captioner."""
-    best = best_path = None
+    if not config.pair:  # a file there is refused before any work (--pair writes nothing there)
+        plumbing.check_out_dir(out_dir)
+    trained = None
     if config.eval or config.pair:  # the trained captioner decides the model settings and holds stage 1's
-        best_path = Path(config.checkpoint or out_dir / "ckpt_best.pt")
-        settings, best = load_trained(best_path, MODEL_KEYS)
-        config = dataclasses.replace(config, **settings)
-    release = best is not None and release_stage(best) == 2
-    if release and config.dtype == "auto":  # the reference decodes in float32 (its CLIP in fp16): bf16 autocast
-        # or TF32 on a GPU would flip its near-ties (BENCHMARKS.md section 12): IEEE float32
-        config = dataclasses.replace(config, dtype="float32", tf32=False)
-    dist_, dtype, ctx, scaler = setup(config)  # DDP from torchrun's environment, autocast, GradScaler
-    config = dataclasses.replace(config, num_workers=loader_workers(config.num_workers, dist_.device))
-    seed_everything(config.seed + dist_.rank)
+        trained = plumbing.load_trained(Path(config.checkpoint or out_dir / "ckpt_best.pt"), MODEL_KEYS)
+        config = dataclasses.replace(config, **trained.settings)
+        if trained.release and config.dtype == "auto":  # the reference decodes in float32 (its CLIP in fp16):
+            # bf16 autocast or TF32 on a GPU would flip its near-ties (BENCHMARKS.md section 12): IEEE float32
+            config = dataclasses.replace(config, dtype="float32", tf32=False)
+    # DDP from torchrun's environment, the device, autocast and GradScaler, the seed; one run at a time in out_dir
+    # (--pair writes nothing there, and reads ckpt_best.pt, which a run there replaces atomically)
+    with plumbing.started(config, out_dir, lock=not config.pair) as run:
+        job(run, trained)
+
+
+def job(run: plumbing.Run, trained) -> None:
+    """--pair, --eval or training, once the process is set up: stage 1's encoder, the tokenizer, the captioner.
+    trained: --eval's or --pair's captioner (plumbing.load_trained), None when training."""
+    config, dist_ = run.config, run.dist_
     root = data.dataset_root(config.data, config.data_root or None)
     if config.data == "synth" and not config.pair:  # drawn first: the tokenizer reads its vocabulary file
-        if dist_.master:
-            synth.ensure_synth(root, synth.SynthConfig(pairs=config.synth_pairs))
-        if dist_.ddp:
-            dist.barrier()
-    stage1 = load_stage1(config.encoder_ckpt, config.data, config.intra_layers,
-                         None if best is None or release else best, best_path)
+        plumbing.by_master(dist_, synth.ensure_synth, root, synth.SynthConfig(pairs=config.synth_pairs))
+    stage1 = load_stage1(config, None if trained is None or trained.release else trained)
     positions = stage1.encoder.clip.positional_embedding.shape[0]  # the decoder's, tied to CLIP's
     for name in ("max_words", "max_len"):
-        check_length(name, getattr(config, name), 2 if name == "max_words" else 1, positions,
-                     f"the decoder has {positions} positions, CLIP's")
+        plumbing.check_length(name, getattr(config, name), 2 if name == "max_words" else 1, positions,
+                              f"the decoder has {positions} positions, CLIP's")
     # --pair reads no data: the vocabulary is the one the checkpoint keeps (else the dataset's, else OpenAI's)
-    with one_download_per_machine(dist_):  # CLIP's vocabulary, downloaded on first use
-        tokenizer = (checkpoint_tokenizer(stage1.state, data.bpe_path(config.data, root)) if config.pair
-                     else clip.get_tokenizer(data.bpe_path(config.data, root)))
+    tokenizer = (plumbing.checkpoint_tokenizer(stage1.state, data.bpe_path(config.data, root)) if config.pair
+                 else plumbing.dataset_tokenizer(data.bpe_path(config.data, root), dist_))
     if tokenizer.vocab_size != stage1.encoder.clip.config.vocab_size:
         raise ConfigError(f"the tokenizer of {config.data} has {tokenizer.vocab_size} tokens but the stage-1 "
                           f"model {stage1.path} has {stage1.encoder.clip.config.vocab_size}: it was trained "
-                          f"on another dataset" + vocabulary_hint(tokenizer))
-    if release:  # the reference's decoder, sized from its tensors and loaded strictly
-        captioner = Captioner(release_decoder(best, 2 * (stage1.encoder.n_patches + 1)), None, clip.PAD_ID)
+                          f"on another dataset" + plumbing.vocabulary_hint(tokenizer))
+    if trained is not None and trained.release:  # the reference's decoder, sized from its tensors, loaded strictly
+        captioner = Captioner(release_decoder(trained.state, 2 * (stage1.encoder.n_patches + 1)), None,
+                              tokenizer.pad_id)
     else:
-        captioner = build_captioner(config, stage1.encoder, stage1.state["clip_config"], stage1.freeze_intra)
-        if best is not None:
-            captioner.load_state_dict(best["model"])
+        captioner = build_captioner(config, stage1.encoder, stage1.state["clip_config"], tokenizer.pad_id,
+                                    stage1.freeze_intra)
+        if trained is not None:
+            captioner.load_state_dict(trained.state["model"])
     captioner.to(dist_.device)
     stage1.encoder.to(dist_.device)
-    run = Run(config, dist_, dtype, ctx, scaler, out_dir)
     if config.pair:
-        caption_pair(config, stage1, captioner, tokenizer, dist_.device, ctx)
+        caption_pair(config, stage1, captioner, tokenizer, dist_.device, run.ctx)
     elif config.eval:
         evaluate(run, root, stage1, captioner, tokenizer)
     else:
         train(run, root, stage1, captioner, tokenizer)
-    if dist_.ddp:
-        dist.barrier()  # every process done before any tears the group down (a gloo peer may abort otherwise)
-        destroy_process_group()
 
 
-def train(run: Run, root: Path, stage1: Stage1, captioner: Captioner, tokenizer) -> None:
-    """Train the captioner: validation CIDEr-D after every epoch, with patience; then the best epoch on the test split."""
+@dataclasses.dataclass
+class Stage1:
+    """Stage 1's product, which stage 2 builds on: the adapted pair encoder and what its checkpoint says."""
+    path: Path
+    sha256: str           # the captioner records it, and refuses to run on another encoder
+    encoder: PairEncoder  # in eval mode
+    state: dict           # the checkpoint's other entries: config, clip_config, vocabulary (or bpe_path)
+    freeze_intra: bool    # stage 1 froze the intra-image blocks (the synth preset): stage 2 keeps them frozen
+
+
+def load_stage1(config: Config, trained=None) -> Stage1:
+    """The stage-1 encoder: the file adapt.py wrote (runs/adapt_<data>/ckpt_best.pt, its ckpt_best.pt: the weights,
+    the sizes to rebuild it with, its config) or a CLIP4IDC release (--encoder_ckpt). --eval and --pair (trained)
+    take the copy of stage 1 their captioner holds (ours), so that a captioner's checkpoint travels alone; a flag
+    wins; a release's captioner names its own file as --encoder_ckpt (plumbing.load_trained).
+    stage 1's frozen intra-image blocks (--freeze_intra, the synth preset) are carried over: stage 2 keeps them
+    frozen (build_captioner), and reads their tokens computed once (training_set)."""
+    if trained is not None and not config.encoder_ckpt and "stage1" in trained.state:
+        record = trained.state["stage1"]  # finetuned: no weights here, the captioner's encoder.* replace them
+        return Stage1(trained.path, trained.state["encoder_sha256"], from_checkpoint(record), record,
+                      record["config"].get("freeze_intra", False))
+    hint = None if trained is None else trained.state.get("encoder_ckpt")  # where stage 1 was (a hint only)
+    path = Path(config.encoder_ckpt or (hint if hint and Path(hint).is_file() else
+                                        f"runs/adapt_{config.data}/ckpt_best.pt"))
+    state = plumbing.read_encoder(path, config.intra_layers)  # ours or a release (--intra_layers: its split point)
+    encoder = from_checkpoint(state)  # CLIP of the recorded sizes, split as recorded, holding the adapted weights
+    sha256 = plumbing.sha256_of(path)
+    if trained is not None and trained.state["encoder_sha256"] != sha256:
+        raise ConfigError(f"{path} is not the stage-1 checkpoint the captioner was trained on (its sha256 "
+                          f"differs); pass that one with --encoder_ckpt, or train stage 2 again")
+    return Stage1(path, sha256, encoder, state, state.get("config", {}).get("freeze_intra", False))
+
+
+def train(run: plumbing.Run, root: Path, stage1: Stage1, captioner: Captioner, tokenizer) -> None:
+    """Train the captioner: validation CIDEr-D after every epoch, with patience; then the best epoch on the test
+    split."""
     config, dist_, device, master = run.config, run.dist_, run.dist_.device, run.dist_.master
-    say = print if master else (lambda *a, **k: None)
     if config.resume:  # what it resumes on, before any work
-        check_resume(run.out_dir, stage1)
+        plumbing.check_resume(run.out_dir, stage1)
     splits, images, eval_pairs = read_splits(config, dist_, root, stage1.encoder.clip.visual.input_resolution)
-    refuse_empty_splits(splits, data.SPLITS, config)
-    feature_path = feature_paths(stage1, eval_pairs, images, () if config.finetune_encoder else data.SPLITS,
-                                 run.out_dir, dist_, run.ctx, batch_size=config.eval_batch_size,
-                                 num_workers=config.num_workers)
-    train_set = training_set(run, stage1, splits["train"], images, tokenizer, feature_path, say)
+    plumbing.refuse_empty_splits(splits, data.SPLITS, config)
+    # every pair's tokens, encoded once by the frozen encoder and kept on disk (not when the encoder trains)
+    feature_path = feature_files(run, stage1, eval_pairs, images, () if config.finetune_encoder else data.SPLITS)
+    train_set = training_set(run, stage1, splits["train"], images, tokenizer, feature_path)
     optimizer = build_optimizer(captioner, config)
-    train_split = split_fingerprint(splits["train"])  # what a resumed run checks it trains on
+    train_split = plumbing.split_fingerprint(splits["train"])  # what a resumed run checks it trains on
     state = resume(run, stage1, captioner, optimizer, train_split)
     step, best_cider, best_epoch, bad_epochs, history = (state[k] for k in PROGRESS)
     model = DDP(captioner, device_ids=[dist_.local_rank] if device.type == "cuda" else None,
                 gradient_as_bucket_view=True) if dist_.ddp else captioner  # gradients in the all-reduce buckets
-    micro, sampler, steps_per_epoch = batch_plan(train_set, config.batch_size, config.grad_accum, dist_,
-                                                 config.seed, what="training pairs")
+    # the global batch as micro-batches per process and accumulation step; the sampler deals the pairs out
+    micro, sampler, steps_per_epoch = plumbing.batch_plan(train_set, config.batch_size, config.grad_accum, dist_,
+                                                          config.seed, what="training pairs")
     total_steps = config.epochs * steps_per_epoch
-    if master:
-        save_json(dataclasses.asdict(config), run.out_dir / "config.json")
-        say(json.dumps(dataclasses.asdict(config)))
-        say(describe(run, len(train_set), micro, steps_per_epoch, captioner))
+    plumbing.announce(run, describe(run, len(train_set), micro, steps_per_epoch, captioner))
 
     def state(path):  # the checkpoint at the step the loop has reached
         return checkpoint(captioner, optimizer, run, stage1, tokenizer, stage1_weights=path.name == "ckpt_best.pt",
                           step=step, best_metric=best_cider, best_epoch=best_epoch, bad_epochs=bad_epochs,
                           history=history, train_split=train_split)
 
-    loader = training_loader(train_set, sampler, micro, config.num_workers, device, data.collate_captions)
-    # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (StepBoundary)
-    with StepBoundary(run, steps_per_epoch, total_steps, step, state) as boundary:
+    loader = plumbing.training_loader(train_set, sampler, micro, config.num_workers, device, data.collate_captions)
+    # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (plumbing.StepBoundary)
+    with plumbing.StepBoundary(run, steps_per_epoch, total_steps, step, state) as boundary:
         model.train()
         while step < total_steps and bad_epochs <= config.patience:
             epoch = step // steps_per_epoch
             done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
-            batches = epoch_batches(loader, epoch, done_in_epoch, config.grad_accum)  # the sampler's epoch
+            batches = plumbing.epoch_batches(loader, epoch, done_in_epoch, config.grad_accum)  # the sampler's epoch
             for _ in range(done_in_epoch, steps_per_epoch):
                 lr = get_lr(step, total_steps, config)
                 for group in optimizer.param_groups:
@@ -461,13 +464,13 @@ def train(run: Run, root: Path, stage1: Stage1, captioner: Captioner, tokenizer)
                 step += 1
                 if boundary.after_step(step, lr, loss, grad_norm):  # the master's log steps: .item() waits, here only
                     value = loss.item()
-                    say(boundary.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=value,
-                                      lr=get_lr(step, total_steps, config)), flush=True)
+                    print(boundary.line(step, epoch=f"{epoch + 1}/{config.epochs}", loss=value,
+                                        lr=get_lr(step, total_steps, config)), flush=True)
                     boundary.log.write(step=step, epoch=epoch, loss=value, lr=get_lr(step, total_steps, config))
                 boundary.save_or_stop()  # ckpt_last.pt every save_every steps; for Ctrl-C or SIGTERM, then stops
             boundary.end_epoch()  # the finiteness check of the epoch's last steps
             if master:  # end of epoch: validation CIDEr-D, decoded by the master alone while the others wait
-                check_finite_model(captioner, step, lr)  # a non-finite model is never scored nor saved
+                plumbing.check_finite_model(captioner, step, lr)  # a non-finite model is never scored nor saved
                 cider, predictions = validate(run, captioner, feature_path, eval_pairs["val"], images, tokenizer)
                 improved = cider >= best_cider  # a tie keeps the later epoch, as the reference
                 best_cider, best_epoch = (cider, epoch) if improved else (best_cider, best_epoch)
@@ -477,40 +480,97 @@ def train(run: Run, root: Path, stage1: Stage1, captioner: Captioner, tokenizer)
                 best_file = [run.out_dir / "ckpt_best.pt"] if improved else []  # saved first: no line printed
                 boundary.save(*best_file, run.out_dir / "ckpt_last.pt")  # can lose a checkpoint (the writer's thread)
                 example = eval_pairs["val"][0].id
-                say(f"epoch {epoch + 1} validation CIDEr-D {cider:.4f}" + (" (best so far)" if improved else "")
-                    + f"; {example}: {predictions[example]!r}")
-            bad_epochs = from_master(bad_epochs, dist_)  # everyone follows the master's patience
+                print(f"epoch {epoch + 1} validation CIDEr-D {cider:.4f}" + (" (best so far)" if improved else "")
+                      + f"; {example}: {predictions[example]!r}")
+            bad_epochs = plumbing.from_master(bad_epochs, dist_)  # everyone follows the master's patience
             boundary.stop_if_signalled()  # Ctrl-C or SIGTERM in any process; under DDP also the epoch's barrier
     if bad_epochs > config.patience:
-        say(f"stopped early: {bad_epochs} epochs without a better validation CIDEr-D")
+        plumbing.say(run, f"stopped early: {bad_epochs} epochs without a better validation CIDEr-D")
     test(run, stage1, captioner, tokenizer, (splits, images, eval_pairs), feature_path)
 
 
+def training_set(run: plumbing.Run, stage1: Stage1, pairs, images, tokenizer, feature_path: dict) -> Dataset:
+    """What a step reads per pair, besides its captions (data.CaptionItems: a change caption and, for CLEVR-Change,
+    a no-change caption): with the encoder frozen (the default), the pair tokens cached by feature_files (M, E);
+    finetuning it, the images' pixels (R, R, 3) uint8, or, when stage 1 froze the intra-image blocks (the synth
+    preset), each image's intra-image tokens (N+1, D), computed once now, from which the step starts at the join."""
+    config = run.config
+    if not config.finetune_encoder:
+        items = data.CaptionItems(pairs, tokenizer, config.use_no_change_pair, max_words=config.max_words)
+        return plumbing.FeatureItems(items, feature_path["train"])  # items with "visual" (and "no_change_visual")
+    if stage1.freeze_intra:
+        images = plumbing.IntraTokens(stage1.encoder, pairs, images, config.eval_batch_size, run.dist_.device,
+                                      run.ctx, images.cache_dir or run.out_dir, run.dist_)
+        plumbing.say(run, f"intra-image tokens of {len(images.row)} training images {images.origin}: the "
+                          f"intra-image blocks stay frozen, as in stage 1")
+    return data.CaptionItems(pairs, tokenizer, config.use_no_change_pair, images=images, max_words=config.max_words)
+
+
+def read_splits(config: Config, dist_, root: Path, resolution: int) -> tuple[dict, data.ImageReader, dict]:
+    """The dataset's splits (data.py section 4's readers), the image reader (decoding, or the image cache with
+    --image_cache) and each split's evaluation pairs (with CLEVR-Change's distractor pairs, data.evaluation_pairs)."""
+    splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
+    images = plumbing.image_reader(splits, root, resolution, config.image_cache, dist_)
+    return splits, images, {s: data.evaluation_pairs(splits[s], config.use_no_change_pair) for s in data.SPLITS}
+
+
 # -----------------------------------------------------------------------------
-# How an epoch is scored: each validation pair's greedy token ids, then their text, then CIDEr-D
+# How an epoch is scored: each validation pair's tokens, its greedy token ids, their text, then CIDEr-D
 
 
 @torch.no_grad()
-def validate(run: Run, captioner: Captioner, feature_path: dict, pairs, images,
+def validate(run: plumbing.Run, captioner: Captioner, feature_path: dict, pairs, images,
              tokenizer) -> tuple[float, dict]:
     """Validation CIDEr-D, the metric that picks the best epoch, and the captions it scored."""
-    config, device, ctx = run.config, run.dist_.device, run.ctx
-    features = split_features(captioner, feature_path, "val", pairs, images, device, ctx,
-                              batch_size=config.eval_batch_size, num_workers=config.num_workers)
-    predictions = predict(captioner.decoder, features, pairs, tokenizer, config, device, ctx)
+    features = split_features(run, captioner, feature_path, "val", pairs, images)
+    predictions = predict(captioner.decoder, features, pairs, tokenizer, run.config, run.dist_.device, run.ctx)
     cider = metrics.score_captions(predictions, data.references(pairs), metrics=("CIDEr",),
                                    scorer=SCORER)["corpus"]["CIDEr"]
     return cider, predictions
 
 
+def split_features(run: plumbing.Run, captioner: Captioner, feature_path: dict, split: str, pairs,
+                   images) -> np.ndarray:
+    """The pair tokens (P, M, E) of a split's evaluation pairs, float16: the cache (feature_files), or, when the
+    encoder is finetuned, encoded now by its current weights, rounded to float16 all the same (encode_pairs)."""
+    if captioner.encoder is None:
+        return np.load(feature_path[split], mmap_mode="r")
+    shape = (len(pairs), captioner.decoder.config.visual_tokens, captioner.decoder.config.hidden)
+    return encode_pairs(run, captioner.encoder.eval(), pairs, images, np.empty(shape, np.float16), split)
+
+
+def encode_pairs(run: plumbing.Run, encoder: PairEncoder, pairs, images, out: np.ndarray, what: str) -> np.ndarray:
+    """Fill out (P, M, E) with every pair's tokens (row i = pairs[i]), --eval_batch_size pairs at a time.
+
+    Rounded to float16 whatever the precision, for the validation and test captions as for the cache (half the disk
+    and memory: CLEVR-Change's training split is 6.9 GB so); decoding widens them to float32 again (predict). Also
+    when the encoder is finetuned (the synth preset), whose training steps read float32 tokens straight from the
+    encoder: its evaluation decodes from the rounded ones."""
+    config, device = run.config, run.dist_.device
+    # a generator of its own: computing the cache (first run) or not (later runs) must not change the
+    # global generator that training's random choices use
+    loader = DataLoader(data.PairImages(pairs, images), batch_size=config.eval_batch_size,
+                        num_workers=config.num_workers, generator=torch.Generator(), pin_memory=device.type == "cuda")
+    progress, done = plumbing.Progress(len(loader)), 0
+    for step, batch in enumerate(loader, 1):
+        pixels = data.to_device(batch, device, ("before", "after"))  # (B, 3, R, R) each
+        with torch.no_grad(), run.ctx:
+            tokens = encoder.encode_pair(pixels["before"], pixels["after"])["pair_tokens"]  # (B, M, E)
+        out[done:done + len(tokens)] = tokens.float().cpu().numpy().astype(np.float16)
+        done += len(tokens)
+        if run.dist_.master and (step % 20 == 0 or step == len(loader)):
+            print(f"encoding {what}: " + progress.line(step), flush=True)
+    return out
+
+
 @torch.no_grad()
 def predict(decoder: CaptionDecoder, features: np.ndarray, pairs, tokenizer, config: Config, device, ctx,
             what: str = "") -> dict[str, str]:
-    """{evaluation id: greedy caption} for pairs, whose tokens are the rows of features (rows, M, E)."""
+    """{evaluation id: greedy caption} for pairs, whose tokens are the rows of features (P, M, E)."""
     was_training = decoder.training
     decoder.eval()
     predictions, batches = {}, math.ceil(len(pairs) / config.eval_batch_size)
-    progress = Progress(batches)
+    progress = plumbing.Progress(batches)
     for b, start in enumerate(range(0, len(pairs), config.eval_batch_size), 1):
         visual = torch.from_numpy(np.asarray(features[start:start + config.eval_batch_size], dtype=np.float32))
         with ctx:
@@ -523,28 +583,21 @@ def predict(decoder: CaptionDecoder, features: np.ndarray, pairs, tokenizer, con
     return predictions
 
 
+def feature_files(run: plumbing.Run, stage1: Stage1, eval_pairs: dict, images, names) -> dict:
+    """{split: the .npy file of its evaluation pairs' tokens, float16 (P, M, E)} for the splits `names`, encoded
+    once per stage-1 checkpoint by encode_pairs (plumbing.feature_paths keeps them in out_dir/features)."""
+    side = stage1.encoder.clip.visual.input_resolution // stage1.encoder.clip.visual.conv1.kernel_size[0]
+    shape = (2 * (side * side + 1), stage1.encoder.clip.visual.proj.shape[1])  # (M, E)
+    encoder = stage1.encoder.to(run.dist_.device)
+    return plumbing.feature_paths(stage1.sha256, eval_pairs, names, shape, run.out_dir, run.dist_,
+                                  lambda pairs, out, what: encode_pairs(run, encoder, pairs, images, out, what))
+
+
 # -----------------------------------------------------------------------------
-# What the jobs and the loop call: caption one pair, evaluate the test split, the training set, checkpoints
+# The test split: decoded once, scored overall, per change type, by the kind of change said, and where it looked
 
 
-def caption_pair(config: Config, stage1: Stage1, captioner: Captioner, tokenizer, device, ctx) -> None:
-    """Print the caption of the user's pair (--pair BEFORE AFTER); with --explain, write its attention maps."""
-    images = data.ImageReader(stage1.encoder.clip.visual.input_resolution)
-    for path in map(Path, config.pair):
-        if not path.is_file():
-            raise FileNotFoundError(f"--pair: image {path} is {data.absence(path)}")
-    before, after = (clip.normalize(images(Path(p)).unsqueeze(0).to(device)) for p in config.pair)  # (1, 3, R, R) each
-    with torch.no_grad(), ctx:
-        visual = stage1.encoder.eval().encode_pair(before, after)["pair_tokens"]  # (1, M, E)
-    pair = data.ImagePair(" -> ".join(Path(p).name for p in config.pair), *map(Path, config.pair), captions=[])
-    print(predict(captioner.decoder, visual.float().cpu().numpy(), [pair], tokenizer, config, device, ctx)[pair.id])
-    if config.explain:
-        explain.explain_pairs(stage1.encoder, captioner.decoder, [pair], images, tokenizer, config.max_len,
-                              Path(config.explain), device, ctx)
-        print(f"attention maps: {config.explain}")
-
-
-def evaluate(run: Run, root: Path, stage1: Stage1, captioner: Captioner, tokenizer, read=None,
+def evaluate(run: plumbing.Run, root: Path, stage1: Stage1, captioner: Captioner, tokenizer, read=None,
              feature_path=None) -> None:
     """Decode and score the test split (evaluate_test): --eval, and the end of training (which passes what it
     has read already: read_splits's result and the feature files). The master alone: under torchrun the other
@@ -552,15 +605,12 @@ def evaluate(run: Run, root: Path, stage1: Stage1, captioner: Captioner, tokeniz
     if not run.dist_.master:
         return
     run = dataclasses.replace(run, dist_=dataclasses.replace(run.dist_, ddp=False))  # it waits for no other process
-    config, dist_, ctx = run.config, run.dist_, run.ctx
+    config, dist_ = run.config, run.dist_
     splits, images, eval_pairs = read or read_splits(config, dist_, root, stage1.encoder.clip.visual.input_resolution)
-    refuse_empty_splits(splits, ("test",), config)
+    plumbing.refuse_empty_splits(splits, ("test",), config)
     if feature_path is None:
-        cached = () if config.finetune_encoder else ("test",)
-        feature_path = feature_paths(stage1, eval_pairs, images, cached, run.out_dir, dist_, ctx,
-                                     batch_size=config.eval_batch_size, num_workers=config.num_workers)
-    features = split_features(captioner, feature_path, "test", eval_pairs["test"], images, dist_.device, ctx,
-                              batch_size=config.eval_batch_size, num_workers=config.num_workers)
+        feature_path = feature_files(run, stage1, eval_pairs, images, () if config.finetune_encoder else ("test",))
+    features = split_features(run, captioner, feature_path, "test", eval_pairs["test"], images)
     field = data.SOURCES[config.data].field_scoring  # LEVIR-CC: also as its papers score, with their vocabulary
     vocabulary = metrics.field_vocabulary(c for s in data.SPLITS for p in splits[s] for c in p.captions) if field \
         else None
@@ -568,135 +618,7 @@ def evaluate(run: Run, root: Path, stage1: Stage1, captioner: Captioner, tokeniz
                   tokenizer, vocabulary)
 
 
-def training_set(run: Run, stage1: Stage1, pairs, images, tokenizer, feature_path: dict, say) -> Dataset:
-    """The training items: pixels (finetuning), intra-image tokens computed once (finetuning on frozen intra-image
-    blocks), or cached pair tokens (the decoder alone)."""
-    config = run.config
-    train_images = images if config.finetune_encoder else None
-    if config.finetune_encoder and stage1.freeze_intra:  # training reads each image's intra tokens, computed now
-        started = time.time()
-        train_images = IntraTokens(stage1.encoder, pairs, images, config.eval_batch_size, run.dist_.device,
-                                   run.ctx, images.cache_dir or run.out_dir, run.dist_)
-        say(f"intra-image tokens of {len(train_images.row)} training images {train_images.origin} "
-            f"({time.time() - started:.0f} s): the intra-image blocks stay frozen, as in stage 1")
-    items = data.CaptionItems(pairs, tokenizer, config.use_no_change_pair, images=train_images,
-                              max_words=config.max_words)
-    return items if config.finetune_encoder else FeatureItems(items, feature_path["train"])
-
-
-def describe(run: Run, samples: int, micro: int, steps_per_epoch: int, captioner: Captioner) -> str:
-    """The run in one line: what it trains, on how much, with which batch, where."""
-    config, dist_ = run.config, run.dist_
-    trainable = sum(p.numel() for p in captioner.parameters() if p.requires_grad)
-    return (f"{samples} training pairs; global batch {config.batch_size} = {micro} x {dist_.world_size} processes "
-            f"x {config.grad_accum} accumulation; {steps_per_epoch} steps per epoch, at most "
-            f"{config.epochs * steps_per_epoch}; "
-            f"{'finetuning the encoder' if config.finetune_encoder else 'cached encoder features'}; "
-            f"{run.dtype} on {dist_.device}; {trainable / 1e6:.1f}M trainable parameters")
-
-
-def checkpoint(captioner: Captioner, optimizer, run: Run, stage1: Stage1, tokenizer,
-               stage1_weights: bool = False, **progress) -> dict:
-    """What ckpt_last.pt and ckpt_best.pt hold: enough to resume training, and to --eval and --pair without the
-    flags or the stage-1 file: "stage1" holds its sizes, its configuration and its vocabulary, and (stage1_weights:
-    ckpt_best.pt) its weights when the captioner does not hold them (the encoder not finetuned)."""
-    record = {"clip_config": stage1.state["clip_config"], "encoder_config": dataclasses.asdict(stage1.encoder.config),
-              "config": stage1.state.get("config", {}), "vocabulary": vocabulary_tensor(tokenizer.bpe_path)}
-    if stage1_weights and not run.config.finetune_encoder:
-        record["model"] = stage1.encoder.state_dict()
-    return {"model": captioner.state_dict(), "optimizer": optimizer.state_dict(), "scaler": run.scaler.state_dict(),
-            "config": dataclasses.asdict(run.config), "stage1": record,
-            "encoder_ckpt": str(stage1.path.resolve()),  # where stage 1 was: a hint for older checkpoints' readers
-            "encoder_sha256": stage1.sha256, "decoder_config": dataclasses.asdict(captioner.decoder.config),
-            **progress, "rng": rng_state()}
-
-
-def resume(run: Run, stage1: Stage1, captioner: Captioner, optimizer, train_split: dict) -> dict:
-    """Where training starts: step 0, or with --resume where ckpt_last.pt stopped, after restoring the captioner,
-    the optimizer, the scaler and the random generators from it (start_or_resume). A checkpoint trained on
-    another stage-1 encoder is refused."""
-    path = run.out_dir / "ckpt_last.pt"
-    state = start_or_resume(path, run.config, MODEL_KEYS + TRAINING_KEYS, run.dist_, captioner, optimizer,
-                            run.scaler, train_split)
-    if state is None:
-        return dict(zip(PROGRESS, (0, -1.0, -1, 0, [])))
-    if state["encoder_sha256"] != stage1.sha256:
-        raise ConfigError(f"{path} was trained on another stage-1 checkpoint than {stage1.path}")
-    if run.dist_.master:
-        print(f"resumed {path} at step {state['step']}")
-    return state
-
-
-def from_master(value: int, dist_) -> int:
-    """The master's value, on every process of a torchrun (a broadcast); a process alone keeps its own."""
-    if not dist_.ddp:
-        return value
-    flag = torch.tensor([value], device=dist_.device)
-    dist.broadcast(flag, 0)
-    return int(flag)
-
-
-def test(run: Run, stage1: Stage1, captioner: Captioner, tokenizer, read: tuple, feature_path: dict) -> None:
-    """The end of training: the test split decoded and scored once (evaluate), on the master, with the epoch
-    chosen on validation (ckpt_best.pt); read and feature_path: what training has read already."""
-    if not run.dist_.master:
-        return
-    best = load_checkpoint(run.out_dir / "ckpt_best.pt")
-    captioner.load_state_dict(best["model"])
-    print(f"test scores of the best epoch ({best['best_epoch'] + 1}, validation CIDEr-D {best['best_metric']:.4f}):")
-    try:
-        evaluate(run, None, stage1, captioner, tokenizer, read, feature_path)
-    except KeyboardInterrupt as interrupt:  # Ctrl-C, SIGTERM: training is done, only the scores are not
-        raise final_test_stopped(interrupt, run.out_dir) from None
-
-
-# -----------------------------------------------------------------------------
-# What every job reads: the splits
-
-
-def read_splits(config: Config, dist_, root: Path, resolution: int) -> tuple[dict, data.ImageReader, dict]:
-    """The dataset's splits, the image reader (from the cache with --image_cache) and each split's evaluation
-    pairs (with CLEVR-Change's distractor pairs, data.evaluation_pairs)."""
-    splits = {s: data.load_split(config.data, s, root) for s in data.SPLITS}
-    images = image_reader(splits, root, resolution, config.image_cache, dist_)
-    return splits, images, {s: data.evaluation_pairs(splits[s], config.use_no_change_pair) for s in data.SPLITS}
-
-
-# -----------------------------------------------------------------------------
-# Scoring the test split: the score table
-
-
-def score_table(predictions: dict[str, str], pairs) -> dict:
-    """Scores of the whole split, of its semantic changes alone, and of each change type, each scored alone."""
-    by_type = data.ids_by_type(pairs)
-    subsets = {"total": [p.id for p in pairs]}
-    if data.DISTRACTOR in by_type:
-        subsets[SEMANTIC] = [p.id for p in pairs if p.change_type != data.DISTRACTOR]
-    others = sorted(set(by_type) - {*data.CHANGE_TYPES, data.DISTRACTOR})  # a user's own types, after the known
-    subsets.update({t: by_type[t] for t in (*data.CHANGE_TYPES, data.DISTRACTOR, *others)
-                    if len(by_type.get(t, [])) > 1})
-    started = time.perf_counter()
-    results = metrics.score_subsets(predictions, data.references(pairs), subsets, scorer=SCORER)
-    info = {**next(iter(results.values())).get("info", {}), "seconds": time.perf_counter() - started}
-    return {"scores": {name: result["corpus"] for name, result in results.items()},
-            "sizes": {name: len(ids) for name, ids in subsets.items()}, "info": info}
-
-
-def format_table(table: dict) -> str:
-    columns = ("BLEU_1", "BLEU_2", "BLEU_3", "BLEU_4", "METEOR", "ROUGE_L", "CIDEr")
-    label = {"material": "material (texture)", data.DISTRACTOR: "distractor (no change)"}
-    lines = [f"{'':<26}{'pairs':>6} " + " ".join(f"{c:>8}" for c in columns)]
-    for name, scores in table["scores"].items():
-        lines.append(f"{label.get(name, name):<26}{table['sizes'][name]:>6} "
-                     + " ".join(f"{scores[c]:8.4f}" for c in columns))
-    info = table.get("info")
-    if info:  # how it was scored: what a reader needs to compare these numbers with another toolkit's
-        lines.append(f"({info.get('items')} captions against {info.get('references')} references; METEOR with "
-                     f"{info.get('meteor_modules')}; scored in {info.get('seconds', 0.0):.1f} s)")
-    return "\n".join(lines)
-
-
-def evaluate_test(run: Run, encoder: PairEncoder, decoder: CaptionDecoder, features: np.ndarray, pairs,
+def evaluate_test(run: plumbing.Run, encoder: PairEncoder, decoder: CaptionDecoder, features: np.ndarray, pairs,
                   test_pairs, images, tokenizer, vocabulary: dict | None = None) -> dict:
     """Decode the test split, write predictions (COCO results format), the score table, a grid PNG and the
     attention maps of the grid's first pairs; score localisation where the pairs have boxes (explain.py).
@@ -726,14 +648,15 @@ def evaluate_test(run: Run, encoder: PairEncoder, decoder: CaptionDecoder, featu
         text += "\n\n" + explain.format_localisation(located)
     for name in TEST_OUTPUTS:  # replaced together: a stopped evaluation leaves no earlier one's files beside its own
         (out_dir / name).unlink(missing_ok=True)
-    save_json([{"image_id": i, "caption": c} for i, c in predictions.items()],
-              out_dir / "test_predictions.json")
-    save_json(table, out_dir / "test_scores.json")
+    plumbing.save_json([{"image_id": i, "caption": c} for i, c in predictions.items()],
+                       out_dir / "test_predictions.json")
+    plumbing.save_json(table, out_dir / "test_scores.json")
     (out_dir / "test_scores.txt").write_text(text + "\n")
     print(text)
     step = max(1, len(test_pairs) // 12)
     shown = test_pairs[::step][:12]
-    grid = contact_sheet(shown, out_dir / "test_grid.png", model_view=True, captions=1, predictions=predictions)
+    grid = explain.contact_sheet(shown, out_dir / "test_grid.png", model_view=True, captions=1,
+                                 predictions=predictions)
     rows = list(range(0, len(test_pairs), step))[:ATTENTION_PAIRS]  # the grid's first pairs
     attention = out_dir / "test_attention.png"
     explain.explain_pairs(encoder, decoder, [test_pairs[i] for i in rows], images, tokenizer, config.max_len,
@@ -743,5 +666,122 @@ def evaluate_test(run: Run, encoder: PairEncoder, decoder: CaptionDecoder, featu
     return table
 
 
+def score_table(predictions: dict[str, str], pairs) -> dict:
+    """Scores of the whole split, of its semantic changes alone, and of each change type, each scored alone (as the
+    papers' toolkit re-scores a subset: CIDEr-D's document frequencies are the subset's; metrics.score_subsets)."""
+    by_type = data.ids_by_type(pairs)
+    subsets = {"total": [p.id for p in pairs]}
+    if data.DISTRACTOR in by_type:
+        subsets[SEMANTIC] = [p.id for p in pairs if p.change_type != data.DISTRACTOR]
+    others = sorted(set(by_type) - {*data.CHANGE_TYPES, data.DISTRACTOR})  # a user's own types, after the known
+    subsets.update({t: by_type[t] for t in (*data.CHANGE_TYPES, data.DISTRACTOR, *others)
+                    if len(by_type.get(t, [])) > 1})
+    started = time.perf_counter()
+    results = metrics.score_subsets(predictions, data.references(pairs), subsets, scorer=SCORER)
+    info = {**next(iter(results.values())).get("info", {}), "seconds": time.perf_counter() - started}
+    return {"scores": {name: result["corpus"] for name, result in results.items()},
+            "sizes": {name: len(ids) for name, ids in subsets.items()}, "info": info}
+
+
+def format_table(table: dict) -> str:
+    columns = ("BLEU_1", "BLEU_2", "BLEU_3", "BLEU_4", "METEOR", "ROUGE_L", "CIDEr")
+    label = {"material": "material (texture)", data.DISTRACTOR: "distractor (no change)"}
+    lines = [f"{'':<26}{'pairs':>6} " + " ".join(f"{c:>8}" for c in columns)]
+    for name, scores in table["scores"].items():
+        lines.append(f"{label.get(name, name):<26}{table['sizes'][name]:>6} "
+                     + " ".join(f"{scores[c]:8.4f}" for c in columns))
+    info = table.get("info")
+    if info:  # how it was scored: what a reader needs to compare these numbers with another toolkit's
+        lines.append(f"({info.get('items')} captions against {info.get('references')} references; METEOR with "
+                     f"{info.get('meteor_modules')}; scored in {info.get('seconds', 0.0):.1f} s)")
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# What the jobs and the loop call: caption one pair, the end of training, checkpoints, resuming
+
+
+def caption_pair(config: Config, stage1: Stage1, captioner: Captioner, tokenizer, device, ctx) -> None:
+    """Print the caption of the user's pair (--pair BEFORE AFTER); with --explain, write its attention maps."""
+    images = data.ImageReader(stage1.encoder.clip.visual.input_resolution)
+    for path in map(Path, config.pair):
+        if not path.is_file():
+            raise FileNotFoundError(f"--pair: image {path} is {data.absence(path)}")
+    pixels = data.to_device({"before": images(Path(config.pair[0])).unsqueeze(0),
+                             "after": images(Path(config.pair[1])).unsqueeze(0)}, device)  # (1, 3, R, R) each
+    with torch.no_grad(), ctx:
+        visual = stage1.encoder.eval().encode_pair(pixels["before"], pixels["after"])["pair_tokens"]  # (1, M, E)
+    pair = data.ImagePair(" -> ".join(Path(p).name for p in config.pair), *map(Path, config.pair), captions=[])
+    print(predict(captioner.decoder, visual.float().cpu().numpy(), [pair], tokenizer, config, device, ctx)[pair.id])
+    if config.explain:
+        explain.explain_pairs(stage1.encoder, captioner.decoder, [pair], images, tokenizer, config.max_len,
+                              Path(config.explain), device, ctx)
+        print(f"attention maps: {config.explain}")
+
+
+def test(run: plumbing.Run, stage1: Stage1, captioner: Captioner, tokenizer, read: tuple, feature_path: dict) -> None:
+    """The end of training: the test split decoded and scored once (evaluate), on the master, with the epoch
+    chosen on validation (ckpt_best.pt); read and feature_path: what training has read already."""
+    if not run.dist_.master:
+        return
+    best = plumbing.load_checkpoint(run.out_dir / "ckpt_best.pt")
+    captioner.load_state_dict(best["model"])
+    print(f"test scores of the best epoch ({best['best_epoch'] + 1}, validation CIDEr-D {best['best_metric']:.4f}):")
+    try:
+        evaluate(run, None, stage1, captioner, tokenizer, read, feature_path)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, SIGTERM: training is done, only the scores are not
+        raise plumbing.final_test_stopped(interrupt, run.out_dir) from None
+
+
+def describe(run: plumbing.Run, samples: int, micro: int, steps_per_epoch: int, captioner: Captioner) -> str:
+    """The run in one line: what it trains, on how much, with which batch, where."""
+    config, dist_ = run.config, run.dist_
+    trainable = sum(p.numel() for p in captioner.parameters() if p.requires_grad)
+    return (f"{samples} training pairs; global batch {config.batch_size} = {micro} x {dist_.world_size} processes "
+            f"x {config.grad_accum} accumulation; {steps_per_epoch} steps per epoch, at most "
+            f"{config.epochs * steps_per_epoch}; "
+            f"{'finetuning the encoder' if config.finetune_encoder else 'cached encoder features'}; "
+            f"{run.dtype} on {dist_.device}; {trainable / 1e6:.1f}M trainable parameters")
+
+
+def checkpoint(captioner: Captioner, optimizer, run: plumbing.Run, stage1: Stage1, tokenizer,
+               stage1_weights: bool = False, **progress) -> dict:
+    """What ckpt_last.pt and ckpt_best.pt hold: enough to resume training, and to --eval and --pair without the
+    flags or the stage-1 file: "stage1" holds its sizes, its configuration and its vocabulary, and (stage1_weights:
+    ckpt_best.pt) its weights when the captioner does not hold them (the encoder not finetuned)."""
+    record = {"clip_config": stage1.state["clip_config"], "encoder_config": dataclasses.asdict(stage1.encoder.config),
+              "config": stage1.state.get("config", {}), "vocabulary": plumbing.vocabulary_tensor(tokenizer.bpe_path)}
+    if stage1_weights and not run.config.finetune_encoder:
+        record["model"] = stage1.encoder.state_dict()
+    return {"model": captioner.state_dict(), "optimizer": optimizer.state_dict(), "scaler": run.scaler.state_dict(),
+            "config": dataclasses.asdict(run.config), "stage1": record,
+            "encoder_ckpt": str(stage1.path.resolve()),  # where stage 1 was: a hint for older checkpoints' readers
+            "encoder_sha256": stage1.sha256, "decoder_config": dataclasses.asdict(captioner.decoder.config),
+            **progress, "rng": plumbing.rng_state()}
+
+
+def resume(run: plumbing.Run, stage1: Stage1, captioner: Captioner, optimizer, train_split: dict) -> dict:
+    """Where training starts: step 0, or with --resume where ckpt_last.pt stopped, after restoring the captioner,
+    the optimizer, the scaler and the random generators from it (plumbing.start_or_resume). A checkpoint trained on
+    another stage-1 encoder is refused."""
+    state = plumbing.start_or_resume(run, MODEL_KEYS + TRAINING_KEYS, captioner, optimizer, train_split)
+    if state is None:
+        return dict(zip(PROGRESS, (0, -1.0, -1, 0, [])))
+    if state["encoder_sha256"] != stage1.sha256:
+        raise ConfigError(f"{run.out_dir / 'ckpt_last.pt'} was trained on another stage-1 checkpoint than "
+                          f"{stage1.path}")
+    return state
+
+
+def release_decoder(state_dict: dict[str, torch.Tensor], visual_tokens: int) -> CaptionDecoder:
+    """The caption decoder of a CLIP4IDC release of the captioning stage (trained/pytorch_model.bin.*), in eval
+    mode: its sizes read off its tensors, its names mapped to ours (plumbing/release.py), loaded with strict=True.
+    visual_tokens: M from the pair encoder, 2(N+1)."""
+    ours = plumbing.rename_reference_decoder_keys(state_dict)  # first: it says what is wrong with a damaged file
+    decoder = CaptionDecoder(DecoderConfig(**plumbing.release_decoder_sizes(state_dict), visual_tokens=visual_tokens))
+    decoder.load_state_dict(ours, strict=True)
+    return decoder.eval()
+
+
 if __name__ == "__main__":
-    run_main(main, "caption.py")
+    plumbing.run_main(main, "caption.py")

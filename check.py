@@ -15,13 +15,15 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw, ImageFont, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 import clip
-from data import (CHANGE_TYPES, CHANGED, DISTRACTOR, IMAGE_SIZE, LEVIR_NO_CHANGE, MAX_WORDS, NO_CHANGE_SUFFIX,
-                  SOURCES, SPLITS, UNCHANGED, DataError, ImagePair, bpe_path, dataset_root, load_image, load_split,
-                  preprocess_uint8, read_clevr_change, read_json, repair, training_captions, usable_cpus)
-from progress import Progress
+from data import (CHANGE_TYPES, CHANGED, DISTRACTOR, LEVIR_NO_CHANGE, MAX_WORDS, SOURCES, SPLITS, UNCHANGED,
+                  DataError, ImagePair, bpe_path, dataset_root, load_split, read_clevr_change, read_json, repair,
+                  training_captions, usable_cpus)
+from explain import contact_sheet
+from plumbing import clip_files
+from plumbing.progress import Progress
 
 # -----------------------------------------------------------------------------
 # Checking a download
@@ -217,45 +219,6 @@ def split_notes(splits: dict[str, list[ImagePair]]) -> list[str]:
 
 
 # -----------------------------------------------------------------------------
-# A contact sheet of pairs
-
-
-def contact_sheet(pairs: list[ImagePair], out: Path, model_view: bool = False, captions: int = 3,
-                  predictions: dict[str, str] | None = None) -> Path:
-    """A PNG with one row per pair: before | after | distractor, then its id, type and captions.
-
-    With predictions ({evaluation id: caption}, as caption.py --eval writes them), each row shows the
-    predicted caption of the change pair and of the distractor pair ("<id>_n") above the references.
-    """
-    tile = (IMAGE_SIZE, IMAGE_SIZE) if model_view else (240, 160)  # the model's input, or half of 480 x 320
-    text_width, line = 470, 18
-    font = ImageFont.load_default(size=14)
-    height = max(tile[1], line * (captions + 3 + 2 * (predictions is not None))) + 8
-    sheet = Image.new("RGB", (3 * (tile[0] + 4) + text_width, height * len(pairs)), "white")
-    draw = ImageDraw.Draw(sheet)
-    for row, pair in enumerate(pairs):
-        top = row * height
-        for column, path in enumerate((pair.before, pair.after, pair.distractor)):
-            if path is not None:
-                image = Image.fromarray(preprocess_uint8(path, IMAGE_SIZE)) if model_view \
-                    else load_image(path).convert("RGB").resize(tile, Image.Resampling.BICUBIC)
-                sheet.paste(image, (column * (tile[0] + 4), top))
-        lines = [f"{pair.id}  {pair.change_type or ''}"]
-        if predictions is not None:
-            lines.append(f"predicted: {predictions.get(pair.id, '(none)')}")
-        lines += [f"reference: {c}" if predictions is not None else c for c in pair.captions[:captions]]
-        if predictions is not None and pair.id + NO_CHANGE_SUFFIX in predictions:
-            lines.append(f"distractor predicted: {predictions[pair.id + NO_CHANGE_SUFFIX]}")
-        lines += [f"distractor{' reference' if predictions is not None else ''}: {c}"
-                  for c in pair.no_change_captions[:1]]
-        for k, text in enumerate(lines):
-            draw.text((3 * (tile[0] + 4) + 6, top + 4 + k * line), text, fill="black", font=font)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    sheet.save(out)
-    return out
-
-
-# -----------------------------------------------------------------------------
 # Command line
 
 
@@ -287,7 +250,7 @@ def run_command(args: argparse.Namespace) -> None:
         return
     tokenizer = None
     try:
-        tokenizer = clip.get_tokenizer(bpe_path(args.data, root)) if root.is_dir() else None
+        tokenizer = clip_files.get_tokenizer(bpe_path(args.data, root)) if root.is_dir() else None
     except FileNotFoundError as error:
         print(f"{error}\nCaption lengths are counted in words instead of tokens until then.")
     sys.exit(0 if check_dataset(args.data, root, tokenizer, args.max_words) else 1)

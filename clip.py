@@ -1,4 +1,4 @@
-"""CLIP, the backbone CLIP4IDC adapts: the image and text towers, their tokenizer, preprocessing, and load().
+"""CLIP, the backbone CLIP4IDC adapts: the image and text towers, their tokenizer and preprocessing.
 
 CLIP (Contrastive Language-Image Pre-training; Radford et al., 2021, "Learning Transferable Visual Models From
 Natural Language Supervision", section 2.4) embeds an image with a vision transformer (ViT) and a caption with a
@@ -13,9 +13,9 @@ loads with strict=True. It holds, top to bottom:
        CLIP, build_model (the reading path's first stop);
     2. the byte-level BPE (byte-pair encoding) tokenizer and tokenize() (a side trip of the reading path);
     3. image preprocessing, OpenAI's (resize + centre crop) and CLIP4IDC's (resize to a square);
-    4. load(), which puts the model and preprocessing together with the weights file, as openai/CLIP's clip.load;
   and a demo. How the files reach the machine (the checksummed download cache of the weights and the vocabulary,
-  OpenAI's TorchScript archives read without running them) is clip_files.py's.
+  OpenAI's TorchScript archives read without running them, and load(), which builds the model from a weights file
+  as openai/CLIP's clip.load) is plumbing/clip_files.py's, as openai/CLIP keeps clip/clip.py apart from model.py.
 
 What differs from the reference (here: openai/CLIP):
   - batch-first tensors (B, L, D) everywhere; OpenAI's blocks are sequence-first (L, B, D);
@@ -23,14 +23,12 @@ What differs from the reference (here: openai/CLIP):
     instead of nn.MultiheadAttention with an explicit -inf mask; the parameters keep its names;
   - weights stay float32 (OpenAI converts them to float16 on a GPU); mixed precision is autocast's job, and both
     towers' residual streams stay float32 under it (the blocks' products run in bfloat16/float16);
-  - a weights file is read without running it (clip_files.py); there is no jit=True mode;
+  - a weights file is read without running it (plumbing/clip_files.py); there is no jit=True mode;
   - the tokenizer reads any merges file in OpenAI's format, so a small dataset can bring a small
     vocabulary (the synthetic dataset does); with OpenAI's file it is OpenAI's tokenizer, id for id.
 
-Environment: CLIP_CACHE (cache folder, default ~/.cache/clip), CLIP_BPE_PATH (vocabulary file).
-
-Run:  python clip.py            tokenize a caption, push a random tiny CLIP through, print the shapes
-      (it finds the vocabulary through --bpe-path, CLIP_BPE_PATH or the cache; timings: python bench.py clip)
+Run:  python clip.py --bpe-path FILE    tokenize a caption, push a random tiny CLIP through, print the shapes
+      (the vocabulary from --bpe-path or CLIP_BPE_PATH; without one, the shapes only; timings: python -m bench clip)
 
 Shape letters: B batch, R image side in pixels (224), P patch side (32), G = R/P patches per side (7),
 N = G*G patches per image (49), D vision width (768), W text width (512), E joint embedding width (512),
@@ -42,7 +40,6 @@ import gzip
 import html
 import math
 import os
-import urllib.parse
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -55,8 +52,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from PIL import Image
 
-from clip_files import (FileError, MODELS, cache_dir, download, find_bpe_vocabulary, load_state_dict,
-                        unwritable_cache)
+
+class FileError(RuntimeError):
+    """A weights or vocabulary file that cannot be used: corrupt, truncated, of the wrong kind, or not the
+    download its checksum names. The fix is to get the file again, so the scripts print it as one line."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -275,8 +274,20 @@ class CLIP(nn.Module):
 
 
 def build_model(state_dict: dict[str, torch.Tensor]) -> CLIP:
-    """A float32 CLIP in eval mode holding state_dict; every size is read off the tensor shapes."""
+    """A float32 CLIP in eval mode holding state_dict; every size is read off the tensor shapes (config_of)."""
     state_dict = {k: v for k, v in state_dict.items() if k not in METADATA_KEYS}
+    config = config_of(state_dict)
+    model = CLIP(config)
+    # differs from reference: the weights stay float32; OpenAI converts them to fp16 (convert_weights)
+    try:
+        model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()})
+    except RuntimeError as error:
+        raise RuntimeError(f"the state dict does not fit {config}:\n{error}") from error
+    return model.eval()
+
+
+def config_of(state_dict: dict[str, torch.Tensor]) -> CLIPConfig:
+    """CLIP's sizes, read off the shapes of a state dict in OpenAI's names, as openai/CLIP's build_model reads them."""
     try:
         conv1 = state_dict["visual.conv1.weight"]                     # (D, 3, P, P)
         grid = round((state_dict["visual.positional_embedding"].shape[0] - 1) ** 0.5)  # G
@@ -297,13 +308,7 @@ def build_model(state_dict: dict[str, torch.Tensor]) -> CLIP:
     except KeyError as error:
         raise KeyError(f"the state dict has no {error}: it is not a CLIP ViT state dict with OpenAI's key names "
                        f"(ResNet CLIP is not supported)") from error
-    model = CLIP(config)
-    # differs from reference: the weights stay float32; OpenAI converts them to fp16 (convert_weights)
-    try:
-        model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()})
-    except RuntimeError as error:
-        raise RuntimeError(f"the state dict does not fit {config}:\n{error}") from error
-    return model.eval()
+    return config
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -387,8 +392,8 @@ def merge_pair(symbols, pair: tuple[str, str]) -> list[str]:
 class SimpleTokenizer:
     """CLIP's byte-level BPE: clean, lower-case, pre-tokenize, turn bytes into symbols, merge, look up ids."""
 
-    def __init__(self, bpe_path: str | os.PathLike | None = None):
-        self.bpe_path = find_bpe_vocabulary(bpe_path)
+    def __init__(self, bpe_path: str | os.PathLike):
+        self.bpe_path = Path(bpe_path)
         merges = read_merges(self.bpe_path)
         self.byte_encoder = bytes_to_unicode()
         self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
@@ -401,6 +406,7 @@ class SimpleTokenizer:
         self.vocab_size = len(vocab)
         self.sot_id = self.encoder[SOT]
         self.eot_id = self.encoder[EOT]
+        self.pad_id = PAD_ID  # what tokenize() and data.py pad with
         self.cache = {SOT: [self.sot_id], EOT: [self.eot_id]}  # pre-token -> its ids; the specials are pre-filled
 
     def bpe(self, token: str) -> list[int]:
@@ -441,18 +447,17 @@ def _tokenizer_for(path: Path) -> SimpleTokenizer:
     return SimpleTokenizer(path)
 
 
-def get_tokenizer(bpe_path: str | os.PathLike | None = None) -> SimpleTokenizer:
-    """The tokenizer of a vocabulary file, built once per resolved path (see find_bpe_vocabulary)."""
-    return _tokenizer_for(find_bpe_vocabulary(bpe_path).resolve())
+def get_tokenizer(bpe_path: str | os.PathLike) -> SimpleTokenizer:
+    """The tokenizer of a vocabulary file, built once per resolved path (plumbing/clip_files.py finds OpenAI's)."""
+    return _tokenizer_for(Path(bpe_path).resolve())
 
 
-def tokenize(texts: str | list[str], context_length: int = 77, truncate: bool = False,
-             tokenizer: SimpleTokenizer | None = None) -> torch.IntTensor:
+def tokenize(texts: str | list[str], tokenizer: SimpleTokenizer, context_length: int = 77,
+             truncate: bool = False) -> torch.IntTensor:
     """Rows [SOT, ids..., EOT, PAD_ID...] of length context_length, one per text, int32 (as openai/CLIP).
 
     A text that does not fit raises, unless truncate: then it is cut and its last token becomes EOT.
     """
-    tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
     texts = [texts] if isinstance(texts, str) else list(texts)
     result = torch.full((len(texts), context_length), PAD_ID, dtype=torch.int32)  # (n, T)
     for row, text in enumerate(texts):
@@ -532,52 +537,21 @@ def pair_transform(n_px: int = 224):
 
 
 # ---------------------------------------------------------------------------------------------------
-# 4. load(): weights + model + preprocess, as openai/CLIP's clip.load
-# ---------------------------------------------------------------------------------------------------
-
-def load(name_or_path: str | os.PathLike = "ViT-B/32", device: str | torch.device = "cpu",
-         download_root: str | os.PathLike | None = None):
-    """(model, preprocess) for a model name in MODELS or a path to a weights file.
-
-    A name is looked up in the cache (download_root, else $CLIP_CACHE, else ~/.cache/clip) and downloaded
-    there with its checksum if missing. A path is used as is.
-    """
-    if os.path.isfile(name_or_path):
-        path = Path(name_or_path)
-    elif name_or_path in MODELS:
-        (url, sha256), root = MODELS[name_or_path], cache_dir(download_root)
-        filename = Path(urllib.parse.urlparse(url).path).name
-        try:
-            path = download(url, root, sha256)
-        except OSError as error:
-            if unwritable_cache(root, error):
-                raise unwritable_cache(root, error) from None
-            raise FileNotFoundError(
-                f"CLIP weights {name_or_path} ({root / filename}) are missing and could not be downloaded from "
-                f"{url} ({error}). Get them on a machine with internet access:\n  curl -L -o {filename} {url}\n"
-                f"  sha256sum {filename}   # must print {sha256}\nthen put the file in {root} (or set CLIP_CACHE "
-                f"to its folder), or pass the file's path instead of the name (adapt.py --clip_model PATH)") from error
-    else:
-        raise FileNotFoundError(f"{name_or_path} is neither a file nor a known model name {list(MODELS)}")
-    # differs from reference: no jit=True mode; the archive is only read for its tensors (clip_files.py, "What is trusted")
-    model = build_model(load_state_dict(path)).to(device)
-    return model, transform(model.visual.input_resolution)
-
-
-# ---------------------------------------------------------------------------------------------------
 # Demo
 # ---------------------------------------------------------------------------------------------------
 
 def demo(bpe_path: str | None = None):
     caption = "The small red metal cube changed to blue."
     try:
+        if not bpe_path:
+            raise FileNotFoundError("pass --bpe-path FILE or set CLIP_BPE_PATH")
         tokenizer = get_tokenizer(bpe_path)
         tokens = tokenize(caption, tokenizer=tokenizer)  # (1, 77)
         n = int((tokens[0] != PAD_ID).sum())
         print(f"{caption!r}\n  -> ids {tokens[0, :n].tolist()} + {77 - n} x PAD_ID (vocabulary of "
               f"{tokenizer.vocab_size}, SOT {tokenizer.sot_id}, EOT {tokenizer.eot_id})")
         print(f"  -> decoded {tokenizer.decode(tokens[0, 1:n - 1])!r}")
-    except (FileNotFoundError, FileError) as error:
+    except (FileNotFoundError, OSError) as error:
         print(f"tokenizer skipped, no vocabulary: {error}")
         tokenizer, tokens = None, None
 
@@ -599,6 +573,7 @@ def demo(bpe_path: str | None = None):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="CLIP demo: tokenize a caption, push a tiny random CLIP through "
-                                                 "(timings: python bench.py clip)")
-    parser.add_argument("--bpe-path", default=None, help="BPE vocabulary file (default: $CLIP_BPE_PATH or the cache)")
+                                                 "(timings: python -m bench clip)")
+    parser.add_argument("--bpe-path", default=os.environ.get("CLIP_BPE_PATH"), help="BPE vocabulary file (default: "
+                        "$CLIP_BPE_PATH)")
     demo(parser.parse_args().bpe_path)

@@ -280,6 +280,19 @@ def block_at_rows(block: clip.ResidualAttentionBlock, x: torch.Tensor, rows: sli
     return x
 
 
+# --- a saved encoder rebuilt ---
+
+def from_checkpoint(state: dict) -> PairEncoder:
+    """The pair encoder a checkpoint describes, in eval mode: a CLIP of its "clip_config" sizes, split after its
+    "encoder_config" intra-image blocks, holding its "model" weights (ours, or a release's renamed by
+    plumbing/release.py), loaded strictly. A captioner's record of its stage 1 may hold no weights: the captioner's
+    own copy then replaces the random ones."""
+    model = PairEncoder(clip.CLIP(clip.CLIPConfig(**state["clip_config"])), EncoderConfig(**state["encoder_config"]))
+    if state.get("model") is not None:
+        model.load_state_dict(state["model"])
+    return model.eval()
+
+
 # --- the demo ---
 
 def tiny_pair_encoder() -> PairEncoder:

@@ -28,9 +28,12 @@ Run:  python caption.py --data synth --pair BEFORE AFTER --explain OUT.png   one
 Shape letters: B pairs, H heads, N patches per image (49), L = 2(N+1) pair tokens (100; M in decoder.py),
 K inter-image blocks, S generated tokens, Y caption layers, E width.
 """
+from __future__ import annotations
+
 import math
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -39,10 +42,12 @@ from PIL import Image, ImageDraw, ImageFont
 
 import clip
 import data
-from decoder import CaptionDecoder, split_heads
-from encoder import PairEncoder
-from processes import ieee_float32
-from progress import Progress
+from losses import ieee_float32
+from plumbing.progress import Progress
+
+if TYPE_CHECKING:  # the models it reads, named for the reader, not loaded: check.py draws its contact sheets alone
+    from decoder import CaptionDecoder
+    from encoder import PairEncoder
 
 VIEWS = ("intra", "inter", "decoder")  # the maps the pointing game scores, and the column names of its table
 VIEW_NAMES = {"intra": "encoder, last intra-image block (each CLS over its own image)",
@@ -52,6 +57,12 @@ VIEW_NAMES = {"intra": "encoder, last intra-image block (each CLS over its own i
 
 # -----------------------------------------------------------------------------
 # Attention weights, computed again from a module's inputs
+
+
+def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, S, E) -> (B, H, S, E/H), as decoder.split_heads."""
+    batch, length, width = x.shape
+    return x.view(batch, length, heads, width // heads).transpose(1, 2)  # (B, H, S, E/H)
 
 
 def attention_weights(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None = None,
@@ -205,6 +216,45 @@ def format_localisation(table: dict) -> str:
     for name, row in table.items():
         lines.append(f"{name:<18}{row['pairs']:>6}{row['chance']:>9.1f}" + "".join(f"{row[v]:>9.1f}" for v in views))
     return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# A contact sheet of pairs
+
+
+def contact_sheet(pairs: list[data.ImagePair], out: Path, model_view: bool = False, captions: int = 3,
+                  predictions: dict[str, str] | None = None) -> Path:
+    """A PNG with one row per pair: before | after | distractor, then its id, type and captions.
+
+    With predictions ({evaluation id: caption}, as caption.py --eval writes them), each row shows the
+    predicted caption of the change pair and of the distractor pair ("<id>_n") above the references.
+    """
+    tile = (data.IMAGE_SIZE, data.IMAGE_SIZE) if model_view else (240, 160)  # the model's input, or half of 480 x 320
+    text_width, line = 470, 18
+    font = ImageFont.load_default(size=14)
+    height = max(tile[1], line * (captions + 3 + 2 * (predictions is not None))) + 8
+    sheet = Image.new("RGB", (3 * (tile[0] + 4) + text_width, height * len(pairs)), "white")
+    draw = ImageDraw.Draw(sheet)
+    for row, pair in enumerate(pairs):
+        top = row * height
+        for column, path in enumerate((pair.before, pair.after, pair.distractor)):
+            if path is not None:
+                image = Image.fromarray(data.preprocess_uint8(path, data.IMAGE_SIZE)) if model_view \
+                    else data.load_image(path).convert("RGB").resize(tile, Image.Resampling.BICUBIC)
+                sheet.paste(image, (column * (tile[0] + 4), top))
+        lines = [f"{pair.id}  {pair.change_type or ''}"]
+        if predictions is not None:
+            lines.append(f"predicted: {predictions.get(pair.id, '(none)')}")
+        lines += [f"reference: {c}" if predictions is not None else c for c in pair.captions[:captions]]
+        if predictions is not None and pair.id + data.NO_CHANGE_SUFFIX in predictions:
+            lines.append(f"distractor predicted: {predictions[pair.id + data.NO_CHANGE_SUFFIX]}")
+        lines += [f"distractor{' reference' if predictions is not None else ''}: {c}"
+                  for c in pair.no_change_captions[:1]]
+        for k, text in enumerate(lines):
+            draw.text((3 * (tile[0] + 4) + 6, top + 4 + k * line), text, fill="black", font=font)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sheet.save(out)
+    return out
 
 
 # -----------------------------------------------------------------------------

@@ -23,12 +23,11 @@ Shape letters: B pairs (or captions) on this process, W processes (world size), 
 width (512 for ViT-B/32), T caption tokens, V vocabulary size.
 """
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-from processes import ieee_float32
 
 
 # --- Differentiable all-gather ---
@@ -67,6 +66,19 @@ def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
 
 
 # --- Stage 1: symmetric contrastive loss ---
+
+@contextmanager
+def ieee_float32():
+    """IEEE float32 matrix products inside the block, whatever --tf32 set (plumbing.processes.set_tf32): for the
+    few products whose comments say float32 (the contrastive logits below, explain.py's attention maps); TF32's
+    10-bit mantissa would round a logit of 100 by up to 0.05. The settings are restored after the block."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
 
 def contrastive_loss(text_emb: torch.Tensor, pair_emb: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:
     """CLIP's symmetric InfoNCE between captions and image pairs over the global batch (the reference's

@@ -70,7 +70,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meteor import (METEOR_DATA_ENV, METEOR_MODULES, CaptionInputError, FastMeteor, Meteor, MeteorConfig,
+from scoring.meteor import (METEOR_DATA_ENV, METEOR_MODULES, CaptionInputError, FastMeteor, Meteor, MeteorConfig,
                     collector_paused, load_meteor_resources)
 
 

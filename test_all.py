@@ -45,31 +45,23 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import adapt
-import batches
-import bench
-import caches
 import caption
 import check
-import checkpoints
 import clip
-import clip_files
 import data
 import explain
-import files
-import flags
-import loop
-import meteor
 import metrics
+import plumbing
 import pretrain
-import processes
-import progress
-import stopping
 import synth
+from bench import figures as bench
+from plumbing import batches, caches, checkpoints, clip_files, files, flags, loop, processes, progress, stopping
+from scoring import meteor
 from decoder import CaptionDecoder, DecoderConfig, ids_to_text
-from encoder import FROZEN_IN_REFERENCE, EncoderConfig, PairEncoder, block_at_rows
+from encoder import FROZEN_IN_REFERENCE, EncoderConfig, PairEncoder, block_at_rows, from_checkpoint
 from losses import caption_loss, contrastive_loss, gather_with_grad
-from release import (REFERENCE_OUTPUT_WEIGHT, read_release, release_decoder, release_encoder,
-                     rename_reference_decoder_keys, rename_reference_keys, to_reference_decoder_keys, to_reference_keys)
+from plumbing.release import (REFERENCE_OUTPUT_WEIGHT, read_release, release_checkpoint, rename_reference_decoder_keys,
+                              rename_reference_keys, to_reference_decoder_keys, to_reference_keys)
 
 HERE = Path(__file__).resolve().parent
 VECTORS = HERE / "tests"
@@ -199,8 +191,8 @@ def test_a_file_that_is_not_a_merges_file_is_refused_with_its_name(tmp_path):
 def test_the_vocabulary_is_found_through_clip_bpe_path(monkeypatch):
     vocabulary = vectors("clip_vectors", "bpe_simple_vocab_16e6.txt.gz")
     monkeypatch.setenv("CLIP_BPE_PATH", str(vocabulary))
-    assert clip.get_tokenizer() is clip.get_tokenizer(vocabulary)  # one tokenizer per vocabulary file
-    assert clip.tokenize("a cube")[0, :4].tolist() == [49406, 320, 11353, 49407]
+    assert clip_files.get_tokenizer() is clip.get_tokenizer(vocabulary)  # one tokenizer per vocabulary file
+    assert clip.tokenize("a cube", clip_files.get_tokenizer())[0, :4].tolist() == [49406, 320, 11353, 49407]
 
 
 def test_a_missing_vocabulary_offline_says_where_it_looked_and_how_to_get_it(tmp_path, monkeypatch):
@@ -208,7 +200,7 @@ def test_a_missing_vocabulary_offline_says_where_it_looked_and_how_to_get_it(tmp
     monkeypatch.setenv("CLIP_CACHE", str(tmp_path))
     monkeypatch.setattr(clip_files, "BPE_URL", (tmp_path / "offline" / "bpe_simple_vocab_16e6.txt.gz").as_uri())
     with pytest.raises(FileNotFoundError) as error:
-        clip.SimpleTokenizer()
+        clip_files.get_tokenizer()
     assert "bpe_simple_vocab_16e6.txt.gz" in str(error.value) and str(tmp_path) in str(error.value)
     assert "curl" in str(error.value) and "CLIP_BPE_PATH" in str(error.value)
     assert list(tmp_path.iterdir()) == []  # no partial download left behind
@@ -243,7 +235,7 @@ def test_normalize_turns_a_batch_of_uint8_images_into_clip_inputs():
 
 @pytest.mark.parametrize("filename", ["tiny_openai_jit.pt", "tiny_openai_state_dict.pt"])
 def test_both_tiny_checkpoints_load_and_reproduce_openais_outputs(filename, expected, tiny_tokenizer, tiny_archive):
-    model, preprocess = clip.load(tiny_checkpoint(filename, tiny_archive))
+    model, preprocess = clip_files.load(tiny_checkpoint(filename, tiny_archive))
     assert model.config.image_resolution == 32 and model.visual.input_resolution == 32
     tokens = clip.tokenize(expected["texts"], truncate=True, tokenizer=tiny_tokenizer)
     assert torch.equal(tokens, expected["text_tokens"])
@@ -267,12 +259,12 @@ def test_an_archive_traced_from_openais_own_model_loads_and_reproduces_openais_o
     tensors = clip_files.load_state_dict(path, dtype=None)  # read without running the archive's code
     assert tensors.keys() == stored.keys()
     assert all(tensors[k].dtype == stored[k].dtype and torch.equal(tensors[k], stored[k]) for k in stored)
-    model, _ = clip.load(path)
+    model, _ = clip_files.load(path)
     assert_openais_outputs(model, clip.tokenize(expected["texts"], truncate=True, tokenizer=tiny_tokenizer), expected)
 
 
 def test_every_intermediate_activation_matches_openais(expected, tiny_archive):
-    model, _ = clip.load(tiny_archive)
+    model, _ = clip_files.load(tiny_archive)
     images, tokens = expected["images"], expected["text_tokens"]
     with torch.no_grad():
         visual = model.visual
@@ -373,7 +365,7 @@ def test_a_state_dict_with_missing_or_extra_keys_is_refused_by_name(change, mess
 
 def test_a_missing_weights_file_is_reported_with_its_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere.pt"):
-        clip.load(tmp_path / "nowhere.pt")
+        clip_files.load(tmp_path / "nowhere.pt")
     with pytest.raises(FileNotFoundError, match="nowhere.pt"):
         clip_files.load_state_dict(tmp_path / "nowhere.pt")
 
@@ -397,14 +389,14 @@ def test_a_truncated_or_corrupt_weights_file_gives_a_clear_error(filename, damag
     path = tmp_path / filename
     path.write_bytes(damage(tiny_checkpoint(filename, tiny_archive).read_bytes()))
     with pytest.raises(RuntimeError, match=f"{filename}.*(corrupt|truncated)"):
-        clip.load(path)
+        clip_files.load(path)
 
 
 def test_a_named_model_offline_fails_fast_naming_the_missing_file(tmp_path, monkeypatch):
     url = (tmp_path / "offline" / ("0" * 64) / "ViT-B-32.pt").as_uri()
     monkeypatch.setitem(clip_files.MODELS, "ViT-B/32", (url, "0" * 64))
     with pytest.raises(FileNotFoundError) as error:
-        clip.load("ViT-B/32", download_root=tmp_path / "cache")
+        clip_files.load("ViT-B/32", download_root=tmp_path / "cache")
     assert str(tmp_path / "cache" / "ViT-B-32.pt") in str(error.value) and "curl" in str(error.value)
     assert list((tmp_path / "cache").iterdir()) == []
 
@@ -417,7 +409,7 @@ def test_load_downloads_a_named_model_into_the_cache_once_its_checksum_matches(t
     shutil.copy(source, tmp_path / "server" / sha256 / "tiny.pt")
     monkeypatch.setitem(clip_files.MODELS, "tiny", ((tmp_path / "server" / sha256 / "tiny.pt").as_uri(), sha256))
     monkeypatch.setenv("CLIP_CACHE", str(tmp_path / "cache"))
-    model, _ = clip.load("tiny")
+    model, _ = clip_files.load("tiny")
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["tiny.pt"]
     with torch.no_grad():
         torch.testing.assert_close(model.encode_image(expected["images"]), expected["encode_image"], **EMBEDDING_TOL)
@@ -527,7 +519,7 @@ def test_layer_norm_computes_in_float32_and_returns_the_input_dtype():
 
 def test_the_synthetic_clip_loads_by_name_through_the_checksummed_download_path(tmp_path):
     url, sha256 = clip_files.MODELS["synth-ViT/32"]
-    model, preprocess = clip.load("synth-ViT/32", download_root=tmp_path)  # "downloaded" from assets/ into the cache
+    model, preprocess = clip_files.load("synth-ViT/32", download_root=tmp_path)  # "downloaded" from assets/ into the cache
     cached = tmp_path / "synth-ViT-32.pt"
     assert clip_files.sha256_of(cached) == sha256 == clip_files.sha256_of(HERE / "assets" / "synth-ViT-32.pt")
     assert url.startswith("file:") and model.visual.input_resolution == data.IMAGE_SIZE
@@ -544,12 +536,12 @@ def test_a_corrupted_synthetic_clip_is_refused_and_a_corrupted_cached_copy_repla
     damaged.write_bytes(shipped.read_bytes()[:-100] + bytes(100))
     monkeypatch.setitem(clip_files.MODELS, "synth-ViT/32", (damaged.as_uri(), clip_files.MODELS["synth-ViT/32"][1]))
     with pytest.raises(RuntimeError, match="has sha256 .*, expected .*it was deleted"):
-        clip.load("synth-ViT/32", download_root=tmp_path / "cache")
+        clip_files.load("synth-ViT/32", download_root=tmp_path / "cache")
     assert list((tmp_path / "cache").iterdir()) == []
     monkeypatch.undo()
     (tmp_path / "cache" / "synth-ViT-32.pt").write_bytes(damaged.read_bytes())  # a damaged copy in the cache
     with pytest.warns(UserWarning, match="sha256 is not"):
-        clip.load("synth-ViT/32", download_root=tmp_path / "cache")
+        clip_files.load("synth-ViT/32", download_root=tmp_path / "cache")
     assert (tmp_path / "cache" / "synth-ViT-32.pt").read_bytes() == shipped.read_bytes()
 
 
@@ -716,6 +708,17 @@ D, E = 128, 32  # its vision width and joint embedding width
 def _tiny_encoder(intra_layers=3):
     torch.manual_seed(0)
     return PairEncoder(clip.CLIP(clip.CLIPConfig(**TINY)), EncoderConfig(intra_layers=intra_layers)).eval()
+
+
+def cached_pair_features(model, pairs, images, folder: Path, name: str = "test") -> Path:
+    """caches.cached_features as caption.py fills it: the pair tokens of `pairs` by `model`, encoded two at a time
+    by caption.encode_pairs in one process on the CPU (folder/<name>_<key>.npy)."""
+    alone = processes.Distributed(False, 0, 0, 1, torch.device("cpu"), True)
+    run = loop.Run(caption.Config(eval_batch_size=2, num_workers=0), alone, "float32", contextlib.nullcontext(), None,
+                   folder)
+    shape = (len(pairs), 2 * (model.n_patches + 1), model.clip.visual.proj.shape[1])  # (P, M, E)
+    return caches.cached_features("sha", pairs, shape, folder, name,
+                                  lambda p, out, what: caption.encode_pairs(run, model, p, images, out, what))
 
 
 def _images(batch=2, seed=1):
@@ -1246,7 +1249,7 @@ def test_a_reference_adaptation_file_is_stage_1_and_loads_strictly_with_every_te
     torch.save(release, tmp_path / "pytorch_model.bin.clevr")
     stage, state = read_release(tmp_path / "pytorch_model.bin.clevr")
     assert stage == 1 and len(state) == len(release)
-    model = release_encoder(state, EncoderConfig(intra_layers=3))  # strict: every parameter from the file
+    model = from_checkpoint(release_checkpoint(state, intra_layers=3))  # strict: every parameter from the file
     assert model.clip.config == clip.CLIPConfig(**RELEASE_CLIP)  # sized from the tensors
     assert torch.equal(model.before_embedding, release["clip.visual.bef_embedding"])
     assert torch.equal(model.after_embedding, release["clip.visual.aft_embedding"])
@@ -1261,7 +1264,7 @@ def test_a_float16_release_loads_as_float32_with_the_same_values(tmp_path):
     release = reference_release(stage=1)
     assert release["clip.visual.proj"].dtype == torch.float16
     torch.save(release, tmp_path / "pytorch_model.bin.clevr")
-    model = release_encoder(read_release(tmp_path / "pytorch_model.bin.clevr")[1], EncoderConfig(intra_layers=3))
+    model = from_checkpoint(release_checkpoint(read_release(tmp_path / "pytorch_model.bin.clevr")[1], intra_layers=3))
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert torch.equal(model.clip.visual.proj, release["clip.visual.proj"].float())
 
@@ -1309,17 +1312,16 @@ def test_the_reference_caption_model_saves_136_decoder_tensors():
     assert len(reference_decoder_shapes(layers=3, width=512, ffn=2048, vocab=49408, positions=77)) == 443 - 307
 
 
-def test_a_reference_captioning_file_is_stage_2_and_its_decoder_loads_strictly_tied_to_clip(tmp_path):
+def test_a_reference_captioning_file_is_stage_2_and_its_decoder_loads_strictly_with_clips_embeddings(tmp_path):
     release = reference_release(stage=2)
     torch.save(release, tmp_path / "pytorch_model.bin.clevr")
     stage, state = read_release(tmp_path / "pytorch_model.bin.clevr")
     assert stage == 2
-    pair_encoder = release_encoder(state, EncoderConfig(intra_layers=3))
-    decoder = release_decoder(state, 2 * (N + 1), pair_encoder.clip.token_embedding.weight,
-                              pair_encoder.clip.positional_embedding)
+    pair_encoder = from_checkpoint(release_checkpoint(state, intra_layers=3))
+    decoder = caption.release_decoder(state, 2 * (N + 1))
     assert decoder.config == DecoderConfig(hidden=32, heads=1, ffn=64, layers=3, vocab_size=TINY["vocab_size"],
                                            max_positions=77, visual_tokens=2 * (N + 1))
-    assert decoder.word_embedding is pair_encoder.clip.token_embedding.weight and not decoder.training
+    assert torch.equal(decoder.word_embedding, pair_encoder.clip.token_embedding.weight) and not decoder.training
     ours = decoder.state_dict()
     for our_name, their_name in [
             ("embedding_norm.weight", "decoder.embeddings.LayerNorm.weight"),
@@ -1926,7 +1928,7 @@ def test_a_stage_2_checkpoint_given_as_the_encoder_is_named_a_captioner_and_a_vo
     checkpoints.save_checkpoint({"model": {}, "config": {}, "encoder_sha256": "0" * 64, "stage1": {}}, path)
     with pytest.raises(flags.ConfigError, match=f"^{path} is a captioner \\(caption.py's stage-2 checkpoint\\), "
                                                   f"not a stage-1 encoder: --encoder_ckpt takes adapt.py's"):
-        checkpoints.load_encoder(path)
+        checkpoints.read_encoder(path)
     monkeypatch.setenv("CLIP_BPE_PATH", "/data/bpe.txt.gz")
     assert checkpoints.vocabulary_hint().endswith("reads CLIP_BPE_PATH's, now /data/bpe.txt.gz, else OpenAI's: point "
                                                   "CLIP_BPE_PATH at the model's)")
@@ -2130,7 +2132,7 @@ def ctrl_c_as_in_a_terminal():
 def test_an_interrupt_during_the_image_cache_build_leaves_no_partial_file(tmp_path):
     for i in range(300):
         Image.new("RGB", (8, 8), (i % 256, 0, 0)).save(tmp_path / f"{i}.png")
-    script = ("import sys, time; from pathlib import Path; import caches, data\n"
+    script = ("import sys, time; from pathlib import Path; from plumbing import caches; import data\n"
               "root = Path(sys.argv[1])\n"
               "pairs = [data.ImagePair(str(i), root / f'{i}.png', root / f'{i}.png', ['x']) for i in range(300)]\n"
               "decode = caches.preprocess_uint8\n"
@@ -2490,7 +2492,7 @@ def test_retrieval_ranks_each_caption_against_all_pairs_and_each_pair_against_ca
                     [0.5, 0.4, 0.6],
                     [0.1, 0.7, 0.2],
                     [0.2, 0.3, 0.25]])
-    result = metrics.retrieval_metrics(sim, [0, 0, 1, 1, 2])
+    result = adapt.retrieval_metrics(sim, [0, 0, 1, 1, 2])
     assert result["text_to_pair"] == {"R1": 40.0, "R5": 100.0, "R10": 100.0, "MedianR": 2.0, "MeanR": 1.8}
     # A group scores by its best caption: pair 0 -> [0.9, 0.5, 0.2], pair 1 -> [0.8, 0.7, 0.3], pair 2 ->
     # [0.2, 0.6, 0.25]. Pair ranks: 0, 1, 1.
@@ -2504,7 +2506,7 @@ def test_retrieval_medians_are_torch_lower_median_for_texts_and_numpy_median_for
                     [0.1, 0.5, 0.8, 0.2],
                     [0.1, 0.8, 0.3, 0.6],
                     [0.1, 0.2, 0.6, 0.05]])
-    result = metrics.retrieval_metrics(sim, [0, 1, 2, 3])
+    result = adapt.retrieval_metrics(sim, [0, 1, 2, 3])
     assert result["text_to_pair"]["MedianR"] == 2.0      # lower of 2 and 3
     assert result["pair_to_text"]["MedianR"] == 2.5      # mean of 2 and 3
     assert result["text_to_pair"]["MeanR"] == result["pair_to_text"]["MeanR"] == 2.5
@@ -2513,17 +2515,17 @@ def test_retrieval_medians_are_torch_lower_median_for_texts_and_numpy_median_for
 
 def test_retrieval_ties_count_against_the_true_match_unless_asked_otherwise():
     constant = np.full((4, 4), 0.5)
-    pessimistic = metrics.retrieval_metrics(constant, [0, 1, 2, 3])
+    pessimistic = adapt.retrieval_metrics(constant, [0, 1, 2, 3])
     assert pessimistic["text_to_pair"] == {"R1": 0.0, "R5": 100.0, "R10": 100.0, "MedianR": 4.0, "MeanR": 4.0}
-    optimistic = metrics.retrieval_metrics(constant, [0, 1, 2, 3], ties="optimistic")
+    optimistic = adapt.retrieval_metrics(constant, [0, 1, 2, 3], ties="optimistic")
     assert optimistic["text_to_pair"]["R1"] == 100.0 and optimistic["pair_to_text"]["MedianR"] == 1.0
-    one_tie = metrics.retrieval_metrics(np.array([[0.5, 0.5, 0.2], [0.1, 0.9, 0.3], [0.0, 0.1, 0.7]]), [0, 1, 2])
+    one_tie = adapt.retrieval_metrics(np.array([[0.5, 0.5, 0.2], [0.1, 0.9, 0.3], [0.0, 0.1, 0.7]]), [0, 1, 2])
     assert one_tie["text_to_pair"]["R1"] == pytest.approx(200 / 3)
 
 
 def test_retrieval_refuses_a_pair_without_captions():
-    with pytest.raises(metrics.CaptionInputError, match="no caption"):
-        metrics.retrieval_metrics(np.eye(3), [0, 1, 1])
+    with pytest.raises(ValueError, match="no caption"):
+        adapt.retrieval_metrics(np.eye(3), [0, 1, 1])
 
 
 # --- scoring a corpus: inputs, the command line, end to end ---
@@ -2980,7 +2982,8 @@ def test_pausing_the_garbage_collector_changes_no_score_and_turns_it_back_on(mon
 # ======== flags.py, files.py, progress.py, checkpoints.py, stopping.py, processes.py, batches.py ========
 
 KEEP_FREED_MEMORY_PROBE = """
-import ctypes, resource, torch, processes
+import ctypes, resource, torch
+from plumbing import processes
 def step():  # a training step's pattern: many large blocks alive at once, then all freed
     blocks = [torch.ones(5_000_000) for _ in range(12)]  # 12 x 20 MB
 def faults_per_step():  # the fewest of steps 3 to 6: where the heap's history left a gap, one step maps afresh
@@ -3096,12 +3099,12 @@ def test_every_launch_form_of_every_script_starts_on_a_gpu_machine_and_takes_its
     def seeded(seed):
         raise SetUpDone
 
-    monkeypatch.setattr(module, "setup", setup)
-    monkeypatch.setattr(module, "seed_everything", seeded)
-    monkeypatch.setattr(module, "loader_workers", lambda n, device: chosen.setdefault(
+    monkeypatch.setattr(loop, "setup", setup)  # plumbing.started, every script's set-up, calls them
+    monkeypatch.setattr(loop, "seed_everything", seeded)
+    monkeypatch.setattr(loop, "loader_workers", lambda n, device: chosen.setdefault(
         "workers", (n, processes.loader_workers(n, device)))[1])
     if module is caption:  # --eval and --pair read a trained captioner first: none here, the set-up is what is tested
-        monkeypatch.setattr(caption, "load_trained", lambda path, keys: ({}, None))
+        monkeypatch.setattr(plumbing, "load_trained", lambda path, keys: checkpoints.Trained(path, {}, {}, False))
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:
         with pytest.raises(SetUpDone):
@@ -3158,14 +3161,14 @@ def test_the_products_said_to_be_float32_run_in_ieee_float32_under_tf32_and_the_
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
     # released weights are scored in IEEE float32: --dtype auto gives float32 and TF32 off
     release = {"clip.visual.joint_positional_embedding": torch.zeros(1), "decoder.w": torch.zeros(1)}
-    monkeypatch.setattr(caption, "load_trained", lambda path, keys: ({}, release))
+    monkeypatch.setattr(plumbing, "load_trained", lambda path, keys: checkpoints.Trained(path, release, {}, True))
     asked = {}
 
     def setup(config):
         asked.update(dtype=config.dtype, tf32=config.tf32)
         raise SetUpDone
 
-    monkeypatch.setattr(caption, "setup", setup)
+    monkeypatch.setattr(loop, "setup", setup)
     with pytest.raises(SetUpDone):
         caption.main(["--data", "clevr", "--eval", "--out_dir", str(tmp_path)])
     assert asked == {"dtype": "float32", "tf32": False}
@@ -3251,7 +3254,7 @@ def test_caption_lengths_outside_what_the_model_holds_are_refused_before_any_wor
 def test_more_intra_image_layers_than_the_model_has_are_refused_with_its_number_of_blocks():
     config = adapt.Config(data="synth", clip_model="synth-ViT/32", intra_layers=7)  # a model of 6 vision blocks
     with pytest.raises(flags.ConfigError, match=r"--intra_layers 7: synth-ViT/32 has 6 vision blocks.*\[1, 6\]"):
-        adapt.build_encoder(config, clip.load("synth-ViT/32")[0].config.vocab_size)
+        adapt.build_encoder(config, clip_files.load("synth-ViT/32")[0].config.vocab_size)
 
 
 def test_a_device_that_is_not_there_is_refused_in_one_line():
@@ -3450,7 +3453,7 @@ def tiny_adapt_step(dtype, grad_clip=1.0):
     torch.manual_seed(0)
     model = PairEncoder(clip.CLIP(clip.CLIPConfig(**TINY)), EncoderConfig(intra_layers=3)).train()
     config = adapt.Config(grad_clip=grad_clip, max_words=16)
-    optimizer = adapt.build_optimizer(model, config, torch.device("cpu"))
+    optimizer = adapt.build_optimizer(model, config)
     # a first scale of 2^8: the default 2^16 overflows this model's float16 gradients, and its first steps are skipped
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, enabled=dtype == "float16")
     caption_ids = torch.randint(1, TINY["vocab_size"] - 2, (4, 16))
@@ -3773,7 +3776,7 @@ def test_torchrun_with_two_cpu_processes_trains_and_only_rank_0_writes(synth40_r
     assert evaluated.stdout.count("test retrieval of") == 1  # rank 0 alone scores the test split; rank 1 waits
     rank1 = processes.Distributed(True, 1, 1, 2, torch.device("cpu"), False)
     missing = adapt.Config(checkpoint=str(tmp_path / "missing.pt"))  # read by rank 0 only: rank 1 opens nothing
-    adapt.evaluate_checkpoint(missing, rank1, contextlib.nullcontext(), tmp_path)
+    adapt.evaluate_checkpoint(loop.Run(missing, rank1, "float32", contextlib.nullcontext(), None, tmp_path))
     caption.evaluate(loop.Run(caption.Config(), rank1, "float32", contextlib.nullcontext(), None, tmp_path),
                      tmp_path / "none", None, None, None)
     assert not (tmp_path / "test_retrieval.json").exists() and not (tmp_path / "test_predictions.json").exists()
@@ -3921,7 +3924,7 @@ def test_the_synth_preset_is_clip4idcs_recipe_on_the_synthetic_clip(tmp_path, mo
     config = flags.parse_config(adapt.Config, adapt.PRESETS, ["--data", "synth"])
     assert config.clip_model == "synth-ViT/32" and config.clip_model in clip_files.MODELS
     monkeypatch.setenv("CLIP_CACHE", str(tmp_path))  # build_encoder loads it by name, through the checksummed cache
-    model, _ = adapt.build_encoder(config, vocab_size=clip.load("synth-ViT/32")[0].config.vocab_size)
+    model, _ = adapt.build_encoder(config, vocab_size=clip_files.load("synth-ViT/32")[0].config.vocab_size)
     b, a = torch.randn(2, 50, 128), torch.randn(2, 50, 128)  # two images' intra-image tokens (B, N+1, D)
     with torch.no_grad():  # CLIP4IDC's join: before and after tokens as they are, marked, positioned, normalised
         joined = torch.cat([b + model.before_embedding, a + model.after_embedding], dim=1)
@@ -3955,7 +3958,7 @@ def test_stage_0_pretrains_clip_on_scenes_and_writes_openai_style_weights_the_sa
     weights = tmp_path / "first" / pretrain.SYNTH_CLIP_FILE
     assert weights.read_bytes() == (tmp_path / "second" / pretrain.SYNTH_CLIP_FILE).read_bytes()  # rebuilt bit for bit
     assert f"sha256 {clip_files.sha256_of(weights)}" in runs[0].stdout
-    model, _ = clip.load(weights)  # OpenAI's names and format: clip.load reads it like ViT-B-32.pt
+    model, _ = clip_files.load(weights)  # OpenAI's names and format: clip.load reads it like ViT-B-32.pt
     assert model.config.vision_width == 64 and model.config.vocab_size == 2 * 256 + len(synth.synth_vocabulary()) + 2
     zero_shot = json.loads((tmp_path / "first" / "zero_shot.json").read_text())
     assert set(zero_shot) == {"object", *synth.ATTRIBUTE_ORDER} and all(0 <= v <= 100 for v in zero_shot.values())
@@ -3967,7 +3970,7 @@ def test_stage_0_pretrains_clip_on_scenes_and_writes_openai_style_weights_the_sa
 def test_zero_shot_attributes_scores_a_model_that_knows_the_answer_100_percent(synth_tokenizer):
     class Oracle(nn.Module):  # embeds an image and a description alike: the object's attributes, one-hot
         def forward(self, images):
-            return {"image_embedding": self.embedding(truth)}
+            return {"pair_embedding": self.embedding(truth)}
 
         def encode_text(self, prompts):
             return self.embedding(classes)
@@ -4156,7 +4159,7 @@ def test_a_training_step_that_is_not_a_log_step_never_makes_the_host_wait_for_th
     # stage 1: the batch to the device (normalised there), the step, the step boundary (step 1: no check)
     encoder = _tiny_encoder().train()
     config1 = adapt.Config(max_words=16)
-    optimizer1 = adapt.build_optimizer(encoder, config1, cpu)
+    optimizer1 = adapt.build_optimizer(encoder, config1)
     ids = torch.zeros(4, 16, dtype=torch.long)
     ids[:, :4] = torch.tensor([TINY["vocab_size"] - 2, 5, 7, TINY["vocab_size"] - 1])
     host1 = data.collate_text([{"before": b, "after": a, "caption": c} for b, a, c in zip(pixels(1), pixels(2), ids)])
@@ -4178,7 +4181,7 @@ def test_a_training_step_that_is_not_a_log_step_never_makes_the_host_wait_for_th
         tied = {**TINY, "transformer_width": E}  # the decoder's width is CLIP's text width and joint width
         torch.manual_seed(0)
         captioner = caption.build_captioner(config2, PairEncoder(clip.CLIP(clip.CLIPConfig(**tied)), EncoderConfig(3)),
-                                            tied).train()
+                                            tied, clip.PAD_ID).train()
         optimizer2 = caption.build_optimizer(captioner, config2)
         items = [{"caption_in": i, "caption_out": o, "no_change_caption_in": i, "no_change_caption_out": o}
                  for i, o in zip(caption_in, caption_out)]
@@ -4224,7 +4227,7 @@ def test_training_on_cached_features_then_eval_writes_predictions_scores_and_gri
     assert "localisation (pointing game)" in (out / "test_scores.txt").read_text()
     state = torch.load(out / "ckpt_best.pt", weights_only=True)  # loads without running code
     assert state["encoder_sha256"] == clip_files.sha256_of(stage1["encoder"])
-    assert checkpoints.load_encoder(stage1["encoder"])[0].config.intra_layers == 1  # the stage-1 config, rebuilt
+    assert from_checkpoint(checkpoints.read_encoder(stage1["encoder"])).config.intra_layers == 1  # rebuilt as saved
 
 
 def test_the_synth_preset_finetunes_the_inter_image_blocks_and_keeps_stage_1s_frozen_intra_image_blocks(stage1,
@@ -4397,8 +4400,7 @@ def test_a_replaced_image_gives_new_pixels_new_intra_tokens_and_new_pair_feature
     def numbers():
         pixels = caches.image_cache(pairs, tmp_path / "cache", "all", 64, workers=0)[pairs[0].after].copy()
         intra = caches.IntraTokens(model, pairs, reader, 4, cpu, plain, tmp_path / "cache")(pairs[0].after).clone()
-        path = caches.cached_features(model, "sha", pairs, reader, tmp_path / "features", "test", cpu, plain,
-                                      batch_size=2, num_workers=0)
+        path = cached_pair_features(model, pairs, reader, tmp_path / "features")
         return pixels, intra, np.load(path).copy()
 
     first = numbers()
@@ -4436,7 +4438,8 @@ def test_a_split_without_pairs_is_refused_in_one_line_before_the_first_step_in_b
 
 
 def test_output_a_stream_cannot_encode_is_written_with_replacement_never_an_exception():
-    script = "import stopping; stopping.run_main(lambda: print('the cube turned \\u00e9carlate \\u2192 red'), 'x.py')"
+    script = ("from plumbing import stopping; "
+              "stopping.run_main(lambda: print('the cube turned \\u00e9carlate \\u2192 red'), 'x.py')")
     for encoding in ("ascii", "latin-1"):
         result = subprocess.run([sys.executable, "-c", script], cwd=HERE, capture_output=True,
                                 env={**os.environ, "PYTHONIOENCODING": encoding})
@@ -4483,8 +4486,7 @@ def test_an_unwritable_out_dir_cache_or_clip_cache_is_one_line_naming_the_folder
     with monkeypatch.context() as patch:
         patch.setattr(np.lib.format, "open_memmap", refused)
         with pytest.raises(files.Unwritable, match=f"cannot write in {tmp_path / 'features'} .*pair features"):
-            caches.cached_features(_tiny_encoder(), "sha", pairs, data.ImageReader(64), tmp_path / "features", "test",
-                                   torch.device("cpu"), contextlib.nullcontext(), batch_size=2, num_workers=0)
+            cached_pair_features(_tiny_encoder(), pairs, data.ImageReader(64), tmp_path / "features")
     with monkeypatch.context() as patch:
         patch.setattr(torch, "save", refused)
         with pytest.raises(files.Unwritable, match=f"cannot write in {tmp_path / 'cache'} .*intra-image tokens"):
@@ -4492,10 +4494,10 @@ def test_an_unwritable_out_dir_cache_or_clip_cache_is_one_line_naming_the_folder
                                contextlib.nullcontext(), tmp_path / "cache")
     with monkeypatch.context() as patch:  # an unwritable HOME: the shipped synthetic CLIP is not "not downloaded"
         patch.setenv("CLIP_CACHE", str(tmp_path / "home" / ".cache" / "clip"))
-        patch.setattr(clip, "download", refused)
+        patch.setattr(clip_files, "download", refused)
         with pytest.raises(clip_files.FileError, match=f"cannot write CLIP's cache folder {tmp_path / 'home'}.*set "
                                                  "CLIP_CACHE to a folder this user can write"):
-            clip.load("synth-ViT/32")
+            clip_files.load("synth-ViT/32")
     with pytest.raises(SystemExit) as exit_:  # what nothing else answered: one line naming the file and its folder
         stopping.run_main(lambda: refused(tmp_path / "elsewhere" / "x.json"), "x.py")
     assert exit_.value.code == 1
@@ -4582,8 +4584,7 @@ def test_partial_files_of_killed_runs_are_removed_at_the_next_start_wherever_the
     pairs = [data.ImagePair(id="0", before=tmp_path / "b.png", after=tmp_path / "a.png", captions=["x"])]
     for path in (pairs[0].before, pairs[0].after):
         write_png(path, size=(64, 64))
-    caches.cached_features(_tiny_encoder(), "sha", pairs, data.ImageReader(64), features, "test", torch.device("cpu"),
-                           contextlib.nullcontext(), batch_size=2, num_workers=0)
+    cached_pair_features(_tiny_encoder(), pairs, data.ImageReader(64), features)
     assert [p.name for p in features.iterdir() if p.name.startswith(".")] == []
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / f"intra_tokens_0123.partial-{dead.pid}").write_bytes(b"x")
@@ -4611,7 +4612,7 @@ def test_eval_replaces_its_outputs_together_and_a_stop_in_the_final_test_gives_t
 
     def stopped(*args, **kwargs):  # Ctrl-C while the grid is drawn, after the scores are written
         raise KeyboardInterrupt
-    monkeypatch.setattr(caption, "contact_sheet", stopped)
+    monkeypatch.setattr(explain, "contact_sheet", stopped)
     monkeypatch.setenv("CLIP_BPE_PATH", str(stage1["root"] / data.SYNTH_BPE_FILE))
     with pytest.raises(KeyboardInterrupt):
         caption.main(["--data", "synth", *TINY_DECODER, "--data_root", str(stage1["root"]), "--out_dir", str(out),
@@ -4740,8 +4741,8 @@ def release_captions(path, root) -> dict[str, str]:
     """The release's greedy captions of the test split, computed here step by step: its encoder and decoder,
     the pairs resized to 224 (here 64) and normalised, 32 greedy steps, cut at EOT and then at '!'."""
     state = torch.load(path, weights_only=True)
-    pair_encoder = release_encoder(state, EncoderConfig(intra_layers=3))
-    decoder = release_decoder(state, 2 * (pair_encoder.n_patches + 1))
+    pair_encoder = from_checkpoint(release_checkpoint(state, intra_layers=3))
+    decoder = caption.release_decoder(state, 2 * (pair_encoder.n_patches + 1))
     tokenizer = clip.get_tokenizer(vectors("clip_vectors", "bpe_simple_vocab_16e6.txt.gz"))
     images = data.ImageReader(pair_encoder.clip.visual.input_resolution)
     captions = {}

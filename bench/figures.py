@@ -36,22 +36,22 @@ figures in BENCHMARKS.md; smaller values (see each subcommand's --help) make a s
   residual  bf16 autocast against float32, the vision residual stream in bf16 or float32: the pair
             embeddings' error and the test retrieval of a synth stage-1 checkpoint; JSON            section 11
 
-Run:  python bench.py clip [--bpe-path FILE]       (the vocabulary from --bpe-path, CLIP_BPE_PATH or the cache)
-      python bench.py decoder [--dtype bfloat16]   (about 2 minutes at the defaults)
-      python bench.py adapt [--compile]
-      python bench.py caption
-      python bench.py synth [--profile 3]
-      python bench.py metrics [--runs 3] [--variants "paraphrase index"] [--no-toolkit]
-      python bench.py load [--root DIR] [--workers 2]   (DIR: a synthetic set, drawn if missing)
-      python bench.py draw DIR --pairs 2000 [--workers 2]   (DIR must not exist)
-      python bench.py kinds runs/caption_synth [--confusion] [--data synth] [--data_root DIR]
-      python bench.py first OUT_DIR [--commit C] [--avx2]   (10-20 minutes on 2 cores; logs and summary.json in OUT_DIR)
-      python bench.py first OUT_DIR --extra "--synth_pairs 40 --epochs 1"   (flags for both scripts: a smoke run)
-      python bench.py cost [--batch-sizes 1 2 4 8]   (about 12 minutes on 2 busy cores; --tiny: a smoke run)
-      python bench.py gpu [--out bench_gpu]   (at most 6 minutes on one H100; --tiny: a tiny CLIP on the CPU)
-      python bench.py residual runs/adapt_synth/ckpt_best.pt   (after the first command; about a minute)
-      python bench.py decoder --batch-decode 2 --steps 2 --batch-train 2 --length 4 --repeats 1   (a smoke run)
-      python bench.py FIGURE --help                (the flags of one figure)
+Run:  python -m bench clip [--bpe-path FILE]       (the vocabulary from --bpe-path, CLIP_BPE_PATH or the cache)
+      python -m bench decoder [--dtype bfloat16]   (about 2 minutes at the defaults)
+      python -m bench adapt [--compile]
+      python -m bench caption
+      python -m bench synth [--profile 3]
+      python -m bench metrics [--runs 3] [--variants "paraphrase index"] [--no-toolkit]
+      python -m bench load [--root DIR] [--workers 2]   (DIR: a synthetic set, drawn if missing)
+      python -m bench draw DIR --pairs 2000 [--workers 2]   (DIR must not exist)
+      python -m bench kinds runs/caption_synth [--confusion] [--data synth] [--data_root DIR]
+      python -m bench first OUT_DIR [--commit C] [--avx2]   (10-20 minutes on 2 cores; logs and summary.json in OUT_DIR)
+      python -m bench first OUT_DIR --extra "--synth_pairs 40 --epochs 1"   (flags for both scripts: a smoke run)
+      python -m bench cost [--batch-sizes 1 2 4 8]   (about 12 minutes on 2 busy cores; --tiny: a smoke run)
+      python -m bench gpu [--out bench_gpu]   (at most 6 minutes on one H100; --tiny: a tiny CLIP on the CPU)
+      python -m bench residual runs/adapt_synth/ckpt_best.pt   (after the first command; about a minute)
+      python -m bench decoder --batch-decode 2 --steps 2 --batch-train 2 --length 4 --repeats 1   (a smoke run)
+      python -m bench FIGURE --help                (the flags of one figure)
 
 On a shared machine the wall clock includes the time spent waiting for a core: `clip` therefore also reports
 CPU seconds, and `decoder` says how many cores other processes kept busy while it measured.
@@ -91,7 +91,7 @@ from torch.utils.data import DataLoader
 # `bench.py gpu` runs on a stock GPU image with no internet, which may lack ftfy (clip.py's tokenizer needs it): its
 # pure-Python wheels, carried in assets/wheels, are importable as they are, put on the path (and on PYTHONPATH for
 # the torchrun runs) only when ftfy is missing
-REPO = Path(__file__).resolve().parent  # the scripts bench.py runs are its neighbours
+REPO = Path(__file__).resolve().parents[1]  # the repository root: the scripts it runs
 WHEELS = sorted((REPO / "assets" / "wheels").glob("*.whl"))
 try:
     import ftfy  # noqa: F401
@@ -103,16 +103,17 @@ import caption
 import clip
 import data
 import explain
-import meteor
 import metrics
 import synth
-from batches import training_loader
-from caches import image_reader
-from checkpoints import BackgroundWriter, load_encoder, save_checkpoint
 from decoder import CaptionDecoder, DecoderConfig
-from encoder import EncoderConfig, PairEncoder
-from files import save_json
-from processes import Distributed, keep_freed_memory, loader_workers, resolve_dtype, set_tf32
+from encoder import EncoderConfig, PairEncoder, from_checkpoint
+from plumbing.batches import training_loader
+from plumbing import clip_files
+from plumbing.caches import image_reader
+from plumbing.checkpoints import BackgroundWriter, read_encoder, save_checkpoint
+from plumbing.files import save_json
+from plumbing.processes import Distributed, keep_freed_memory, loader_workers, resolve_dtype, set_tf32
+from scoring import meteor
 
 CLEVR_TEST_PAIRS = 7970    # CLEVR-Change's test split: 3,985 change pairs + 3,985 distractor pairs
 CLEVR_TRAIN_PAIRS = 33830  # CLEVR-Change's training split, in pairs (each with a change and a no-change caption)
@@ -372,7 +373,7 @@ def adapt_step(threads: int = 2, batch_size: int = 16, steps: int = 3, compile: 
     encoder = PairEncoder(clip.CLIP(clip.CLIPConfig()), EncoderConfig(config.intra_layers)).train()
     encoder.cls_rows_only = adapt.CLS_ROWS_ONLY  # as adapt.build_encoder
     encoder.freeze()
-    optimizer = adapt.build_optimizer(encoder, config, torch.device("cpu"))
+    optimizer = adapt.build_optimizer(encoder, config)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     side, vocab = encoder.clip.visual.input_resolution, encoder.clip.config.vocab_size
     text = torch.randint(0, vocab - 2, (batch_size, config.max_words))  # (B, T)
@@ -438,17 +439,17 @@ def synth_steps(threads: int = 2, steps: int = 5, caption_length: int = 14, prof
     torch.manual_seed(0)
     stage1_config = adapt.Config(**adapt.PRESETS["synth"], data="synth")
     stage2_config = caption.Config(**caption.PRESETS["synth"], data="synth")
-    clip_model, _ = clip.load(stage1_config.clip_model)  # stage 2's CLIP; stage 1's is loaded by build_encoder
+    clip_model, _ = clip_files.load(stage1_config.clip_model)  # stage 2's CLIP; stage 1's is loaded by build_encoder
     encoder = adapt.build_encoder(stage1_config, clip_model.config.vocab_size)[0].train()  # the preset's frozen set
     batch1, batch2 = synth_batches(encoder, stage1_config.batch_size, stage2_config.batch_size, caption_length)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     ctx = contextlib.nullcontext()  # float32: no autocast
 
-    optimizer1 = adapt.build_optimizer(encoder, stage1_config, torch.device("cpu"))
+    optimizer1 = adapt.build_optimizer(encoder, stage1_config)
     step1 = lambda: adapt.train_step(encoder, optimizer1, scaler, [batch1], ctx, stage1_config, False,
                                      encoder.clip.logit_scale)
     encoder2 = PairEncoder(clip_model, EncoderConfig(stage1_config.intra_layers))
-    captioner = caption.build_captioner(stage2_config, encoder2, dataclasses.asdict(clip_model.config),
+    captioner = caption.build_captioner(stage2_config, encoder2, dataclasses.asdict(clip_model.config), clip.PAD_ID,
                                         freeze_intra=True).train()
     optimizer2 = caption.build_optimizer(captioner, stage2_config)
     step2 = lambda: caption.train_step(captioner, optimizer2, scaler, [batch2], ctx, stage2_config, False)
@@ -499,7 +500,7 @@ def caption_costs(threads: int = 2, pairs: int = 64, batch: int = 32, steps: int
     torch.manual_seed(0)
     config = caption.Config()
     encoder = PairEncoder(clip.CLIP(clip.CLIPConfig()), EncoderConfig()).eval()
-    captioner = caption.build_captioner(config, encoder, dataclasses.asdict(encoder.clip.config))
+    captioner = caption.build_captioner(config, encoder, dataclasses.asdict(encoder.clip.config), clip.PAD_ID)
     decoder = captioner.decoder.eval()
     vocab = decoder.config.vocab_size
     sot, eot = vocab - 2, vocab - 1
@@ -600,7 +601,7 @@ def loader_samples(root: Path, pairs: int, cached: bool) -> data.AdaptationSampl
     splits = {s: data.load_split("synth", s, root) for s in data.SPLITS}
     reader = image_reader(splits, root, data.IMAGE_SIZE, cached, Distributed(
         False, 0, 0, 1, torch.device("cpu"), True))
-    return data.AdaptationSamples(splits["train"], clip.get_tokenizer(data.bpe_path("synth", root)), train=True,
+    return data.AdaptationSamples(splits["train"], clip_files.get_tokenizer(data.bpe_path("synth", root)), train=True,
                                   images=reader)
 
 
@@ -678,7 +679,7 @@ def _timed_run(command):
     return wall, child.stdout
 
 
-TIMING_CORPUS = Path(__file__).resolve().parent / "tests" / "metrics_vectors" / "clevr_size_timing.json.gz"
+TIMING_CORPUS = REPO / "tests" / "metrics_vectors" / "clevr_size_timing.json.gz"
 
 
 def metrics_scoring(corpus: str | os.PathLike = TIMING_CORPUS, runs: int = 3, variants: str = "all",
@@ -992,7 +993,7 @@ def cost_step(stage: str, batch_size: int, sizes: CostSizes, captions_per_pair: 
     if stage == "stage1":
         config = adapt.Config(**adapt.PRESETS["clevr"])
         encoder.freeze()  # adapt.build_encoder with the preset's freeze=True
-        optimizer = adapt.build_optimizer(encoder.to(device), config, device)
+        optimizer = adapt.build_optimizer(encoder.to(device), config)
         batch = {"before": pixels(), "after": pixels(), "caption": torch.cat([column(sot), words()], 1)}  # (B, T)
         batch["caption"][:, -1] = eot  # every caption T tokens long: the collate cuts none
         batch = data.to_device(batch, device)
@@ -1001,7 +1002,8 @@ def cost_step(stage: str, batch_size: int, sizes: CostSizes, captions_per_pair: 
     config = caption.Config(**{**caption.PRESETS["clevr"], **sizes.decoder, "max_words": length,
                                "finetune_encoder": stage == "stage2_finetune",
                                "use_no_change_pair": captions_per_pair == 2})
-    captioner = caption.build_captioner(config, encoder, dataclasses.asdict(sizes.clip_config)).train().to(device)
+    captioner = caption.build_captioner(config, encoder, dataclasses.asdict(sizes.clip_config), clip.PAD_ID)
+    captioner = captioner.train().to(device)
     optimizer = caption.build_optimizer(captioner, config)
     batch = {}
     for name in ("caption", "no_change_caption")[:captions_per_pair]:
@@ -1196,7 +1198,7 @@ def residual_precision(checkpoint: str, data_root: str | None = None, threads: i
     with the vision residual stream in bfloat16 or in float32: each variant's pair embeddings against float32's
     (relative error of the difference, 1 - cosine) and its test retrieval (adapt.evaluate)."""
     torch.set_num_threads(threads)
-    model, _ = load_encoder(checkpoint)
+    model = from_checkpoint(read_encoder(checkpoint))
     config = adapt.Config(**{**adapt.PRESETS["synth"], "data": "synth", "data_root": data_root or "", "num_workers": 0})
     one = Distributed(False, 0, 0, 1, torch.device("cpu"), True)
     splits, tokenizer, images = adapt.read_pairs(config, one)
@@ -1289,7 +1291,8 @@ def decoding_rate(sizes: CostSizes, device: torch.device, dtype: str, batch: int
     EOT early: every caption max_len tokens, the worst case), in captions per second."""
     config = caption.Config(**{**caption.PRESETS["clevr"], **sizes.decoder})
     encoder = PairEncoder(clip.CLIP(sizes.clip_config), EncoderConfig(sizes.intra_layers))
-    decoder = caption.build_captioner(config, encoder, dataclasses.asdict(sizes.clip_config)).decoder.eval().to(device)
+    captioner = caption.build_captioner(config, encoder, dataclasses.asdict(sizes.clip_config), clip.PAD_ID)
+    decoder = captioner.decoder.eval().to(device)
     visual = torch.randn(batch, decoder.config.visual_tokens, decoder.config.hidden, device=device)  # (B, M, E)
     ctx = contextlib.nullcontext() if dtype == "float32" else torch.autocast(device.type, dtype=getattr(torch, dtype))
     vocab = sizes.clip_config.vocab_size
@@ -1441,7 +1444,7 @@ def checkpoint_save(sizes: CostSizes, device: torch.device, folder: Path) -> dic
     encoder = PairEncoder(clip.CLIP(sizes.clip_config), EncoderConfig(sizes.intra_layers)).to(device)
     config = adapt.Config(**adapt.PRESETS["clevr"])
     encoder.freeze()
-    optimizer = adapt.build_optimizer(encoder, config, device)
+    optimizer = adapt.build_optimizer(encoder, config)
     for p in encoder.parameters():
         p.grad = torch.zeros_like(p) if p.requires_grad else None
     optimizer.step()  # the moments exist, as after any step

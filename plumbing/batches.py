@@ -10,8 +10,8 @@ import itertools
 
 import torch
 
-from flags import ConfigError
-from stopping import ignore_stop_signals
+from plumbing.flags import ConfigError
+from plumbing.stopping import ignore_stop_signals
 
 class SkipSampler(torch.utils.data.Sampler):
     """The indices of `sampler` after the first `skip`: resumes an epoch part-way through.

@@ -7,14 +7,16 @@ It holds, top to bottom:
        kept only when its sha256 matches, the one-line errors of an offline machine or an unwritable cache;
     2. weight files: OpenAI's TorchScript archives unpickled with a whitelist, never executed; every other
        weights file through torch.load(weights_only=True) (load_state_dict);
-and a demo. clip.load puts them together with the model.
+    3. load(), which puts them together with clip.py's model and preprocessing, as openai/CLIP's clip.load, and
+       get_tokenizer(), the tokenizer of a vocabulary file found in this order: given, $CLIP_BPE_PATH, the cache;
+and a demo.
 
 What differs from the reference (openai/CLIP clip/clip.py): the archive is read for its tensors only (there is no
 jit=True mode); a download is checked by sha256 before it gets its name, and again on every load.
 
 Environment: CLIP_CACHE (cache folder, default ~/.cache/clip), CLIP_BPE_PATH (vocabulary file).
 
-Run:  python clip_files.py [WEIGHTS]    where the cache is, the named models; with a weights file, its tensors
+Run:  python -m plumbing.clip_files [WEIGHTS]    where the cache is, the named models; with a weights file, its tensors
 """
 import argparse
 import collections
@@ -30,10 +32,8 @@ from pathlib import Path
 
 import torch
 
-
-class FileError(RuntimeError):
-    """A weights or vocabulary file that cannot be used: corrupt, truncated, of the wrong kind, or not the
-    download its checksum names. The fix is to get the file again, so the scripts print it as one line."""
+import clip
+from clip import FileError
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -60,7 +60,7 @@ MODELS = {
     "ViT-B/32": ("https://openaipublic.azureedge.net/clip/models/"
                  "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
                  "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af"),
-    "synth-ViT/32": ((Path(__file__).resolve().parent / "assets" / "synth-ViT-32.pt").as_uri(),
+    "synth-ViT/32": ((Path(__file__).resolve().parents[1] / "assets" / "synth-ViT-32.pt").as_uri(),
                      "01de576b323b67d2a93cc2170aec12946f92c4ac5af322d3c17dd61bd1a4ec37"),
 }
 BPE_URL = "https://raw.githubusercontent.com/openai/CLIP/main/clip/bpe_simple_vocab_16e6.txt.gz"
@@ -257,6 +257,45 @@ def load_state_dict(path: str | os.PathLike, dtype: torch.dtype | None = torch.f
     if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
         raise FileError(f"{path} holds a {type(state_dict).__name__}, not a state dict of tensors")
     return {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in state_dict.items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. load(): weights file + model + preprocess, as openai/CLIP's clip.load; the tokenizer of a vocabulary
+# ---------------------------------------------------------------------------------------------------
+
+def load(name_or_path: str | os.PathLike = "ViT-B/32", device: str | torch.device = "cpu",
+         download_root: str | os.PathLike | None = None) -> tuple[clip.CLIP, object]:
+    """(model, preprocess) for a model name in MODELS or a path to a weights file.
+
+    A name is looked up in the cache (download_root, else $CLIP_CACHE, else ~/.cache/clip) and downloaded
+    there with its checksum if missing. A path is used as is.
+    """
+    if os.path.isfile(name_or_path):
+        path = Path(name_or_path)
+    elif name_or_path in MODELS:
+        (url, sha256), root = MODELS[name_or_path], cache_dir(download_root)
+        filename = Path(urllib.parse.urlparse(url).path).name
+        try:
+            path = download(url, root, sha256)
+        except OSError as error:
+            if unwritable_cache(root, error):
+                raise unwritable_cache(root, error) from None
+            raise FileNotFoundError(
+                f"CLIP weights {name_or_path} ({root / filename}) are missing and could not be downloaded from "
+                f"{url} ({error}). Get them on a machine with internet access:\n  curl -L -o {filename} {url}\n"
+                f"  sha256sum {filename}   # must print {sha256}\nthen put the file in {root} (or set CLIP_CACHE "
+                f"to its folder), or pass the file's path instead of the name (adapt.py --clip_model PATH)") from error
+    else:
+        raise FileNotFoundError(f"{name_or_path} is neither a file nor a known model name {list(MODELS)}")
+    # differs from reference: no jit=True mode; the archive is only read for its tensors (section 2)
+    model = clip.build_model(load_state_dict(path)).to(device)
+    return model, clip.transform(model.visual.input_resolution)
+
+
+def get_tokenizer(bpe_path: str | os.PathLike | None = None) -> clip.SimpleTokenizer:
+    """The tokenizer of a vocabulary file: bpe_path, else $CLIP_BPE_PATH, else OpenAI's from the cache
+    (find_bpe_vocabulary), built once per file (clip.get_tokenizer)."""
+    return clip.get_tokenizer(find_bpe_vocabulary(bpe_path))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from flags import ConfigError
+from plumbing.flags import ConfigError
 
 # -----------------------------------------------------------------------------
 # A full disk

@@ -5,9 +5,9 @@
   data.ImageReader, with the cache or without it.
 - `IntraTokens`: each image's intra-image tokens, when the intra-image blocks are frozen (adapt.py --freeze_intra,
   and stage 2 finetuning on such an encoder), computed once per weights and images and shared by both stages.
-- Stage 2's feature cache (`cached_features`, `FeatureItems`, `feature_paths`, `split_features`): every pair's
-  tokens from a stage-1 encoder that stays frozen, so that the decoder trains on them alone (caption.py, which
-  passes its settings in: nothing here imports it).
+- Stage 2's feature cache (`cached_features`, `feature_paths`, `FeatureItems`): every pair's tokens from a stage-1
+  encoder that stays frozen, so that the decoder trains on them alone; caption.py's encode_pairs computes them,
+  this file keeps them.
 
 Each is named by what it depends on (file sizes and times, weights, image size), so a changed input gets a new
 file, and each is written whole or not at all. Under torchrun the master builds it while the others wait.
@@ -27,12 +27,10 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 import clip
-from data import (IMAGE_SIZE, CaptionItems, DataError, ImagePair, ImageReader, PairImages, preprocess_uint8,
-                  to_device, usable_cpus)
-from encoder import PairEncoder
-from files import (NO_SPACE, NOT_WRITABLE, DiskFull, no_space, process_alive, remove_partial_files, reserve_space,
+from data import IMAGE_SIZE, CaptionItems, DataError, ImagePair, ImageReader, preprocess_uint8, usable_cpus
+from plumbing.files import (NO_SPACE, NOT_WRITABLE, DiskFull, no_space, process_alive, remove_partial_files, reserve_space,
                    unwritable)
-from progress import Progress
+from plumbing.progress import Progress
 
 # -----------------------------------------------------------------------------
 # The image cache: preprocessed pixels
@@ -323,32 +321,10 @@ class IntraTokens:
 # Stage 2's feature cache: every pair encoded once
 
 
-def encode_pairs(encoder: PairEncoder, pairs, images, out: np.ndarray, device, ctx, what: str, master: bool = True,
-                 *, batch_size: int, num_workers: int) -> np.ndarray:
-    """Fill out (rows, M, E) with the pair tokens of every pair (row i = pairs[i]), float16, with progress; batch_size
-    pairs at a time, read by num_workers DataLoader processes (caption.py's --eval_batch_size, --num_workers)."""
-    # a generator of its own: computing the cache (first run) or not (later runs) must not change the
-    # global generator that training's random choices use
-    loader = DataLoader(PairImages(pairs, images), batch_size=batch_size, num_workers=num_workers,
-                        generator=torch.Generator(), pin_memory=device.type == "cuda")
-    progress, done = Progress(len(loader)), 0
-    with torch.no_grad():
-        for step, batch in enumerate(loader, 1):
-            pixels = to_device(batch, device, ("before", "after"))  # (B, 3, R, R) each
-            with ctx:
-                tokens = encoder.encode_pair(pixels["before"], pixels["after"])["pair_tokens"]
-            out[done:done + len(tokens)] = tokens.float().cpu().numpy().astype(np.float16)  # (B, M, E)
-            done += len(tokens)
-            if master and (step % 20 == 0 or step == len(loader)):
-                print(f"encoding {what}: " + progress.line(step), flush=True)
-    return out
-
-
-def cached_features(encoder, encoder_sha: str, pairs, images, cache_dir: Path, name: str, device, ctx, *,
-                    batch_size: int, num_workers: int) -> Path:
-    """cache_dir/<name>_<key>.npy, float16 (rows, M, E): written once per stage-1 checkpoint, split and set of image
-    files. The key reads each image file's size and modification time, as the image cache and the intra-image
-    tokens do: a replaced image gets a new file."""
+def cached_features(encoder_sha: str, pairs, shape: tuple, cache_dir: Path, name: str, encode) -> Path:
+    """cache_dir/<name>_<key>.npy, float16 (rows, M, E) = shape, filled by encode(pairs, out, what) once per stage-1
+    checkpoint (encoder_sha), split and set of image files. The key reads each image file's size and modification
+    time, as the image cache and the intra-image tokens do: a replaced image gets a new file."""
     described = "\n".join(f"{p.id}\t{p.before}\t{p.after}" for p in pairs)
     digest = hashlib.sha256(f"{encoder_sha}\n{IMAGE_SIZE}\n{described}".encode())
     add_file_stamps(digest, [path for p in pairs for path in (p.before, p.after)])
@@ -356,8 +332,6 @@ def cached_features(encoder, encoder_sha: str, pairs, images, cache_dir: Path, n
     if path.is_file():
         return path
     partial = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    side = encoder.clip.visual.input_resolution // encoder.clip.visual.conv1.kernel_size[0]
-    shape = (len(pairs), 2 * (side * side + 1), encoder.clip.visual.proj.shape[1])  # (rows, M, E)
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         remove_partial_files(cache_dir)  # the partial files of killed runs (gigabytes at CLEVR-Change's size)
@@ -369,8 +343,7 @@ def cached_features(encoder, encoder_sha: str, pairs, images, cache_dir: Path, n
         raise unwritable(cache_dir, error, "the pair features are kept there: make it writable for this user, or "
                                            "choose another --out_dir") from None
     try:
-        encode_pairs(encoder.to(device), pairs, images, array, device, ctx, f"{name} ({len(pairs)} pairs)",
-                     batch_size=batch_size, num_workers=num_workers)
+        encode(pairs, array, f"{name} ({len(pairs)} pairs)")
         array.flush()
         del array
         partial.replace(path)
@@ -402,27 +375,14 @@ class FeatureItems(Dataset):
         return {**self.__dict__, "features": None}
 
 
-def feature_paths(stage1, eval_pairs: dict, images, names, out_dir: Path, dist_, ctx, *, batch_size: int,
-                  num_workers: int) -> dict:
-    """{split: the .npy file of its pair tokens} for the splits `names`, in out_dir/features: encoded by the master
-    while the others wait, then found in the cache by the others. stage1: a checkpoints.Stage1 (its encoder and
-    sha256)."""
+def feature_paths(encoder_sha: str, eval_pairs: dict, names, shape: tuple, out_dir: Path, dist_, encode) -> dict:
+    """{split: the .npy file of its pair tokens} for the splits `names`, in out_dir/features (cached_features; shape:
+    a row's (M, E)): encoded by the master while the others wait, then found in the cache by the others."""
     def find_or_encode():
-        return {s: cached_features(stage1.encoder, stage1.sha256, eval_pairs[s], images, out_dir / "features", s,
-                                   dist_.device, ctx, batch_size=batch_size, num_workers=num_workers) for s in names}
+        return {s: cached_features(encoder_sha, eval_pairs[s], (len(eval_pairs[s]), *shape), out_dir / "features", s,
+                                   encode) for s in names}
     paths = find_or_encode() if dist_.master else {}
     if dist_.ddp:
         dist.barrier()
         paths = paths or find_or_encode()
     return paths
-
-
-def split_features(captioner, feature_path: dict, split: str, pairs, images, device, ctx, *, batch_size: int,
-                   num_workers: int) -> np.ndarray:
-    """The pair tokens of a split: the cache, or, when the encoder is finetuned, encoded now by its current weights
-    (captioner: a caption.Captioner; its encoder is None when not finetuned)."""
-    if captioner.encoder is None:
-        return np.load(feature_path[split], mmap_mode="r")
-    shape = (len(pairs), captioner.decoder.config.visual_tokens, captioner.decoder.config.hidden)
-    return encode_pairs(captioner.encoder.eval(), pairs, images, np.empty(shape, np.float16), device, ctx, split,
-                        batch_size=batch_size, num_workers=num_workers)

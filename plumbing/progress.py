@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from files import write_text_atomically
+from plumbing.files import write_text_atomically
 
 LOG_NAME = "log.jsonl"  # a run's JsonlLog, beside its checkpoints
 

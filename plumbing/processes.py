@@ -4,7 +4,7 @@ DDP is torch's DistributedDataParallel: one process per GPU, each with a copy of
 
 - `setup`: one of torchrun's processes (RANK is set: DDP, `init_process_group`) or the only one; its device, TF32,
   the autocast context and the GradScaler. adapt.py, pretrain.py and caption.py all call it.
-- `Distributed`, `gpu_index`, `resolve_dtype`, `set_tf32`, `ieee_float32`, `GROUP_TIMEOUT`, `loader_workers`: what
+- `Distributed`, `gpu_index`, `resolve_dtype`, `set_tf32`, `GROUP_TIMEOUT`, `loader_workers`: what
   the set-up fills in, the GPU a process takes, the precision 'auto' means (by the GPU's compute capability), TF32
   and where it is turned off, how long a process waits for the master, how many loader processes 'auto' means.
 - `one_download_per_machine`: a download into the cache made once per machine, the other processes waiting.
@@ -21,7 +21,8 @@ import torch
 from torch.distributed import init_process_group
 
 import data
-from flags import ConfigError, check_device
+from plumbing import clip_files
+from plumbing.flags import ConfigError, check_device
 
 # -----------------------------------------------------------------------------
 # Processes and precision
@@ -69,17 +70,28 @@ def set_tf32(enabled: bool) -> None:
     torch.backends.cudnn.allow_tf32 = enabled
 
 
-@contextmanager
-def ieee_float32():
-    """IEEE float32 matrix products inside the block, whatever --tf32 set: for the few products whose comments say
-    float32 (the contrastive logits, the attention maps read out); TF32's 10-bit mantissa would round a logit of 100
-    by up to 0.05. The settings are restored after the block."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    set_tf32(False)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+def by_master(dist_: Distributed, work, *args) -> None:
+    """work(*args) by the master alone (drawing the synthetic set, building a cache), while the others wait."""
+    if dist_.master:
+        work(*args)
+    if dist_.ddp:
+        torch.distributed.barrier()
+
+
+def from_master(value: int, dist_: Distributed) -> int:
+    """The master's value, on every process of a torchrun (a broadcast); a process alone keeps its own."""
+    if not dist_.ddp:
+        return value
+    flag = torch.tensor([value], device=dist_.device)
+    torch.distributed.broadcast(flag, 0)
+    return int(flag)
+
+
+def dataset_tokenizer(bpe_path, dist_: Distributed):
+    """The tokenizer of a dataset's vocabulary file (data.bpe_path), or of OpenAI's when it has none (None):
+    downloaded into CLIP's cache on first use, once per machine."""
+    with one_download_per_machine(dist_):
+        return clip_files.get_tokenizer(bpe_path)
 
 
 @contextmanager

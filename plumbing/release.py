@@ -13,29 +13,26 @@ never need it). It holds, top to bottom:
   1. the pair encoder's names (encoder.py's four new parameters) to ours and back;
   2. the caption decoder's names (decoder.py) to ours and back, and the check of the tied copies;
   3. which stage a file is, and reading one as data (weights_only), never as code;
-  4. the models of a release, sized from its tensors and loaded with strict=True.
+  4. the pair encoder of a release, sized from its tensors and loaded with strict=True; its decoder's sizes
+     (caption.py's release_decoder builds and loads it: nothing here imports decoder.py).
 
-Use (checkpoints.load_encoder, caption.py):
+Use (checkpoints.read_encoder, caption.py):
     stage, state = read_release("trained/pytorch_model.bin.clevr")
-    pair_encoder = release_encoder(state)                       # either stage: its clip.*
-    decoder = release_decoder(state, 2 * (pair_encoder.n_patches + 1), pair_encoder.clip.token_embedding.weight,
-                              pair_encoder.clip.positional_embedding)   # stage 2: its decoder.*, tied to CLIP
+    pair_encoder = encoder.from_checkpoint(release_checkpoint(state))   # either stage: its clip.*
+    decoder = caption.release_decoder(state, 2 * (pair_encoder.n_patches + 1))   # stage 2: its decoder.*
 
-Run:  python release.py     a tiny pair encoder written under the reference's names and read back
+Run:  python -m plumbing.release     a tiny pair encoder written under the reference's names and read back
 
 Run the commands on a release: README.md, "Using the released weights"; what was checked against the
 reference's own code: BENCHMARKS.md section 12.
 """
+import dataclasses
 from pathlib import Path
-from typing import Optional
 
 import torch
-import torch.nn as nn
 
 import clip
-import clip_files
-from decoder import CaptionDecoder, DecoderConfig
-from encoder import EncoderConfig, PairEncoder, tiny_pair_encoder
+from plumbing import clip_files
 
 # ---------------------------------------------------------------------------------------------------
 # 1. The pair encoder's names
@@ -185,51 +182,36 @@ def read_release(path) -> tuple[int, dict[str, torch.Tensor]]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# 4. The models of a release
+# 4. The pair encoder of a release, and its decoder's sizes
 
 
-def release_encoder(state_dict: dict[str, torch.Tensor], config: EncoderConfig = EncoderConfig()) -> PairEncoder:
-    """The pair encoder of a release (either stage) in float32 and eval mode, CLIP sized from the tensors.
-
-    Loaded with strict=True: no parameter stays random. The split point is not in the file; the reference's
-    is --intra_num_hidden_layers, 9 by default and in all its scripts, as EncoderConfig.
-    """
+def release_checkpoint(state_dict: dict[str, torch.Tensor], intra_layers: int = 9) -> dict:
+    """A release (either stage) as the checkpoint of the pair encoder it holds, which encoder.from_checkpoint
+    rebuilds: its clip.* in our names ("model"), CLIP's sizes read off the tensors ("clip_config", clip.config_of),
+    and the split point ("encoder_config"), which the file does not hold: the reference's is
+    --intra_num_hidden_layers, 9 by default and in all its scripts."""
     ours = rename_reference_keys(state_dict)  # float32: CLIP's float16 weights widen exactly
     clip_state = {key.removeprefix("clip."): value for key, value in ours.items() if key.startswith("clip.")}
-    model = PairEncoder(clip.build_model(clip_state), config)  # build_model reads CLIP's sizes off the shapes
-    model.load_state_dict(ours, strict=True)
-    return model.eval()
+    return {"model": ours, "clip_config": dataclasses.asdict(clip.config_of(clip_state)),
+            "encoder_config": {"intra_layers": intra_layers}}
 
 
-def release_decoder_config(state_dict: dict[str, torch.Tensor], visual_tokens: int) -> DecoderConfig:
-    """The reference's decoder sizes, read off its tensors; visual_tokens M from the pair encoder (2(N+1))."""
+def release_decoder_sizes(state_dict: dict[str, torch.Tensor]) -> dict[str, int]:
+    """The reference's decoder sizes, read off its tensors, as decoder.DecoderConfig's fields (caption.py builds it:
+    its release_decoder)."""
     words = state_dict["decoder.embeddings.word_embeddings.weight"]  # (V, E)
     hidden = words.shape[1]
     # Heads are not in the tensors: the reference's decoder-base config has 8 heads of 64 channels at width
     # 512, CLIP's head width too (clip.build_model reads CLIP's heads the same way).
-    return DecoderConfig(hidden=hidden, heads=max(1, hidden // 64),
-                         ffn=state_dict["decoder.decoder.layer.0.intermediate.dense.weight"].shape[0],
-                         layers=reference_layers(state_dict), vocab_size=words.shape[0],
-                         max_positions=state_dict["decoder.embeddings.position_embeddings.weight"].shape[0],
-                         visual_tokens=visual_tokens)
-
-
-def release_decoder(state_dict: dict[str, torch.Tensor], visual_tokens: int,
-                    word_embedding: Optional[nn.Parameter] = None,
-                    position_embedding: Optional[nn.Parameter] = None) -> CaptionDecoder:
-    """The caption decoder of a reference captioning release, loaded with strict=True, in eval mode.
-
-    state_dict is the whole release (decoder.* is read; clip.* only to check the ties). Pass the pair encoder's
-    CLIP token_embedding.weight and positional_embedding to share them, as the reference does.
-    """
-    ours = rename_reference_decoder_keys(state_dict)  # first: it says what is wrong with a damaged file
-    decoder = CaptionDecoder(release_decoder_config(state_dict, visual_tokens), word_embedding, position_embedding)
-    decoder.load_state_dict(ours, strict=True)
-    return decoder.eval()
+    return dict(hidden=hidden, heads=max(1, hidden // 64),
+                ffn=state_dict["decoder.decoder.layer.0.intermediate.dense.weight"].shape[0],
+                layers=reference_layers(state_dict), vocab_size=words.shape[0],
+                max_positions=state_dict["decoder.embeddings.position_embeddings.weight"].shape[0])
 
 
 if __name__ == "__main__":
     # A tiny pair encoder saved under the reference's names, told apart as a stage-1 release, and read back.
+    from encoder import from_checkpoint, tiny_pair_encoder  # the demo's model; the file itself builds none
     model = tiny_pair_encoder()
     ours = model.state_dict()
     theirs = to_reference_keys(ours)
@@ -238,5 +220,5 @@ if __name__ == "__main__":
     for key in renamed[:4]:
         print("   ", key)
     print(f"stage of a file with these keys: {release_stage(theirs)}")
-    again = release_encoder(theirs, model.config).state_dict()
+    again = from_checkpoint(release_checkpoint(theirs, model.config.intra_layers)).state_dict()
     print(f"read back with strict=True, every tensor equal: {all(torch.equal(again[k], ours[k]) for k in ours)}")

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-import clip_files
+from plumbing import clip_files
 import data
-from checkpoints import CheckpointError
-from files import STOP_SIGNALS, DiskFull, Unwritable
-from flags import ConfigError
+from plumbing.checkpoints import CheckpointError
+from plumbing.files import STOP_SIGNALS, DiskFull, Unwritable
+from plumbing.flags import ConfigError
 
 # -----------------------------------------------------------------------------
 # A diverged run

@@ -1,13 +1,14 @@
-"""Checkpoints: what a run saves, how it resumes, and which stage-1 encoder a captioner stands on.
+"""Checkpoints: what a run saves, how it resumes, and how a saved encoder or captioner is read back.
 
 - `save_checkpoint` / `load_checkpoint`: one dict, written atomically (temporary file, fsync, rename), read back
   with `torch.load(weights_only=True)`, which never runs code, then the CRC-32 of every member checked.
 - `rng_state` / `set_rng_state`: the random generators as plain tensors and lists, so that a resumed run draws the
   numbers it would have drawn; `start_or_resume` begins a run or continues one, refusing other settings and another
   training split (`split_fingerprint`); `check_resume` checks the files a resumed run needs before any work.
-- `load_encoder`: a stage-1 pair encoder from adapt.py's checkpoint or a CLIP4IDC release file (release.py);
-  `checkpoint_tokenizer`: the vocabulary a model was trained with; `Stage1`, `load_stage1`, `load_trained`: what a
-  captioner builds on, and a trained captioner's settings. caption.py passes its flags' values: nothing imports it.
+- `read_encoder`: a stage-1 checkpoint, adapt.py's or a CLIP4IDC release file (release.py), with every check that
+  names what is wrong with a file (encoder.from_checkpoint rebuilds its pair encoder); `checkpoint_tokenizer`: the vocabulary a model was trained with;
+  `load_trained`: a trained captioner and the settings it decides (caption.py --eval, --pair). caption.py passes its
+  flags' values: nothing here imports it.
 """
 import dataclasses
 import functools
@@ -24,12 +25,11 @@ import numpy as np
 import torch
 
 import clip
-import clip_files
-from encoder import EncoderConfig, PairEncoder
-from files import NO_SPACE, fsync_dir, no_space, remove_partial_files, signals_deferred
-from flags import ConfigError
-from progress import LOG_NAME, trim_log
-from release import RELEASE, release_encoder, release_stage
+from plumbing import clip_files
+from plumbing.files import NO_SPACE, fsync_dir, no_space, remove_partial_files, signals_deferred
+from plumbing.flags import ConfigError
+from plumbing.progress import LOG_NAME, trim_log
+from plumbing.release import RELEASE, release_checkpoint, release_stage
 
 
 class CheckpointError(RuntimeError):
@@ -261,9 +261,10 @@ def check_split(state: dict, fingerprint: dict | None, path) -> None:
                       f"split it was trained on, or start a new --out_dir")
 
 
-def check_resume(out_dir, stage1: "Stage1 | None" = None) -> None:
+def check_resume(out_dir, stage1=None) -> None:
     """--resume, before any work: out_dir/ckpt_last.pt reads; ckpt_best.pt is there once an epoch was validated
-    (the run's final test scores it); for stage 2 (stage1), the stage-1 encoder is the one it was trained on."""
+    (the run's final test scores it); for stage 2 (stage1: caption.Stage1), the stage-1 encoder is the one it was
+    trained on."""
     out_dir = Path(out_dir)
     path, best = out_dir / "ckpt_last.pt", out_dir / "ckpt_best.pt"
     state = load_checkpoint(path)
@@ -276,16 +277,15 @@ def check_resume(out_dir, stage1: "Stage1 | None" = None) -> None:
                           f"differs); pass the one it was trained on with --encoder_ckpt, or start a new --out_dir")
 
 
-def start_or_resume(path, config, model_keys, dist_, model, optimizer, scaler,
-                    train_split: dict | None = None) -> dict | None:
-    """The start of a run whose last checkpoint is `path`: None for a new run; with --resume, the checkpoint,
-    after restoring the model, optimizer, scaler and random generators from it.
+def start_or_resume(run, model_keys, model, optimizer, train_split: dict | None = None) -> dict | None:
+    """The start of a run (run: loop.Run) whose last checkpoint is out_dir/ckpt_last.pt: None for a new run; with
+    --resume, the checkpoint, after restoring the model, optimizer, scaler and random generators from it.
 
     The half-written files of a killed save are removed first. A new run never overwrites a finished one, and a
     checkpoint whose model-shaping settings (`model_keys`) differ from this run's is refused, and one trained on
     another training split (train_split: split_fingerprint's, which the run saves in its checkpoints).
     """
-    path = Path(path)
+    path, config, dist_, scaler = Path(run.out_dir) / "ckpt_last.pt", run.config, run.dist_, run.scaler
     if dist_.master:
         remove_partial_files(path.parent)
     if not config.resume:
@@ -309,6 +309,8 @@ def start_or_resume(path, config, model_keys, dist_, model, optimizer, scaler,
         set_rng_state(state["rng"])
     else:
         seed_everything(config.seed + dist_.rank + state["step"])
+    if dist_.master:
+        print(f"resumed {path} at step {state['step']}")
     return state
 
 
@@ -316,9 +318,10 @@ def start_or_resume(path, config, model_keys, dist_, model, optimizer, scaler,
 # A stage-1 encoder and its vocabulary
 
 
-def load_encoder(path, intra_layers: int = 9, flag: str = "--encoder_ckpt") -> tuple[PairEncoder, dict]:
-    """A stage-1 pair encoder in eval mode, and what else its file holds: adapt.py's checkpoint, or a CLIP4IDC
-    release file of either stage (its clip.* is the adapted encoder; its vocabulary is OpenAI's, bpe_path None).
+def read_encoder(path, intra_layers: int = 9, flag: str = "--encoder_ckpt") -> dict:
+    """A stage-1 checkpoint, for encoder.from_checkpoint to rebuild its pair encoder: adapt.py's, or a CLIP4IDC
+    release file of either stage (its clip.* is the adapted encoder; release.release_checkpoint; its vocabulary is
+    OpenAI's, bpe_path None, and "release" True).
 
     intra_layers: a release's split point, which its file does not hold (the reference's --intra_num_hidden_layers,
     9 in all its scripts); adapt.py's checkpoints record their own. flag: the option that named the file, for
@@ -337,23 +340,13 @@ def load_encoder(path, intra_layers: int = 9, flag: str = "--encoder_ckpt") -> t
     missing = [k for k in ("clip_config", "encoder_config") if not release and k not in state]
     if missing:
         raise CheckpointError(f"{path} lacks {missing}: expected a checkpoint of this project, or {RELEASE}")
-    if release:
-        blocks = len({k.split(".")[4] for k in state if k.startswith("clip.visual.transformer.resblocks.")})
-        if not 0 < intra_layers <= blocks:
-            raise ConfigError(f"--intra_layers {intra_layers}: {path} has {blocks} vision blocks, so it must be in "
-                              f"[1, {blocks}] (the reference's split point is 9)")
-        model = release_encoder(state, EncoderConfig(intra_layers))
-        return model, {"clip_config": dataclasses.asdict(model.clip.config), "bpe_path": None, "release": True}
-    return encoder_from_state(state), state
-
-
-def encoder_from_state(state: dict) -> PairEncoder:
-    """A pair encoder in eval mode, rebuilt from the sizes a checkpoint records (clip_config, encoder_config) and
-    its weights ("model"; without them the weights are random, for a captioner that holds its encoder's)."""
-    model = PairEncoder(clip.CLIP(clip.CLIPConfig(**state["clip_config"])), EncoderConfig(**state["encoder_config"]))
-    if "model" in state:
-        model.load_state_dict(state["model"])
-    return model.eval()
+    if not release:
+        return state
+    blocks = len({k.split(".")[4] for k in state if k.startswith("clip.visual.transformer.resblocks.")})
+    if not 0 < intra_layers <= blocks:
+        raise ConfigError(f"--intra_layers {intra_layers}: {path} has {blocks} vision blocks, so it must be in "
+                          f"[1, {blocks}] (the reference's split point is 9)")
+    return {**release_checkpoint(state, intra_layers), "bpe_path": None, "release": True}
 
 
 @functools.cache
@@ -383,47 +376,23 @@ def checkpoint_tokenizer(state: dict, data_vocabulary=None) -> clip.SimpleTokeni
     for hint in (state.get("bpe_path"), data_vocabulary):
         if hint is not None and Path(hint).is_file():
             return clip.get_tokenizer(hint)
-    return clip.get_tokenizer(None)
+    return clip_files.get_tokenizer(None)
 
 
 # -----------------------------------------------------------------------------
-# What a captioner stands on: its stage-1 checkpoint, and the captioner itself
+# A trained captioner, for --eval and --pair
 
 
 @dataclasses.dataclass
-class Stage1:
-    """The stage-1 checkpoint stage 2 builds on."""
+class Trained:
+    """A trained captioner's checkpoint, as caption.py --eval and --pair read it."""
     path: Path
-    sha256: str           # the captioner records it, and refuses to run on another encoder
-    encoder: PairEncoder  # in eval mode
-    state: dict           # the checkpoint's other entries: config, clip_config, vocabulary (or bpe_path)
-    freeze_intra: bool    # stage 1 froze the intra-image blocks (the synth preset): stage 2 keeps them frozen
+    state: dict       # ours (caption.py's ckpt_best.pt) or a release's state dict
+    settings: dict    # {flag: value} it decides for the caller's config
+    release: bool     # the captioning stage of a CLIP4IDC release
 
 
-def load_stage1(encoder_ckpt: str, data: str, intra_layers: int, trained: dict | None = None,
-                trained_path: Path | None = None) -> Stage1:
-    """The stage-1 encoder, found in this order: `encoder_ckpt` (--encoder_ckpt) when given (a flag wins); the copy
-    of stage 1 that a trained captioner holds (--eval, --pair: its checkpoint travels alone); the file it recorded,
-    if it is still there (a hint, never a requirement); runs/adapt_<data>/ckpt_best.pt. The file is adapt.py's
-    checkpoint or a CLIP4IDC release (intra_layers: a release's split point, load_encoder).
-
-    trained: the trained captioner's checkpoint (ours), at trained_path; it recorded the sha256 of its encoder,
-    which must still be this one."""
-    if trained is not None and not encoder_ckpt and "stage1" in trained:
-        record = trained["stage1"]  # finetuned: no weights here, the captioner's encoder.* replace the random ones
-        return Stage1(trained_path, trained["encoder_sha256"], encoder_from_state(record), record,
-                      record["config"].get("freeze_intra", False))
-    hint = None if trained is None else trained.get("encoder_ckpt")
-    path = Path(encoder_ckpt or (hint if hint and Path(hint).is_file() else f"runs/adapt_{data}/ckpt_best.pt"))
-    encoder, state = load_encoder(path, intra_layers)
-    sha256 = clip_files.sha256_of(path)
-    if trained is not None and trained["encoder_sha256"] != sha256:
-        raise ConfigError(f"{path} is not the stage-1 checkpoint the captioner was trained on (its sha256 "
-                          f"differs); pass that one with --encoder_ckpt, or train stage 2 again")
-    return Stage1(path, sha256, encoder, state, state.get("config", {}).get("freeze_intra", False))
-
-
-def load_trained(path: Path, model_keys) -> tuple[dict, dict]:
+def load_trained(path: Path, model_keys) -> Trained:
     """--eval, --pair: the trained captioner at `path`, ours (out_dir/ckpt_best.pt) or the captioning stage of a
     CLIP4IDC release (--checkpoint trained/pytorch_model.bin.clevr), and the settings it decides, {flag: value}
     for the caller's config: ours recorded its model settings (model_keys, caption.MODEL_KEYS, all but "data")."""
@@ -434,7 +403,7 @@ def load_trained(path: Path, model_keys) -> tuple[dict, dict]:
                           f"captioning stage (trained/pytorch_model.bin.*), or train a captioner on it with "
                           f"--encoder_ckpt {path}")
     if stage == 2:  # the release holds its encoder too; its decoder reads the pair tokens, computed once
-        return {"encoder_ckpt": str(path), "finetune_encoder": False}, best
+        return Trained(path, best, {"encoder_ckpt": str(path), "finetune_encoder": False}, release=True)
     if "encoder_sha256" not in best:
         if "encoder_config" in best:
             raise ConfigError(f"{path} is a stage-1 checkpoint (adapt.py's, no decoder): --checkpoint takes "
@@ -442,4 +411,4 @@ def load_trained(path: Path, model_keys) -> tuple[dict, dict]:
                               f"--encoder_ckpt {path}")
         raise CheckpointError(f"{path} lacks ['encoder_sha256']: expected a captioner of caption.py")
     # ours: the model settings it was trained with
-    return {k: best["config"][k] for k in model_keys if k != "data"}, best
+    return Trained(path, best, {k: best["config"][k] for k in model_keys if k != "data"}, release=False)

@@ -1,22 +1,27 @@
-"""The training loop's step boundary: what stages 0, 1 and 2 do between two optimizer steps and at an epoch's end.
+"""A training run: its set-up and end (`started`, `Run`), and what its loop does between two optimizer steps.
 
-adapt.py, caption.py and pretrain.py each write their loop out, nanoGPT's way; what happens after each step is the
-same in all three and lives here, once (StepBoundary): the check that the run has not diverged (without a wait for
-the device in every step), Ctrl-C and SIGTERM at a step boundary, the progress line and the JSON-lines log, and
-ckpt_last.pt between epochs. `Run` is what a script has set up before it reads data or builds a model, passed on
-as one object.
+adapt.py and caption.py each write their loop out, nanoGPT's way (stage 0, pretrain.py, runs through adapt.py's);
+what happens after each step is the same in both and lives here, once (StepBoundary): the check that the run has
+not diverged (without a wait for the device in every step), Ctrl-C and SIGTERM at a step boundary, the progress line
+and the JSON-lines log, and ckpt_last.pt between epochs. `Run` is what a script has set up before it reads data or
+builds a model, passed on as one object; `started` sets it up (processes, precision, seed, the out_dir's lock) and
+ends it (the process group left together).
 """
+import contextlib
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import data
-from checkpoints import BackgroundWriter
-from processes import Distributed
-from progress import LOG_NAME, JsonlLog, Progress
-from stopping import DivergenceWatch, StopSignals, data_error_stop, stop_everywhere, stopped
+from plumbing.checkpoints import BackgroundWriter, seed_everything
+from plumbing.files import OutDirLock, check_out_dir, save_json
+from plumbing.processes import Distributed, keep_freed_memory, loader_workers, setup
+from plumbing.progress import LOG_NAME, JsonlLog, Progress
+from plumbing.stopping import DivergenceWatch, StopSignals, data_error_stop, stop_everywhere, stopped
 
 
 @dataclasses.dataclass
@@ -29,6 +34,43 @@ class Run:
     ctx: Any                      # the forward pass's precision: torch.autocast, or nullcontext() in float32
     scaler: torch.amp.GradScaler  # float16's loss scale (disabled in float32 and bfloat16)
     out_dir: Path                 # checkpoints, the log and the scores
+
+
+@contextlib.contextmanager
+def started(config, out_dir: Path, lock: bool = True):
+    """A training script's set-up, nanoGPT's order, and its end; yields the Run.
+
+    The out_dir checked (a file there is refused before any work); glibc asked to keep freed memory (a CPU step then
+    reuses its pages); this process set up (DDP from torchrun's environment, the device, autocast and GradScaler:
+    processes.setup); --num_workers -1 resolved; the seed, plus the rank; then, with lock, one run at a time writes
+    into out_dir (OutDirLock, the master's). At the end every process meets the others before the group is torn
+    down (a gloo peer may abort otherwise)."""
+    if lock:
+        check_out_dir(out_dir)
+    keep_freed_memory()
+    dist_, dtype, ctx, scaler = setup(config)
+    config = dataclasses.replace(config, num_workers=loader_workers(config.num_workers, dist_.device))
+    seed_everything(config.seed + dist_.rank)
+    with OutDirLock(out_dir, dist_.master) if lock else contextlib.nullcontext():
+        yield Run(config, dist_, dtype, ctx, scaler, Path(out_dir))
+    if dist_.ddp:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def say(run: Run, line: str) -> None:
+    """Print a line on the master only."""
+    if run.dist_.master:
+        print(line, flush=True)
+
+
+def announce(run: Run, line: str) -> None:
+    """At a training run's start, on the master: the resolved config, printed and saved as out_dir/config.json,
+    then a line that describes the run."""
+    if run.dist_.master:
+        save_json(dataclasses.asdict(run.config), run.out_dir / "config.json")
+        print(json.dumps(dataclasses.asdict(run.config)))
+        print(line)
 
 
 class StepBoundary:

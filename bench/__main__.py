@@ -1,0 +1,4 @@
+"""`python -m bench FIGURE`: one subcommand per figure of BENCHMARKS.md (figures.py)."""
+from bench.figures import main
+
+main()

@@ -1,0 +1,63 @@
+"""The plumbing: what keeps a run safe and fast but is not CLIP4IDC. Skip it on a first reading.
+
+The method lives in the files above this folder (clip, encoder, decoder, losses, data, metrics, adapt, caption).
+Everything here serves it: a script writes `import plumbing` and calls `plumbing.X`, so every departure from the
+lesson says where it goes. Nothing here imports a script, the decoder or METEOR: stage 1 loads neither.
+
+The map: each part, what it guarantees, and the test of test_all.py that shows it.
+
+  flags.py        A Config dataclass becomes the command line: presets first, then flags; a misspelt flag or a bad
+                  value is refused before any work.  test_config_flags_follow_the_dataset_preset_then_the_command_line,
+                  test_a_bad_flag_value_is_refused_before_anything_is_read
+  files.py        Files written whole or not at all; a full disk or an unwritable folder is one line naming it; one
+                  run at a time writes into an --out_dir.  test_a_full_disk_during_a_checkpoint_save_is_one_line_and_
+                  keeps_the_last_checkpoint, test_a_second_run_in_a_busy_out_dir_is_refused_in_one_line_naming_the_
+                  first_which_finishes_untouched
+  progress.py     The one progress meter (the training line with its ETA, a long build's line) and the run's
+                  log.jsonl.  test_a_new_run_after_one_stopped_before_its_first_checkpoint_starts_a_fresh_log
+  processes.py    One process or one of torchrun's: DDP from the environment, the GPU it takes, autocast and the
+                  GradScaler, TF32; one download per machine.  test_every_launch_form_of_every_script_starts_on_a_gpu_
+                  machine_and_takes_its_gpu, test_each_machines_first_process_downloads_while_the_others_wait_then_
+                  they_read_it
+  batches.py      The global batch over processes and accumulation; one DataLoader per run; an epoch resumed part-way
+                  draws what the uninterrupted one drew.  test_two_processes_with_b_pairs_each_train_like_one_
+                  process_with_2b_pairs, test_a_stage_1_run_killed_at_a_step_and_resumed_writes_the_uninterrupted_
+                  runs_files
+  checkpoints.py  Checkpoints saved atomically on a thread of their own, read without running code and checked by
+                  CRC-32; --resume restores model, optimizer, scaler and random state, and refuses other settings
+                  or another split; a stage-1 file (ours or a release) and a trained captioner read back.
+                  test_a_checkpoint_damaged_inside_a_tensor_is_refused_naming_the_file_and_the_member,
+                  test_resume_refuses_a_checkpoint_of_another_model_config
+  stopping.py     How a run stops: a diverged loss at the next check, Ctrl-C, SIGTERM and SIGHUP at a step boundary
+                  after a save, a damaged image after a save, a user's error as one line.  test_ctrl_c_prints_what_
+                  was_saved_and_the_resume_command_and_exits_130, test_a_non_finite_loss_stops_training_at_the_next_
+                  check_naming_its_first_step_but_a_skipped_float16_step_does_not
+  loop.py         A run set up and ended (`started`, `Run`) and what the loops do between two optimizer steps
+                  (`StepBoundary`: the finiteness check, signals, the progress line and log, saves).
+                  test_the_step_boundary_reads_the_losses_on_log_and_save_steps_and_saves_between_epochs_or_for_a_
+                  signal, test_sigterm_saves_stage_2_at_the_step_boundary_exits_143_and_the_resumed_run_is_the_uninterrupted_one
+  caches.py       What is computed once and kept on disk, named by what it depends on: preprocessed pixels (the image
+                  cache), frozen intra-image tokens, stage 2's pair features.  test_the_image_cache_gives_the_decoded_
+                  pixels_and_is_rebuilt_when_a_file_changes, test_a_replaced_image_gives_new_pixels_new_intra_tokens_
+                  and_new_pair_features
+  clip_files.py   CLIP's weights and vocabulary: a checksummed download cache, OpenAI's archives read as data, load().
+                  test_load_downloads_a_named_model_into_the_cache_once_its_checksum_matches
+  release.py      The reference's released files: which stage, its names mapped to ours both ways.
+                  test_the_released_captioner_evaluates_and_captions_a_pair_as_its_own_model_does
+
+Below: the names the scripts call, by part.
+"""
+from plumbing.batches import batch_plan, epoch_batches, training_loader
+from plumbing.caches import FeatureItems, IntraTokens, feature_paths, image_reader
+from plumbing.checkpoints import (Trained, check_resume, checkpoint_tokenizer, load_checkpoint, load_trained,
+                                  read_encoder, rng_state, save_checkpoint, split_fingerprint, start_or_resume,
+                                  vocabulary_hint, vocabulary_tensor)
+from plumbing.clip_files import load as load_clip
+from plumbing.clip_files import sha256_of
+from plumbing.files import check_out_dir, save_json
+from plumbing.flags import ConfigError, check_image_path, check_length, check_settings, flag, parse_config
+from plumbing.loop import Run, StepBoundary, announce, say, started
+from plumbing.processes import by_master, dataset_tokenizer, from_master, one_download_per_machine
+from plumbing.progress import LOG_NAME, JsonlLog, Progress
+from plumbing.release import release_decoder_sizes, rename_reference_decoder_keys
+from plumbing.stopping import check_finite_model, final_test_stopped, refuse_empty_splits, run_main
