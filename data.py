@@ -17,8 +17,8 @@ then the file handling:
      (`--data synth`, the project's default) is drawn by synth.py in the CLEVR-Change layout and read here like
      CLEVR-Change;
   5. images: loading with readable errors, CLIP4IDC's preprocessing, the image reader.
-The caches of preprocessed pixels, intra-image tokens and pair features are caches.py's; checking a download and
-drawing a contact sheet, check.py's.
+The caches of preprocessed pixels, intra-image tokens and pair features are plumbing/caches.py's; checking a
+download, check.py's; a contact sheet of pairs, explain.py's.
 
 The layouts, under the default roots (a `root` argument overrides them):
   data/clevr_change  images/CLEVR_default_XXXXXX.png, sc_images/CLEVR_semantic_XXXXXX.png,
@@ -62,7 +62,8 @@ What differs from the reference (github.com/sushizixin/CLIP4IDC at commit ca4946
 Run:  python data.py                                   write a pair of your own in a temp folder, print its samples
       python check.py --data clevr|spot|ier|levir|pairs [--data_root DIR]   after downloading: is it complete?
 
-Shape letters: B pairs in a batch, R image side after preprocessing (224), T caption tokens (max_words, 32),
+Shape letters: B pairs in a batch, R image side after preprocessing (224), T caption tokens (max_words, 32), N+1
+and D the intra-image tokens per image and their width (encoder.py: 50 and 768 for ViT-B/32),
 H, W height and width of a stored image (320 x 480 for CLEVR-Change and the synthetic set, 256 x 256 for LEVIR-CC).
 """
 import gzip
@@ -167,7 +168,9 @@ class AdaptationSamples(Dataset):
     pair (distractor, after) holds the same change plus a nuisance one, and the change caption is still true of it.
     Matching both pairs to one caption teaches the pair embedding to follow what changed in the scene and to
     ignore viewpoint and lighting, which CLEVR-Change's distractors test (Robust Change Captioning, Park et al.).
-    A sample: {"before": (3, R, R), "after": (3, R, R), "caption": (T,), "pair_index": int, "swapped": bool}.
+    A sample: {"before", "after": what `images` gives for the image file: uint8 pixels (R, R, 3) from an ImageReader,
+    or, when stage 1 freezes the intra-image blocks (the synth preset), the image's intra-image tokens (N+1, D);
+    "caption": (T,), "pair_index": int, "swapped": bool}.
     """
 
     def __init__(self, pairs: list[ImagePair], tokenizer: clip.SimpleTokenizer, train: bool,
@@ -245,7 +248,7 @@ def retrieval_texts(pairs: list[ImagePair]) -> tuple[list[str], list[int]]:
 
 
 class PairImages(Dataset):
-    """The images of evaluation pairs, without captions: {"before", "after": (3, R, R), "row": int, "id": str}.
+    """The images of evaluation pairs, without captions: {"before", "after": uint8 (R, R, 3), "row": int, "id": str}.
 
     Stage 2 encodes every pair of a split once through this (feature cache), and decodes from it.
     """
@@ -271,8 +274,9 @@ class CaptionItems(Dataset):
     the pair (before, distractor); the reference sums the two losses. "row" and "no_change_row" index the
     rows of evaluation_pairs(pairs, use_no_change_pair), so cached pair features can stand in for images;
     with images, the item also holds the pixels.
-    An item: {"row", "caption_in" (T,), "caption_out" (T,)[, "before", "after" (3, R, R)]} and, with the
-    no-change pair, {"no_change_row", "no_change_caption_in", "no_change_caption_out"[, "distractor"]}.
+    An item: {"row", "caption_in" (T,), "caption_out" (T,)[, "before", "after": what `images` gives, uint8 pixels
+    (R, R, 3) or intra-image tokens (N+1, D)]} and, with the no-change pair, {"no_change_row",
+    "no_change_caption_in", "no_change_caption_out"[, "distractor"]}. caption.py's training_set chooses `images`.
     """
 
     def __init__(self, pairs: list[ImagePair], tokenizer: clip.SimpleTokenizer, use_no_change_pair: bool,
@@ -777,8 +781,8 @@ def preprocess_uint8(path: Path, image_size: int) -> np.ndarray:
 
 
 class ImageReader:
-    """path -> uint8 pixels (R, R, 3): decoded and resized, or taken from an image cache (caches.ImageCache, whose
-    reader caches.image_reader makes).
+    """path -> uint8 pixels (R, R, 3): decoded and resized, or taken from an image cache (plumbing/caches.py's
+    ImageCache, whose reader its image_reader makes).
 
     The pixels stay uint8 until they are on the training device, where to_device normalises them: a DataLoader
     worker then hands over a quarter of the bytes of float32 images, and a cached image is a memory copy.
@@ -800,8 +804,8 @@ class ImageReader:
 
 def usable_cpus() -> int:
     """The CPUs this process may run on (a container may allow fewer than the machine has): drawing the synthetic
-    set (synth.py) and building the image cache (caches.py) use them all; the training scripts share them between
-    their processes (processes.py)."""
+    set (synth.py) and building the image cache (plumbing/caches.py) use them all; the training scripts share them between
+    their processes (plumbing/processes.py)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 

@@ -44,7 +44,7 @@ The whole file is the lesson, top to bottom: the building blocks, the caption de
 greedy decoding), ids_to_text, and a demo at the end.
 
 Run:  python decoder.py                        a tiny random decoder decodes a batch with and without the cache
-      (full-size timings of greedy decoding and of a training step: python bench.py decoder)
+      (full-size timings of greedy decoding and of a training step: python -m bench decoder)
 
 Shape letters: B pairs in the batch, M = 100 visual tokens per pair, T caption tokens, E = 512 width,
 H = 8 attention heads, E/H = 64 width per head, V = 49408 vocabulary, L = 3 layers per stack.
@@ -400,5 +400,5 @@ def demo():
 
 if __name__ == "__main__":
     argparse.ArgumentParser(description="Caption decoder demo: a tiny random decoder decodes a batch with and "
-                                        "without the cache (timings: python bench.py decoder)").parse_args()
+                                        "without the cache (timings: python -m bench decoder)").parse_args()
     demo()

@@ -14,7 +14,7 @@ text embedding, the feature at the EOT (end-of-text) token.
 The reference is github.com/sushizixin/CLIP4IDC at commit ca49461; this file follows its modules/module_clip.py
 (`VisualTransformer.__init__` and `.forward`, `CLIP.encode_image`). Differs from reference:
 - The four new parameters live on the PairEncoder as `before_embedding`, `after_embedding`,
-  `joint_positional_embedding`, `ln_mid` (the reference: `clip.visual.bef_embedding`, ...); release.py maps
+  `joint_positional_embedding`, `ln_mid` (the reference: `clip.visual.bef_embedding`, ...); plumbing/release.py maps
   the reference's released files onto these names.
 - Weights stay float32 (the training script chooses autocast); the reference casts CLIP to float16.
 - The intra-image layers see the batch as [all before images; all after images] instead of the
@@ -28,7 +28,7 @@ PairEncoder.cls_rows_only (adapt.py sets it from adapt.CLS_ROWS_ONLY); what trai
 block computed at chosen rows. Then the demo.
 
 Run `python encoder.py` to push a random image pair through a tiny random CLIP and print every shape.
-The benchmark of one full-size training step is `python bench.py adapt`.
+The benchmark of one full-size training step is `python -m bench adapt`.
 
 Shape letters: B pairs in the batch, R image side (224), N patches per image ((224/32)^2 = 49),
 D vision width (768), E joint embedding width (512), T caption tokens, L = 2(N+1) joint tokens (100),
@@ -103,7 +103,7 @@ class PairEncoder(nn.Module):
         self.n_patches = clip_model.visual.positional_embedding.shape[0] - 1  # N
         tokens = 2 * (self.n_patches + 1)  # L: before CLS + N patches, then after CLS + N patches
         scale = width ** -0.5  # the reference's init scale, as CLIP's for class_embedding
-        # differs from reference: named here, not clip.visual.bef_embedding etc. (release.py maps them)
+        # differs from reference: named here, not clip.visual.bef_embedding etc. (plumbing/release.py maps them)
         self.before_embedding = nn.Parameter(scale * torch.randn(width))  # (D,) added to every before token
         self.after_embedding = nn.Parameter(scale * torch.randn(width))  # (D,) added to every after token
         # a new table, not a copy of CLIP's positional_embedding, as in the reference
@@ -297,7 +297,7 @@ def from_checkpoint(state: dict) -> PairEncoder:
 
 def tiny_pair_encoder() -> PairEncoder:
     """A pair encoder on a tiny random CLIP (64 x 64 images of 16 patches, 4 vision blocks, 3 of them intra-image),
-    seeded: what the demo below and release.py's run."""
+    seeded: what the demo below and plumbing/release.py's run."""
     torch.manual_seed(0)
     tiny = clip.CLIPConfig(embed_dim=32, image_resolution=64, vision_layers=4, vision_width=128, vision_patch_size=16,
                            context_length=77, vocab_size=1000, transformer_width=64, transformer_heads=1,

@@ -88,7 +88,7 @@ from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
-# `bench.py gpu` runs on a stock GPU image with no internet, which may lack ftfy (clip.py's tokenizer needs it): its
+# `python -m bench gpu` runs on a stock GPU image with no internet, which may lack ftfy (clip.py's tokenizer needs it): its
 # pure-Python wheels, carried in assets/wheels, are importable as they are, put on the path (and on PYTHONPATH for
 # the torchrun runs) only when ftfy is missing
 REPO = Path(__file__).resolve().parents[1]  # the repository root: the scripts it runs
@@ -653,17 +653,17 @@ for scorer in (Bleu(4), Meteor(), Rouge(), Cider()):
     scorer.compute_score(gts, res)
 """
 
-# Each speed variant of metrics.py and meteor.py, and the line that puts the plain code back in its place, run in
+# Each speed variant of metrics.py and scoring/meteor.py, and the line that puts the plain code back in its place, run in
 # the scoring process before metrics.main (which, as the scripts do, asks for metrics.FastCaptionScorer).
 METRICS_VARIANTS = {
     "none (all speed variants on)": "",
-    "paraphrase index": "meteor.FastMeteor.read_paraphrases = staticmethod(meteor.read_paraphrases)",
-    "batched beam search": "meteor.FastMeteor.item_stats_many = meteor.Meteor.item_stats_many; "
-                           "meteor.FastMeteor.sentence_type = meteor._MeteorSentence",
+    "paraphrase index": "fast.FastMeteor.read_paraphrases = staticmethod(meteor.read_paraphrases)",
+    "batched beam search": "fast.FastMeteor.item_stats_many = meteor.Meteor.item_stats_many; "
+                           "fast.FastMeteor.sentence_type = meteor._MeteorSentence",
     "garbage collector paused": "import contextlib; metrics.collector_paused = contextlib.nullcontext",
-    "PTB plain captions": "metrics.FastCaptionScorer.tokenizer = staticmethod(metrics.ptb_tokenize)",
+    "PTB plain captions": "metrics.FastCaptionScorer.tokenizer = staticmethod(ptb.ptb_tokenize)",
     "METEOR's second process": "metrics.FastCaptionScorer.start_meteor = metrics.CaptionScorer.start_meteor",
-    "normaliser's plain lines": "meteor.FastMeteor.words = meteor.Meteor.words",
+    "normaliser's plain lines": "fast.FastMeteor.words = meteor.Meteor.words",
 }
 
 
@@ -708,7 +708,8 @@ def metrics_scoring(corpus: str | os.PathLike = TIMING_CORPUS, runs: int = 3, va
         walls["Java toolkit"] = []
     for _ in range(runs):
         for name in names:
-            code = (f"import sys; sys.path.insert(0, {str(here)!r}); import metrics, meteor\n"
+            code = (f"import sys; sys.path.insert(0, {str(here)!r}); import metrics\n"
+                    f"from scoring import fast, meteor, ptb\n"
                     f"{METRICS_VARIANTS[name]}\nsys.exit(metrics.main(sys.argv[1:]))")
             wall, out = _timed_run([sys.executable, "-c", code, str(corpus), "--json"])
             walls[name].append(round(wall, 2))
@@ -844,7 +845,7 @@ def md5_of(path: Path) -> str | None:
 
 
 def repository_of_this_file() -> str:
-    """The git repository bench.py is in (a worktree's folder clones as its branch)."""
+    """The git repository bench/ is in (a worktree's folder clones as its branch)."""
     here = Path(__file__).resolve().parent
     found = subprocess.run(["git", "-C", str(here), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
     if found.returncode != 0:
@@ -1238,7 +1239,7 @@ GPU_PEAKS = {  # dense tensor-core TFLOPS in the vendors' data sheets (no sparsi
     "L4": (121, 121, 60), "V100": (None, 125, None), "T4": (None, 65, None)}
 GPU_STEP_BATCH = {"stage1": 128, "stage2_cached": 16, "stage2_finetune": 16}  # the clevr presets' global batches
 STAGE1_PER_GPU = (16, 32, 64, 128)  # stage 1's pairs per GPU: 128 on 8, 4, 2 and 1 GPUs
-# bench.py cost's float32 estimate at those batches (BENCHMARKS.md section 8): activations, weights, gradients, AdamW
+# `python -m bench cost`'s float32 estimate at those batches (BENCHMARKS.md section 8): activations, weights, gradients, AdamW
 COST_ESTIMATE_GB = {"stage1": 11.0, "stage2_cached": 1.4, "stage2_finetune": 5.0}
 # Each script run's time limit, in seconds: the runs in turn, then the in-process parts (about 2 minutes on one H100,
 # the compiled step the longest), fit in GPU_RUN_BUDGET_S, this command's estimate of its own length on one H100
@@ -1371,7 +1372,7 @@ def gpu_figures(out: str, tiny: bool = False, steps: int = 10) -> dict:
     user types them, then under a 1-process torchrun with --resume (tiny synthetic sets); the seconds a stage-1
     checkpoint takes to write; the loader's pairs/s with
     this machine's cores; greedy decoding; each stage's step at the papers' sizes (random weights: the speed and
-    memory do not depend on them) in bfloat16, float16 and TF32 float32 with MFU and peak memory against bench.py
+    memory do not depend on them) in bfloat16, float16 and TF32 float32 with MFU and peak memory against bench/
     cost's estimate, stage 1 also at 16, 32, 64 and 128 pairs per GPU; --compile's step last (the biggest parts
     last). Each part works in its own folder under out/parts; out/gpu.json is rewritten as each figure is measured,
     so a part that fails loses no other, and a failed script run's whole output goes to out/failures.log.
@@ -1470,7 +1471,7 @@ def checkpoint_save(sizes: CostSizes, device: torch.device, folder: Path) -> dic
 
 def head_commit() -> str | None:
     """The commit measured, for BENCHMARKS.md: BENCH_COMMIT where the caller names it (a working tree copied to a
-    lent GPU machine may carry another commit's .git), else the commit bench.py's checkout is at, else None."""
+    lent GPU machine may carry another commit's .git), else the commit this checkout is at, else None."""
     if os.environ.get("BENCH_COMMIT"):
         return os.environ["BENCH_COMMIT"]
     done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
@@ -1512,7 +1513,7 @@ def compiled_step(sizes: CostSizes, device: torch.device, dtype: str, steps: int
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="figure", required=True)
     figure = lambda name, what: sub.add_parser(name, help=what, description=what,
                                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -35,7 +35,8 @@ The map: each part, what it guarantees, and the test of test_all.py that shows i
   loop.py         A run set up and ended (`started`, `Run`) and what the loops do between two optimizer steps
                   (`StepBoundary`: the finiteness check, signals, the progress line and log, saves).
                   test_the_step_boundary_reads_the_losses_on_log_and_save_steps_and_saves_between_epochs_or_for_a_
-                  signal, test_sigterm_saves_stage_2_at_the_step_boundary_exits_143_and_the_resumed_run_is_the_uninterrupted_one
+                  signal, test_sigterm_saves_stage_2_at_the_step_boundary_exits_143_and_the_resumed_run_is_the_
+                  uninterrupted_one
   caches.py       What is computed once and kept on disk, named by what it depends on: preprocessed pixels (the image
                   cache), frozen intra-image tokens, stage 2's pair features.  test_the_image_cache_gives_the_decoded_
                   pixels_and_is_rebuilt_when_a_file_changes, test_a_replaced_image_gives_new_pixels_new_intra_tokens_

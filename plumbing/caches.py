@@ -28,8 +28,8 @@ from torch.utils.data import DataLoader, Dataset
 
 import clip
 from data import IMAGE_SIZE, CaptionItems, DataError, ImagePair, ImageReader, preprocess_uint8, usable_cpus
-from plumbing.files import (NO_SPACE, NOT_WRITABLE, DiskFull, no_space, process_alive, remove_partial_files, reserve_space,
-                   unwritable)
+from plumbing.files import (NO_SPACE, NOT_WRITABLE, DiskFull, no_space, process_alive, remove_partial_files,
+                            reserve_space, unwritable)
 from plumbing.progress import Progress
 
 # -----------------------------------------------------------------------------
@@ -353,7 +353,8 @@ def cached_features(encoder_sha: str, pairs, shape: tuple, cache_dir: Path, name
 
 
 class FeatureItems(Dataset):
-    """data.CaptionItems with each pair's cached tokens (float16) in place of its images ("visual", "no_change_visual")."""
+    """data.CaptionItems with each pair's cached tokens (float16) in place of its images ("visual",
+    "no_change_visual")."""
 
     def __init__(self, items: CaptionItems, features_path: Path):
         self.items, self.features_path, self.features = items, features_path, None

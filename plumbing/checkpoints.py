@@ -6,9 +6,9 @@
   numbers it would have drawn; `start_or_resume` begins a run or continues one, refusing other settings and another
   training split (`split_fingerprint`); `check_resume` checks the files a resumed run needs before any work.
 - `read_encoder`: a stage-1 checkpoint, adapt.py's or a CLIP4IDC release file (release.py), with every check that
-  names what is wrong with a file (encoder.from_checkpoint rebuilds its pair encoder); `checkpoint_tokenizer`: the vocabulary a model was trained with;
-  `load_trained`: a trained captioner and the settings it decides (caption.py --eval, --pair). caption.py passes its
-  flags' values: nothing here imports it.
+  names what is wrong with a file (encoder.from_checkpoint rebuilds its pair encoder); `checkpoint_tokenizer`: the
+  vocabulary a model was trained with; `load_trained`: a trained captioner and the settings it decides (caption.py
+  --eval, --pair). caption.py passes its flags' values: nothing here imports it.
 """
 import dataclasses
 import functools

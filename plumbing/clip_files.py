@@ -9,16 +9,13 @@ It holds, top to bottom:
        weights file through torch.load(weights_only=True) (load_state_dict);
     3. load(), which puts them together with clip.py's model and preprocessing, as openai/CLIP's clip.load, and
        get_tokenizer(), the tokenizer of a vocabulary file found in this order: given, $CLIP_BPE_PATH, the cache;
-and a demo.
+and nothing else.
 
 What differs from the reference (openai/CLIP clip/clip.py): the archive is read for its tensors only (there is no
 jit=True mode); a download is checked by sha256 before it gets its name, and again on every load.
 
 Environment: CLIP_CACHE (cache folder, default ~/.cache/clip), CLIP_BPE_PATH (vocabulary file).
-
-Run:  python -m plumbing.clip_files [WEIGHTS]    where the cache is, the named models; with a weights file, its tensors
 """
-import argparse
 import collections
 import hashlib
 import os
@@ -296,21 +293,3 @@ def get_tokenizer(bpe_path: str | os.PathLike | None = None) -> clip.SimpleToken
     """The tokenizer of a vocabulary file: bpe_path, else $CLIP_BPE_PATH, else OpenAI's from the cache
     (find_bpe_vocabulary), built once per file (clip.get_tokenizer)."""
     return clip.get_tokenizer(find_bpe_vocabulary(bpe_path))
-
-
-# ---------------------------------------------------------------------------------------------------
-# Demo
-# ---------------------------------------------------------------------------------------------------
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="CLIP's files: the cache, the named models, a weights file's tensors")
-    parser.add_argument("weights", nargs="?", help="a weights file: an OpenAI archive or a state dict")
-    args = parser.parse_args()
-    print(f"cache folder {cache_dir()}")
-    for name, (url, sha256) in MODELS.items():
-        print(f"  {name:<13} sha256 {sha256[:16]}... from {url}")
-    if args.weights:
-        tensors = load_state_dict(args.weights, dtype=None)  # read as data, never run
-        print(f"{args.weights}: {len(tensors)} tensors, {sum(t.numel() for t in tensors.values()):,} numbers")
-        for key, tensor in list(tensors.items())[:8]:
-            print(f"  {key:<40} {tuple(tensor.shape)} {tensor.dtype}")

@@ -6,13 +6,10 @@ with `flag(default, help)` so that its --help text is the field's own metadata; 
 applied before the command-line flags; a misspelt flag fails. `check_settings`, `check_length`, `check_device`
 and `check_image_path` refuse a bad value before any data is read (ConfigError, printed as one line by
 stopping.run_main).
-
-Run `python flags.py --help` (or `python flags.py --data clevr --lr 3e-4`) for a demo of the parser.
 """
 import argparse
 import dataclasses
 import math
-import sys
 import typing
 from pathlib import Path
 
@@ -129,13 +126,3 @@ def check_image_path(name: str, path: str) -> None:
         named = f"*{Path(path).suffix}" if Path(path).suffix else "without an extension"
         raise ConfigError(f"--{name} {path}: PIL cannot write an image {named}; end the name with .png (or .jpg, "
                           f".webp)")
-
-
-if __name__ == "__main__":
-    @dataclasses.dataclass
-    class DemoConfig:
-        data: str = flag("synth", "which dataset preset")
-        lr: float = flag(1e-4, "peak learning rate")
-        epochs: int = flag(12, "passes over the training set")
-        amp: bool = flag(False, "use mixed precision")
-    print(parse_config(DemoConfig, {"synth": {"epochs": 3}, "clevr": {}}, sys.argv[1:]))

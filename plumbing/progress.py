@@ -5,8 +5,6 @@
   image cache, check.py's decoding) lets `show()` redraw one line on stderr.
 - `JsonlLog`: one JSON object per logged step in the run's folder (LOG_NAME); `trim_log` cuts it at the step a
   resumed run starts from (checkpoints.start_or_resume), and the run appends to it.
-
-Run `python progress.py` for a demo of both lines.
 """
 import json
 import math
@@ -87,13 +85,3 @@ def trim_log(path, step: int) -> None:
     records = [json.loads(line) for line in lines]
     write_text_atomically("".join(line for line, record in zip(lines, records)
                                   if record.get("step", 0) <= step and record.get("split") != "test"), path)
-
-
-if __name__ == "__main__":
-    progress = Progress(total=100)
-    time.sleep(0.05)
-    print(progress.line(10, loss=2.3125, lr=1e-4))
-    build = Progress(3, what="a build of 3 items")
-    for done in range(1, 4):
-        time.sleep(0.02)
-        build.show(done)

@@ -21,8 +21,6 @@ Use (checkpoints.read_encoder, caption.py):
     pair_encoder = encoder.from_checkpoint(release_checkpoint(state))   # either stage: its clip.*
     decoder = caption.release_decoder(state, 2 * (pair_encoder.n_patches + 1))   # stage 2: its decoder.*
 
-Run:  python -m plumbing.release     a tiny pair encoder written under the reference's names and read back
-
 Run the commands on a release: README.md, "Using the released weights"; what was checked against the
 reference's own code: BENCHMARKS.md section 12.
 """
@@ -207,18 +205,3 @@ def release_decoder_sizes(state_dict: dict[str, torch.Tensor]) -> dict[str, int]
                 ffn=state_dict["decoder.decoder.layer.0.intermediate.dense.weight"].shape[0],
                 layers=reference_layers(state_dict), vocab_size=words.shape[0],
                 max_positions=state_dict["decoder.embeddings.position_embeddings.weight"].shape[0])
-
-
-if __name__ == "__main__":
-    # A tiny pair encoder saved under the reference's names, told apart as a stage-1 release, and read back.
-    from encoder import from_checkpoint, tiny_pair_encoder  # the demo's model; the file itself builds none
-    model = tiny_pair_encoder()
-    ours = model.state_dict()
-    theirs = to_reference_keys(ours)
-    renamed = sorted(set(theirs) - set(ours))
-    print(f"{len(ours)} tensors; {len(renamed)} renamed for the reference, e.g.")
-    for key in renamed[:4]:
-        print("   ", key)
-    print(f"stage of a file with these keys: {release_stage(theirs)}")
-    again = from_checkpoint(release_checkpoint(theirs, model.config.intra_layers)).state_dict()
-    print(f"read back with strict=True, every tensor equal: {all(torch.equal(again[k], ours[k]) for k in ours)}")

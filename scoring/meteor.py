@@ -6,17 +6,15 @@ then words with the same stem, then WordNet synonyms, then phrases the paraphras
 alignment with the most matches and the fewest chunks (runs of neighbouring matched words) gives precision, recall,
 their harmonic mean weighted towards recall, and a penalty for fragmentation. pycocoevalcap runs it as
 `java -jar meteor-1.5.jar - - -stdio -l en -norm` (English, normalised); this file computes the same. The lesson
-comes first, in one stretch; what it leans on and the speed variants come after it:
+comes first, in one stretch; what it leans on comes after it, and its speed variants live in scoring/fast.py:
 
     1. METEOR's score  the statistics an alignment leaves (MeteorStats); the four matching stages; the alignment
                        (Aligner's beam search over reference positions); precision, recall, Fmean and the
                        fragmentation penalty; per item the best single reference, a corpus from summed statistics
     2. resources       the word lists, the synonym tables and the paraphrase table of the METEOR 1.5 release
     3. the text        the toolkit's input line, then edu.cmu.meteor.util.Normalizer (English, punctuation kept),
-                       after the Penn Treebank (PTB) tokenizer of metrics.py
+                       after the Penn Treebank (PTB) tokenizer (scoring/ptb.py)
     4. the stemmer     Snowball English ("Porter2")
-    5. speed variants  the same numbers, faster: a paraphrase index, a batched beam search, a paused garbage
-                       collector; each tested equal to the plain code it stands in for
 
 METEOR's synonym (WordNet) and paraphrase resources are data files of the METEOR 1.5 release. They are read with
 the standard library from the jar (a zip archive) and `data/paraphrase-en.gz` of an installed pycocoevalcap
@@ -27,29 +25,22 @@ jar's edu.cmu.meteor packages.
 Differences from the toolkit (each is marked `# differs from reference:` below):
   - METEOR compares words as strings, where Java compares String.hashCode values (a collision would count as a match).
 
-metrics.py runs this inside its scorer, after its PTB tokenizer; this file imports nothing of the project.
-Run:   python meteor.py        # demo: one candidate aligned with one reference, and its score
+metrics.py runs this inside its scorer, after the PTB tokenizer (scoring/ptb.py); this file imports nothing of the
+project.
+
+Run:   python -m scoring.meteor        # demo: one candidate aligned with one reference, and its score
 """
-import contextlib
 import functools
-import gc
 import gzip
 import importlib.util
-import itertools
 import math
 import operator
 import os
 import re
-import shutil
-import sys
-import tempfile
 import zipfile
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
-
-import numpy as np
 
 
 @dataclass
@@ -168,7 +159,7 @@ METEOR_SEARCH_WEIGHTS = {"exact": 1.0, "stem": 0.5, "synonym": 0.5, "paraphrase"
 class Meteor:
     """METEOR 1.5 statistics and scores, with the toolkit's settings (-l en -norm, task rank)."""
 
-    # The plain steps. FastMeteor (section 5) puts faster ones with the same results in their place.
+    # The plain steps. FastMeteor (scoring/fast.py) puts faster ones with the same results in their place.
     sentence_type = _MeteorSentence       # what sentence() builds (FastMeteor's: _FastSentence)
 
     def __init__(self, config=None, modules=None, resources=None):
@@ -614,7 +605,7 @@ def _checked_modules(modules, resources):
 # The paraphrase table: 5.3 million (phrase, paraphrase) pairs over 17,811 words, 272 MB unzipped, in triples of
 # lines: probability, phrase, paraphrase (words separated by single spaces). A pair can only ever match when every
 # word of both phrases occurs in the corpus being scored, so Meteor keeps only those pairs. Reading them this way
-# takes seconds; a run reads the same pairs from an index instead (load_paraphrases, section 5; BENCHMARKS.md
+# takes seconds; a run reads the same pairs from an index instead (fast.load_paraphrases; BENCHMARKS.md
 # section 6).
 def read_paraphrases(resources, vocabulary):
     """{phrase (tuple of words): [paraphrases in file order]} for the pairs whose words are all in the set
@@ -836,453 +827,6 @@ def snowball_stem(word):
         if start >= p2 and w[:start].endswith("l"):
             w = w[:start]
     return w.replace("Y", "y")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 5. Speed variants: the same numbers, faster. Each says what it stands in for and what it buys, and a test checks
-#    that it gives exactly what the plain code gives.
-# ---------------------------------------------------------------------------------------------------------------
-# 5.1 The paraphrase index, for read_paraphrases (section 2). Unzipping the table alone takes seconds, so it is turned
-# once into a word-id index cached on disk. The index files each pair under its rarest word: a run reads only the
-# pairs filed under its own vocabulary, then keeps those whose words it all has. What it buys of the whole scoring
-# process: BENCHMARKS.md section 6 (`python bench.py metrics`).
-def _paraphrase_cache_dir(gz):
-    with open(gz, "rb") as f:
-        head = f.read(1 << 16)
-        f.seek(max(0, gz.stat().st_size - (1 << 16)))
-        tail = f.read()
-    fingerprint = f"{gz.stat().st_size}-{zlib.crc32(head + tail):08x}"
-    root = os.environ.get(METEOR_CACHE_ENV) or \
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "clip4idc" / "meteor"
-    return Path(root) / f"paraphrase-en-v{PARAPHRASE_INDEX_VERSION}-{fingerprint}"
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process, or a system that cannot tell
-        return True
-    return True
-
-
-def _build_paraphrase_index(gz, out):
-    """Parse paraphrase-en.gz into numpy arrays: entries sorted by (rarest word, file position)."""
-    vocab, lengths, ids = {}, ([], []), ([], [])        # per side: phrase (0) and paraphrase (1)
-    with gzip.open(gz, "rb") as f:
-        leftover = []
-        while True:                                      # about 32 MB of text at a time, whole triples of lines
-            lines = leftover + f.readlines(1 << 25)
-            if len(lines) == len(leftover):
-                break
-            whole = len(lines) - len(lines) % 3
-            lines, leftover = lines[:whole], lines[whole:]
-            for side in (0, 1):
-                phrases = lines[1 + side::3]             # each still ends in "\n"
-                lengths[side].append(np.fromiter((p.count(b" ") + 1 for p in phrases), np.int32, len(phrases)))
-                words = b"".join(phrases).replace(b"\n", b" ").split(b" ")[:-1]
-                for word in dict.fromkeys(words):
-                    vocab.setdefault(word, len(vocab))
-                ids[side].append(np.fromiter(map(vocab.__getitem__, words), np.int32, len(words)))
-    assert len(vocab) < 1 << 16, "word ids are stored as uint16"
-    n_src, n_tgt = np.concatenate(lengths[0]), np.concatenate(lengths[1])
-    src_ids, tgt_ids = np.concatenate(ids[0]), np.concatenate(ids[1])
-    del lengths, ids
-    # Each entry's words, phrase then paraphrase, in one flat array.
-    sizes = n_src + n_tgt
-    starts = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
-    words = np.empty(starts[-1], np.int32)
-    for side_ids, n, first in ((src_ids, n_src, starts[:-1]), (tgt_ids, n_tgt, starts[:-1] + n_src)):
-        side_starts = np.concatenate(([0], np.cumsum(n, dtype=np.int64)))[:-1]
-        words[np.repeat(first - side_starts, n) + np.arange(len(side_ids))] = side_ids
-    del src_ids, tgt_ids
-    # The key of an entry: its rarest word (frequency * V + id, so the minimum also names the word).
-    frequency = np.bincount(words, minlength=len(vocab)).astype(np.int64)
-    key = np.minimum.reduceat(frequency[words] * len(vocab) + words, starts[:-1]) % len(vocab)
-    order = np.argsort(key, kind="stable")          # stable: file order within a key
-    new_sizes = sizes[order]
-    new_starts = np.concatenate(([0], np.cumsum(new_sizes, dtype=np.int64)))
-    gather = np.repeat(starts[:-1][order] - new_starts[:-1], new_sizes) + np.arange(new_starts[-1])
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    for stale in out.parent.glob(out.name + ".tmp*"):  # the folders of killed builds: their process runs no more
-        pid = stale.name.rpartition(".tmp")[2]
-        if pid.isdigit() and not _process_alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
-    tmp.mkdir(parents=True, exist_ok=True)
-    try:
-        np.save(tmp / "words.npy", words[gather].astype(np.uint16))
-        np.save(tmp / "starts.npy", new_starts)
-        np.save(tmp / "entry.npy", order.astype(np.int32))             # position in the file: the Java trie's order
-        np.save(tmp / "n_src.npy", n_src[order].astype(np.uint8))
-        np.save(tmp / "key_starts.npy", np.searchsorted(key[order], np.arange(len(vocab) + 1)))
-        (tmp / "vocab.txt").write_bytes(b"\n".join(vocab))
-    except BaseException:                         # a full disk, an interrupt: no half-written index left behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    try:
-        os.replace(tmp, out)                      # atomic: a concurrent run sees the whole index or none of it
-    except OSError:                               # another process finished first
-        for f in tmp.iterdir():
-            f.unlink()
-        tmp.rmdir()
-
-
-def load_paraphrases(resources, vocabulary):
-    """{phrase (tuple of words): [paraphrases in file order]} for the pairs whose words are all in `vocabulary`."""
-    out = _paraphrase_cache_dir(resources.paraphrase_gz)
-    if (out / "vocab.txt").is_file():
-        return _read_paraphrase_index(out, vocabulary)
-    print(f"metrics.py: building the METEOR paraphrase index in {out} (once, 15-40 s)", file=sys.stderr)
-    try:
-        _build_paraphrase_index(resources.paraphrase_gz, out)
-    except OSError as error:  # an unwritable or full cache folder: the same index, built for this run only
-        print(f"metrics.py: note: cannot keep the METEOR paraphrase index in {out} ({error.strerror or error}); "
-              f"built for this run only (set {METEOR_CACHE_ENV} or XDG_CACHE_HOME to a writable folder to keep it)",
-              file=sys.stderr)
-        with tempfile.TemporaryDirectory() as folder:
-            _build_paraphrase_index(resources.paraphrase_gz, Path(folder) / out.name)
-            return _read_paraphrase_index(Path(folder) / out.name, vocabulary)
-    return _read_paraphrase_index(out, vocabulary)
-
-
-def _read_paraphrase_index(out, vocabulary):
-    """load_paraphrases' table, from the index in the folder out."""
-    vocab = (out / "vocab.txt").read_bytes().decode("utf-8").split("\n")
-    word_id = {word: i for i, word in enumerate(vocab)}
-    ids = np.array(sorted(word_id[w] for w in vocabulary if w in word_id), np.int64)
-    key_starts = np.load(out / "key_starts.npy")
-    starts = np.load(out / "starts.npy", mmap_mode="r")
-    words = np.load(out / "words.npy", mmap_mode="r")
-    lo, hi = key_starts[ids], key_starts[ids + 1]
-    entries = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)] or [np.zeros(0, np.int64)])
-    if len(entries) == 0:
-        return {}
-    known = np.zeros(len(vocab), bool)
-    known[ids] = True
-    first, last = np.asarray(starts[entries]), np.asarray(starts[entries + 1])
-    flat = np.repeat(first - np.concatenate(([0], np.cumsum(last - first)))[:-1], last - first)
-    flat += np.arange(len(flat))
-    entry_words = np.asarray(words[flat]).astype(np.int64)
-    keep = np.logical_and.reduceat(known[entry_words], np.concatenate(([0], np.cumsum(last - first)))[:-1])
-    positions = np.load(out / "entry.npy", mmap_mode="r")[entries[keep]]
-    n_src = np.load(out / "n_src.npy", mmap_mode="r")[entries[keep]]
-    bounds = np.concatenate(([0], np.cumsum(last - first)))
-    table = {}
-    for (entry_pos, split, a, b) in sorted(zip(positions.tolist(), n_src.tolist(), bounds[:-1][keep].tolist(),
-                                               bounds[1:][keep].tolist())):
-        phrase = [vocab[i] for i in entry_words[a:b].tolist()]
-        table.setdefault(tuple(phrase[:split]), []).append(tuple(phrase[split:]))
-    return table
-
-
-# 5.2 Many items at once, for Meteor.item_stats_many (section 1). The beam search of Meteor._resolve, one alignment
-# at a time in Python, is about half of METEOR's time. FastMeteor.item_stats_many collects the alignments of many
-# items that need a search (each distinct one once) and runs that same search on all of them together with numpy,
-# step for step, so that every tie is broken the same way. What it buys of the whole scoring process: BENCHMARKS.md
-# section 6 (`python bench.py metrics`).
-# Its sentences (_FastSentence) are built from per-word records, computed once per word, and hold each phrase's
-# paraphrases grouped by first word as lists made once per phrase (a pair's paraphrase matches then need no set),
-# the longer phrases found down a trie of the table's phrases.
-_PLAIN_LINE = re.compile(r"[a-z0-9 ]*")     # lower-case words and spaces: no normaliser rule changes them
-
-
-class _FastSentence(_MeteorSentence):
-    """_MeteorSentence built from per-word records (FastMeteor._word_record). Its paths hold each phrase's
-    paraphrases as FastMeteor._by_first lists them, found by walking the table's phrases as a trie
-    (FastMeteor._trie), one word at a time, as ParaphraseTransducer does."""
-    __slots__ = ()
-
-    def __init__(self, words, meteor):
-        records = meteor._records
-        rows = [records.get(word) or meteor._word_record(word) for word in words]
-        self.words = words = tuple(words)
-        self.positions = _positions(words)
-        functional, stems, synonyms, paths, nodes = zip(*rows) if rows else ((),) * 5
-        self.functional, self.stems, self.synonyms = functional, stems, synonyms
-        self.stem_positions = self.paths = None
-        if "stem" in meteor.modules:
-            self.stem_positions = _positions(stems)
-        else:
-            self.stems = None
-        if "synonym" not in meteor.modules:
-            self.synonyms = None
-        if "paraphrase" in meteor.modules:
-            self.paths = list(paths)
-            for i, node in enumerate(nodes):              # as _MeteorSentence: longer phrases too, down the trie
-                if node is not None and node[1]:
-                    self.paths[i] = grown = list(paths[i])
-                    for n in range(2, len(words) - i + 1):
-                        node = node[1].get(words[i + n - 1])
-                        if node is None:
-                            break
-                        if node[0]:
-                            grown.append((n, node[0]))
-
-    def paraphrase_matches(self, other):
-        """_MeteorSentence.paraphrase_matches: the same list."""
-        found, other_words, other_positions = [], other.words, other.positions
-        for i, paths in enumerate(self.paths):
-            for n, firsts in paths:
-                for first, options in firsts:
-                    if first in other_positions:
-                        for rank, target, m in options:
-                            for j in other_positions[first]:
-                                if m == 1 or other_words[j:j + m] == target:
-                                    found.append((i, n, rank, j, m))
-        found.sort()
-        return found
-
-
-class FastMeteor(Meteor):
-    """Meteor with every speed variant of this section in place of the plain step it stands in for."""
-    read_paraphrases = staticmethod(load_paraphrases)
-    sentence_type = _FastSentence
-
-    def words(self, text):
-        """Meteor.words, with a shortcut for lines of lower-case letters, digits and spaces (most PTB-tokenized
-        captions): no rule of the normaliser changes them, so their words are the line split on spaces. What it
-        buys: BENCHMARKS.md section 6 (`python bench.py metrics`)."""
-        if text not in self._words and _PLAIN_LINE.fullmatch(text):
-            self._words[text] = text.split()
-        return super().words(text)
-
-    def __init__(self, config=None, modules=None, resources=None):
-        super().__init__(config, modules, resources)
-        self._records = {}              # word -> (functional, stem, synonyms, paths, trie node): see _word_record
-        self._firsts = {}               # phrase -> its paraphrases by first word: see _by_first
-        self._trie = {}                 # word -> [paraphrases by first word, {next word -> node}]: see prepare
-
-    def prepare(self, texts):
-        known = len(self.vocabulary)
-        super().prepare(texts)
-        if len(self.vocabulary) != known:
-            self._records.clear()       # paraphrase paths may grow
-            self._firsts.clear()
-            self._trie = {}             # every phrase of the table read, word by word
-            for phrase in self.paraphrase_index:
-                children = self._trie
-                for word in phrase:
-                    node = children.setdefault(word, [[], {}])
-                    children = node[1]
-                node[0] = self._by_first(phrase)
-
-    def forget(self):
-        super().forget()
-        self._records, self._firsts, self._trie = {}, {}, {}
-
-    def _by_first(self, phrase):
-        """The phrase's paraphrases, [(first word, [(rank, paraphrase, its length)])], in paraphrase_index's
-        order; [] when it has none."""
-        if phrase not in self._firsts:
-            self._firsts[phrase] = [(first, [(rank, target, len(target)) for rank, target in targets])
-                                    for first, targets in self.paraphrase_index.get(phrase, {}).items()]
-        return self._firsts[phrase]
-
-    def _word_record(self, word):
-        """What _MeteorSentence computes of one word, computed once per word."""
-        node = self._trie.get(word)
-        paths = [(1, node[0])] if node is not None and node[0] else []
-        self._records[word] = record = (word in METEOR_FUNCTION_WORDS, self.stem(word) if "stem" in self.modules
-                                        else None, self.synonyms(word) if "synonym" in self.modules else None,
-                                        paths, node)
-        return record
-
-    def item_stats_many(self, items):
-        """item_stats for many (hypothesis, references) at once: the alignments that need a search are solved
-        together by _resolve_batch (same result as _resolve, much faster)."""
-        fields = self.prepare_items(items)
-        pending, problems = {}, {}
-        for hypothesis, references in fields:
-            hyp = self.sentence(hypothesis)
-            for reference in references:
-                key = (hypothesis, reference)             # texts: their hashes are kept, a tuple's are not
-                if key in self._pairs or key in pending:
-                    continue
-                ref = self.sentence(reference)
-                cands, cover1, cover2 = self._candidates(hyp, ref)
-                fixed, used1, used2, open_choice = _fixed_matches(cands, cover1, cover2)
-                if not open_choice:
-                    self._pairs[key] = self._stats(hyp, ref, fixed)
-                    continue
-                structure = (len(ref.words), tuple(map(tuple, cands)))
-                if structure in self._structures:
-                    self._pairs[key] = self._stats(hyp, ref, self._structures[structure])
-                elif len(hyp.words) > 64 or len(ref.words) > 64:    # beyond 64-bit word masks
-                    self._pairs[key] = self._stats(hyp, ref, self._resolve(cands, cover1, cover2, len(ref.words)))
-                else:
-                    pending[key] = (hyp, ref, structure)
-                    problems.setdefault(structure, (cands, fixed, used1, used2))
-        solved = dict(zip(problems, self._resolve_batch(list(problems.values())))) if problems else {}
-        self._structures.update(solved)
-        for key, (hyp, ref, structure) in pending.items():
-            self._pairs[key] = self._stats(hyp, ref, solved[structure])
-        out, scores = [], {}
-        for hypothesis, references in fields:           # the best single reference, the first on a tie
-            best, best_score = None, -1.0
-            for reference in references:
-                stats = self._pairs[(hypothesis, reference)]
-                if stats not in scores:
-                    scores[stats] = self.score(stats)
-                if scores[stats] > best_score:
-                    best, best_score = stats, scores[stats]
-            out.append(best)
-        return out
-
-    def _resolve_batch(self, problems, batch_size=1 << 15):
-        """_resolve for many alignments at once, identical results: the same beam search, one reference position
-        at a time, with every partial alignment of every problem a row of numpy arrays. Words <= 64 a side.
-
-        problems: [(cands, fixed, used1, used2)]. Returns the chosen matches of each, by reference start.
-        """
-        out = []
-        for first in range(0, len(problems), batch_size):
-            out.extend(self._resolve_some(problems[first:first + batch_size]))
-        return out
-
-    def _resolve_some(self, problems):
-        beam, weights = self.config.beam, self.search_weights
-        # Number problems by decreasing reference length: those that finish first are then the last rows.
-        by_length = sorted(range(len(problems)), key=lambda p: -len(problems[p][0]))
-        problems = [problems[p] for p in by_length]
-        n_ref = np.array([len(cands) for cands, _, _, _ in problems], np.int64)
-        base = np.concatenate(([0], np.cumsum(n_ref)))                   # (problem, position) -> base[p] + i
-        # Every position's candidate options in one table (a fixed position's are never read: its word is used).
-        options = list(itertools.chain.from_iterable(itertools.chain.from_iterable(c for c, _, _, _ in problems)))
-        bounds = np.cumsum([0] + [len(matches) for cands, _, _, _ in problems for matches in cands])
-        opt_lo, opt_hi = bounds[:-1], bounds[1:]
-        fixed_at = np.zeros((base[-1], 5), np.int64)                     # ref end, hyp start, hyp end, key step, has
-        fixed_flat = [int(base[p]) + i for p, (_, fixed, _, _) in enumerate(problems) for i in fixed]
-        fixed_rows = [(start + length, m_start, m_start + m_length, self._key_step(match, weights)
-                       + abs(start - m_start), 1) for _, fixed, _, _ in problems
-                      for match in fixed.values() for start, length, m_start, m_length, _ in [match]]
-        if fixed_flat:
-            fixed_at[fixed_flat] = np.array(fixed_rows, np.int64)
-        o = np.array(options, np.int64).reshape(-1, 5)                   # start, length, m_start, m_length, stage
-        o_mask1 = (((np.uint64(1) << o[:, 3].astype(np.uint64)) - np.uint64(1)) << o[:, 2].astype(np.uint64))
-        o_mask2 = (((np.uint64(1) << o[:, 1].astype(np.uint64)) - np.uint64(1)) << o[:, 0].astype(np.uint64))
-        o_mask1, o_mask2 = o_mask1.view(np.int64), o_mask2.view(np.int64)
-        stage_weight = np.array(weights)[o[:, 4]]                         # Java: int += length * weight
-        o_step = -(np.floor(o[:, 3] * stage_weight) + np.floor(o[:, 1] * stage_weight)).astype(np.int64) << 32
-        o_dist = np.abs(o[:, 0] - o[:, 2])
-        # A row per partial alignment: the sort key packs (problem, -(matches1 + matches2) + 128, chunks,
-        # distance) into one int64 whose fields are updated by addition; then the reference end of its last match,
-        # the hypothesis end of its last match (-1 after a skip), the used-word masks (raw 64-bit patterns) and
-        # its entry in the history of choices. Rows of a problem stay together, in _resolve's list order.
-        KEY, REF_END, LAST, U1, U2, HIST = range(6)
-        rows = np.zeros((len(problems), 6), np.int64)
-        rows[:, KEY] = (np.arange(len(problems)) << 40) | (128 << 32)
-        rows[:, LAST] = rows[:, HIST] = -1
-        rows[:, U1] = np.array([u1 for _, _, u1, _ in problems], np.uint64).view(np.int64)
-        rows[:, U2] = np.array([u2 for _, _, _, u2 in problems], np.uint64).view(np.int64)
-        history_parent, history_option, n_history = [], [], 0
-        best_hist = np.full(len(problems), -1, np.int64)
-        for current in range(int(n_ref.max()) + 1):
-            # Sort (stable) by the key; keep the first `beam` rows of each problem.
-            assert (rows[:, KEY] & ((1 << 24) - 1)).max(initial=0) < (1 << 24) - 4096, "distance field overflow"
-            order = np.argsort(rows[:, KEY], kind="stable")
-            prob = rows[order, KEY] >> 40
-            first = np.flatnonzero(np.r_[True, prob[1:] != prob[:-1]])
-            rank = np.arange(len(order)) - np.repeat(first, np.diff(np.r_[first, len(order)]))
-            rows = rows.take(order[rank < beam], axis=0)
-            # Problems whose reference ends here (the last rows): close the last chunk, take the first best path.
-            n_done = int(np.count_nonzero(n_ref[rows[:, KEY] >> 40] == current))
-            if n_done:
-                done, rows = rows[len(rows) - n_done:], rows[:len(rows) - n_done]
-                final = done[:, KEY] + ((done[:, LAST] != -1).astype(np.int64) << 24)
-                order = np.argsort(final, kind="stable")
-                prob = final[order] >> 40
-                firsts = order[np.r_[True, prob[1:] != prob[:-1]]]
-                best_hist[done[firsts, KEY] >> 40] = done[firsts, HIST]
-            if len(rows) == 0:
-                break
-            flat = base[rows[:, KEY] >> 40] + current
-            used = (rows[:, U2] >> current) & 1 == 1
-            at_fixed = used & (current >= rows[:, REF_END])          # a fixed match starts here
-            assert fixed_at[flat[at_fixed], 4].all(), "a used word outside any match"
-            free = ~used                                              # (used rows not at_fixed are inside a match)
-            # Candidate options of the free rows, each checked against the row's used words.
-            count = np.where(free, opt_hi[flat] - opt_lo[flat], 0)
-            parent = np.repeat(np.arange(len(flat)), count)
-            option = np.repeat(opt_lo[flat] - np.cumsum(count) + count, count) + np.arange(count.sum())
-            valid = ((rows[parent, U1] & o_mask1[option]) == 0) & ((rows[parent, U2] & o_mask2[option]) == 0)
-            # Java adds each tried option's distance to the extended path: a child inherits the distances of the
-            # valid options before it, the skip path all of them (see _resolve).
-            tried = np.where(valid, o_dist[option], 0)
-            per_row = np.bincount(parent, weights=tried, minlength=len(flat)).astype(np.int64)
-            before = np.cumsum(tried) - tried - np.repeat(np.cumsum(per_row) - per_row, count)
-            n_valid = np.bincount(parent, weights=valid, minlength=len(flat)).astype(np.int64)
-            out_count = np.where(free, n_valid + 1, 1)
-            out_start = np.cumsum(out_count) - out_count
-            new = np.empty((out_count.sum(), 6), np.int64)
-            # Used rows carry on (inside a match) or take the fixed match; free rows end with their skip path. Each
-            # block is a copy of its rows, changed column by column, then put in its place in `new` at once.
-            inside = used & ~at_fixed
-            new[out_start[inside]] = rows[inside]
-            r, fx = rows[at_fixed], fixed_at[flat[at_fixed]]
-            r[:, KEY] += fx[:, 3] + (((r[:, LAST] != -1) & (fx[:, 1] != r[:, LAST])).astype(np.int64) << 24)
-            r[:, REF_END], r[:, LAST] = fx[:, 0], fx[:, 2]
-            new[out_start[at_fixed]] = r
-            r = rows[free]
-            r[:, KEY] += ((r[:, LAST] != -1).astype(np.int64) << 24) + per_row[free]
-            r[:, LAST] = -1
-            new[out_start[free] + n_valid[free]] = r
-            # Children: one per valid option, in option order, before the skip path.
-            parent, option, before = parent[valid], option[valid], before[valid]
-            at = out_start[parent] + np.arange(len(parent)) - np.repeat(np.cumsum(n_valid) - n_valid, n_valid)
-            r, op = rows.take(parent, axis=0), o.take(option, axis=0)
-            history_parent.append(r[:, HIST].copy())
-            r[:, KEY] += o_step[option] + before + (((r[:, LAST] != -1) & (op[:, 2] != r[:, LAST]))
-                                                    .astype(np.int64) << 24)
-            r[:, REF_END], r[:, LAST] = op[:, 0] + op[:, 1], op[:, 2] + op[:, 3]
-            r[:, U1] |= o_mask1[option]
-            r[:, U2] |= o_mask2[option]
-            r[:, HIST] = np.arange(n_history, n_history + len(parent))
-            new[at] = r
-            history_option.append(option)
-            n_history += len(parent)
-            rows = new
-        # Follow each problem's best path back through the matches it chose.
-        history_parent = np.concatenate(history_parent or [np.zeros(0, np.int64)])
-        history_option = np.concatenate(history_option or [np.zeros(0, np.int64)])
-        chosen = [dict(fixed) for _, fixed, _, _ in problems]
-        link, problem = best_hist, np.arange(len(problems))
-        while len(link):
-            keep = link != -1
-            link, problem = link[keep], problem[keep]
-            for p, k in zip(problem.tolist(), history_option[link].tolist()):
-                chosen[p][options[k][0]] = options[k]
-            link = history_parent[link]
-        out = [None] * len(problems)
-        for p, original in enumerate(by_length):
-            out[original] = chosen[p]
-        return out
-
-    @staticmethod
-    def _key_step(match, weights):
-        """What taking a match adds to the packed key: -(matches1 + matches2) in bits 32-39. Java's int matches1
-        += length * weight adds exactly floor(length * weight) to an integer."""
-        _, length, _, m_length, stage = match
-        return -(math.floor(m_length * weights[stage]) + math.floor(length * weights[stage])) << 32
-
-
-# 5.3 The garbage collector paused, for scoring with it running: around all of metrics.py's scoring (its
-# FastCaptionScorer and command line), where METEOR's tuples are most of what it would scan. What it buys of the
-# whole scoring process: BENCHMARKS.md section 6 (`python bench.py metrics`).
-@contextlib.contextmanager
-def collector_paused():
-    """Scoring allocates millions of small tuples and dicts and leaves no reference cycles. Python's cyclic garbage
-    collector would scan them again and again, so it is paused meanwhile. Its first pass after the pause still
-    scans all the survivors once: metrics.py's
-    FastCaptionScorer and command line therefore hold one pause around all their steps (an inner pause changes
-    nothing)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 if __name__ == "__main__":

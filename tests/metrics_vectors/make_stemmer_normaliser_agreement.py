@@ -1,7 +1,7 @@
 """How far meteor.snowball_stem and meteor.meteor_normalize agree with the meteor-1.5.jar code they stand in for.
 
 Run by hand (never by the tests); it needs Java (javac and java) and pycocoevalcap 1.2, whose meteor-1.5.jar and
-data/paraphrase-en.gz it uses (or $METEOR_DATA, as meteor.py finds them):
+data/paraphrase-en.gz it uses (or $METEOR_DATA, as scoring/meteor.py finds them):
 
     python tests/metrics_vectors/make_stemmer_normaliser_agreement.py
 
@@ -31,8 +31,8 @@ import zipfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent.parent))            # the repository root, for meteor.py
-import meteor  # noqa: E402
+sys.path.insert(0, str(HERE.parent.parent))            # the repository root, for scoring/meteor.py
+from scoring import meteor  # noqa: E402
 
 CORPORA = ("edge_cases", "clevr_style_public", "spot_public", "clevr_size_timing")
 
@@ -114,7 +114,7 @@ def report(what, inputs, java, python, unchanged):
     print(f"{what}: {len(inputs):,} checked, {len(inputs) - len(wrong):,} agree, {len(wrong):,} disagree "
           f"(the jar changes {changed:,} of them)")
     for x, j, p in wrong[:20]:
-        print(f"  {x!r}: jar {j!r}, meteor.py {p!r}")
+        print(f"  {x!r}: jar {j!r}, scoring/meteor.py {p!r}")
 
 
 def main():

@@ -1,0 +1,16 @@
+"""The coco-caption toolkit's other parts, in plain Python, beside metrics.py's lesson: side trips, not the method.
+
+metrics.py holds BLEU, ROUGE-L, CIDEr-D and the scorer that runs them as the toolkit does; this folder holds what the
+scorer leans on, each equal to the Java toolkit on the corpora in tests/metrics_vectors:
+
+  ptb.py     the Penn Treebank tokenizer every scorer reads captions through (Stanford PTBTokenizer 3.4.1, as
+             pycocoevalcap runs it), and its shortcut for plain captions.
+             test_ptb_tokenizer_gives_the_toolkits_tokens_for_every_raw_caption
+  meteor.py  METEOR 1.5: exact, stem, synonym and paraphrase matching, the alignment, the score; its resources,
+             normaliser and stemmer.  test_meteor_with_its_data_equals_the_toolkit
+  fast.py    the speed variants metrics.FastCaptionScorer selects: METEOR's paraphrase index and batched beam search,
+             the paused garbage collector, a forked METEOR worker; each gives the plain code's numbers.
+             test_batched_beam_search_chooses_the_same_alignments_as_the_readable_one
+
+Nothing here imports torch or a file above this folder.
+"""
