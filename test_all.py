@@ -6,6 +6,7 @@ Tests that compare against known answers (OpenAI's own CLIP outputs, the coco-ca
 them from tests/, where a README.md in each folder says how every file was made. "The reference" is the authors'
 implementation of CLIP4IDC, github.com/sushizixin/CLIP4IDC at commit ca49461.
 """
+import ast
 import collections
 import contextlib
 import dataclasses
@@ -5097,10 +5098,10 @@ READING_PATH = {  # each stop's first line, and the line that follows the stop (
     "clip.py": (r"# 1\. The model", r"# 2\. "), "encoder.py": (r"class EncoderConfig", r"# --- the demo"),
     "losses.py": (r"# --- Differentiable all-gather", r'if __name__ == "__main__":'),
     "data.py": (r"# 1\. The image pair", r"def to_device"),
-    "adapt.py": (r"# Model, optimizer and schedule", r"# What the run calls"),
+    "adapt.py": (r"# Dataset presets", r"# What the run calls"),
     "decoder.py": (r"class DecoderConfig", r"# Demo"),
-    "caption.py": (r"# The stage-1 encoder and the captioner", r"# What the jobs and the loop call"),
-    "metrics.py": (r"class MetricsConfig", r"# 6\. "),
+    "caption.py": (r"# Dataset presets", r"# What the jobs and the loop call"),
+    "metrics.py": (r"class MetricsConfig", r"# 5\. "),
 }
 
 
@@ -5184,7 +5185,7 @@ def test_every_measured_figure_in_the_readme_has_its_line_in_benchmarks():
     assert not benchmarks_has(["took 72.51 ms"], 72, 0, "ms")  # 72.51 is 73 at the README's precision
 
 
-def test_the_readmes_reading_path_starts_each_stop_on_its_concept_and_stays_under_2000_lines():
+def test_the_readmes_reading_path_starts_each_stop_on_its_concept_and_says_how_long_it_is():
     readme = (HERE / "README.md").read_text()
     stops = re.findall(r"^\| \d \| `(\w+\.py)` \| (\d+)–(\d+) \|", readme, re.M)
     assert [path for path, _, _ in stops] == list(READING_PATH)  # 8 stops, in this order
@@ -5199,5 +5200,84 @@ def test_the_readmes_reading_path_starts_each_stop_on_its_concept_and_stays_unde
         assert last <= following and all(not l.strip() or l.startswith(("#", "@")) for l in lines[last:following]), (
             f"{path}: the stop ends at {last}, but its concept runs to line {following}")
         total += last - first + 1
-    assert total <= 2000
+    assert total <= 2300  # the eight stops hold the method whole (issue 53 set no lower cap)
     assert f"about {round(total, -1):,} lines" in readme
+
+
+# --- the house: what each script names and loads, and which way the imports point ---
+
+PROJECT_TOP = ("clip", "encoder", "decoder", "losses", "data", "synth", "metrics", "explain", "adapt", "caption",
+               "pretrain", "check", "scoring", "plumbing", "bench")
+SCRIPT_LOADS = {  # the project modules each script loads; every plumbing/ module counts as "plumbing"
+    "adapt.py": {"adapt", "clip", "data", "encoder", "losses", "synth", "plumbing"},  # no decoder, no METEOR
+    "caption.py": {"caption", "clip", "data", "decoder", "encoder", "explain", "losses", "metrics", "synth",
+                   "plumbing", "scoring", "scoring.fast", "scoring.meteor", "scoring.ptb"},
+    "pretrain.py": {"pretrain", "adapt", "clip", "data", "encoder", "losses", "synth", "plumbing"},
+    "check.py": {"check", "clip", "data", "explain", "losses", "plumbing"},
+}
+
+
+def project_imports(path: Path) -> set[str]:
+    """The project modules a file names in its imports, as dotted names (plumbing.flags), wherever they stand."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.update(f"{node.module}.{alias.name}" if node.module in ("plumbing", "scoring", "bench")
+                         and (HERE / node.module / f"{alias.name}.py").is_file() else node.module
+                         for alias in node.names)
+    return {n for n in names if n.split(".")[0] in PROJECT_TOP}
+
+
+@pytest.mark.parametrize("script", SCRIPT_LOADS)
+def test_each_script_names_at_most_8_project_modules_and_loads_only_the_ones_it_uses(script):
+    named = project_imports(HERE / script)
+    assert len(named) <= 8, sorted(named)
+    probe = ("import importlib, json, sys; importlib.import_module(sys.argv[1]); "
+             f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {PROJECT_TOP!r})))")
+    result = subprocess.run([sys.executable, "-c", probe, script.removesuffix(".py")], cwd=HERE,
+                            capture_output=True, text=True, timeout=120)
+    loaded = {"plumbing" if m.startswith("plumbing") else m for m in json.loads(result.stdout)}
+    assert loaded == SCRIPT_LOADS[script]
+
+
+def readme_file_rows() -> list[str]:
+    """The first column of the README's file table, in order: `clip.py`, `scoring/`, ..."""
+    readme = (HERE / "README.md").read_text()
+    table = readme[readme.index("| file | what it holds |"):]
+    return re.findall(r"^\| `([\w./]+)` \|", table.split("\n\n")[0], re.M)
+
+
+def test_imports_point_up_the_readmes_file_list_and_close_no_circle():
+    rows = readme_file_rows()
+    row_of = lambda module: rows.index(f"{module.split('.')[0]}/" if "." in module or module in ("plumbing", "scoring",
+                                       "bench") else f"{module}.py")  # noqa: E731
+    files = {p.stem: p for p in HERE.glob("*.py") if p.stem != "test_all"}
+    files.update({f"{d}.{p.stem}": p for d in ("plumbing", "scoring", "bench") for p in (HERE / d).glob("*.py")
+                  if p.stem != "__init__"})
+    graph = {module: {m for m in project_imports(path) if m != module} for module, path in files.items()}
+    upward = [(m, i) for m, imported in graph.items() for i in imported if row_of(i) > row_of(m)]
+    assert upward == [], "imports that point down the README's file list"
+    done, visiting = set(), []
+
+    def visit(module):  # depth first: a module met again on its own path closes a circle
+        assert module not in visiting, f"import circle: {' -> '.join(visiting + [module])}"
+        if module in done or module not in graph:
+            return
+        visiting.append(module)
+        for imported in graph[module]:
+            visit(imported)
+        visiting.pop()
+        done.add(module)
+    for module in graph:
+        visit(module)
+    assert "scoring.meteor" not in graph["plumbing.loop"] | graph["adapt"] and "decoder" not in graph["adapt"]
+
+
+def test_the_plumbing_and_scoring_maps_name_tests_that_exist():
+    names = {node.name for node in ast.parse(Path(__file__).read_text()).body if isinstance(node, ast.FunctionDef)}
+    for package in ("plumbing", "scoring"):
+        text = re.sub(r"_\n\s+", "_", ast.get_docstring(ast.parse((HERE / package / "__init__.py").read_text())))
+        cited = [c for c in re.findall(r"test_[a-z0-9_]+", text) if c != "test_all"]  # test_all.py, the file
+        assert cited and [c for c in cited if c not in names] == [], package
