@@ -56,6 +56,7 @@ import plumbing
 import pretrain
 import synth
 from bench import figures as bench
+from bench import records as bench_records
 from plumbing import batches, caches, checkpoints, clip_files, files, flags, loop, processes, progress, stopping
 from scoring import fast as scoring_fast
 from scoring import meteor, ptb
@@ -5107,21 +5108,22 @@ READING_PATH = {  # each stop's first line, and the line that follows the stop (
 
 # A measured figure in the README: a number with a unit of time, size, rate or share, or a number with decimals.
 FIGURE_UNITS = {"ms": "ms", "s": "s", "seconds": "s", "min": "min", "minutes": "min", "h": "h", "hours": "h",
-                "GB": "GB", "MB": "MB", "%": "%", "pairs/s": "pairs/s", "captions/s": "captions/s"}
+                "GB": "GB", "MB": "MB", "%": "%", "pairs/s": "pairs/s", "captions/s": "captions/s", "times": "x",
+                "×": "x"}
 README_FIGURE = re.compile(r"(?<![\w.\-/×@])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(?:\s?(" + "|".join(
-    sorted(map(re.escape, FIGURE_UNITS), key=len, reverse=True)) + r")(?![\w/]))?")
-# README figures that BENCHMARKS.md does not measure, each with why
+    sorted(map(re.escape, FIGURE_UNITS), key=len, reverse=True)) + r")(?![\w/]))?(?:[*)\]]*(<!--[^>]*-->))?")
+# README figures that no record measures, each with why
 NOT_MEASURED_HERE = {
     "24 h": "the reference's published time per stage",
     "2 hours": "processes.GROUP_TIMEOUT, a setting",
     "0.5%": "chance: 1 in 200 test pairs", "0.2%": "chance: 1 in 500 held-out scenes",
-    **dict.fromkeys(["62.77", "61.93", "61.83", "62.11"], "RSICCformer's BLEU-4 as four papers print it"),
 }
 
 
 def readme_figures(readme: str):
-    """(line, figure text, value, decimals, unit) of each measured figure in the README: numbers with a unit, and
-    numbers with decimals, outside the tables of published scores (those with a BLEU-4 column) and code spans."""
+    """(line, figure text, value, decimals, unit, marker) of each measured figure in the README: numbers with a unit,
+    and numbers with decimals, outside the tables of published scores (those with a BLEU-4 column) and code spans;
+    marker: the <!--record:key--> right after it, or None."""
     published = False
     for line in readme.splitlines():
         if line.startswith("|"):
@@ -5132,57 +5134,64 @@ def readme_figures(readme: str):
             continue
         text = re.sub(r"`[^`]*`|([Ss]ection |§)\d+(\.\d+)*", "", line)  # commands, files, flags; sections
         for m in README_FIGURE.finditer(text):
-            whole, fraction, unit = m.groups()
+            whole, fraction, unit, marker = m.groups()
             if unit is None and fraction is None:
                 continue  # a bare integer: a count or a setting, not checked
-            yield line, m.group(0), float(whole.replace(",", "") + (fraction or "")), len(fraction or ".") - 1, unit
+            shown = m.group(0)[:len(m.group(0)) - len(marker or "")].rstrip("*)]")
+            yield line, shown, float(whole.replace(",", "") + (fraction or "")), len(fraction or ".") - 1, unit, marker
 
 
-def benchmark_blocks(benchmarks: str) -> list[str]:
-    """BENCHMARKS.md in the pieces a figure and its unit share: each paragraph (lines up to a blank line or a table),
-    each table row with its table's header line."""
-    blocks, paragraph, header = [], [], None
-    for line in benchmarks.splitlines() + [""]:
-        if line.startswith("|"):
-            if paragraph:
-                blocks, paragraph = blocks + [" ".join(paragraph)], []
-            header = header or line
-            blocks.append(line + " " + header)
-        else:
-            header = None
-            if line.strip():
-                paragraph.append(line)
-            elif paragraph:
-                blocks, paragraph = blocks + [" ".join(paragraph)], []
-    return blocks
-
-
-def benchmarks_has(blocks: list[str], value: float, decimals: int, unit: str | None) -> bool:
-    """Whether a piece of BENCHMARKS.md holds a number that rounds to value at the README's precision, with the same
-    unit in that piece (no unit asked for a bare decimal)."""
-    for block in blocks:
-        units = {FIGURE_UNITS[u] for u in FIGURE_UNITS
-                 if (u == "%" and "%" in block) or re.search(rf"(?<![\w/]){re.escape(u)}(?!\w)", block)}
-        if unit is not None and FIGURE_UNITS[unit] not in units:
+def figure_problems(readme: str, records: dict) -> list[str]:
+    """Each README figure that names no record, names one that is not there, or differs from it at the README's
+    precision; a figure of a record whose code changed since must say so on its line ("stale")."""
+    problems = []
+    for line, text, number, decimals, unit, marker in readme_figures(readme):
+        if marker is None:
+            if text not in NOT_MEASURED_HERE:
+                problems.append(f"{text!r} names no record: {line.strip()[:90]}")
             continue
-        for m in re.finditer(r"(?<![\w.])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?", block):
-            number = float(m.group(1).replace(",", "") + (m.group(2) or ""))
-            if abs(number - value) <= 0.5 * 10 ** -decimals + 1e-9:
-                return True
-    return False
+        name, key, conversion = bench_records.MARKER.fullmatch(marker).groups()
+        try:
+            expected = bench_records.value(records[name], key, conversion)
+        except KeyError:
+            problems.append(f"{text!r}: {marker} is not in bench/records/")
+            continue
+        if abs(expected - number) > 0.5 * 10 ** -decimals + 1e-9:
+            problems.append(f"{text!r} but {name}:{key} holds {expected}")
+        if records[name].get("stale") and "stale" not in line:
+            problems.append(f"{text!r}: its record {name} is stale, and the line does not say so")
+    return problems
 
 
-def test_every_measured_figure_in_the_readme_has_its_line_in_benchmarks():
+def test_every_measured_figure_in_the_readme_equals_the_record_it_names():
+    # a figure off by one unit of its last digit, one with no record, and a stale record's unmarked one are caught
+    fake = {"r": {"values": {"t": 72.51, "f": 0.4266}}, "old": {"values": {"t": 9.0}, "stale": "code changed"}}
+    assert figure_problems("took 72.5 ms<!--r:t-->, R@1 42.7%<!--r:f %-->", fake) == []
+    assert len(figure_problems("took 72.6 ms<!--r:t--> a step", fake)) == 1
+    assert len(figure_problems("took 28 minutes a step", fake)) == 1
+    assert len(figure_problems("took 9 ms<!--old:t-->", fake)) == 1 and not figure_problems(
+        "took 9 ms<!--old:t--> (stale)", fake)
     readme = (HERE / "README.md").read_text()
-    benchmarks = benchmark_blocks((HERE / "BENCHMARKS.md").read_text())
-    figures = list(readme_figures(readme))
-    assert len(figures) > 40  # the check sees the README's figures
-    missing = [f"{text!r} in: {line.strip()[:100]}" for line, text, value, decimals, unit in figures
-               if text not in NOT_MEASURED_HERE and not benchmarks_has(benchmarks, value, decimals, unit)]
-    assert missing == [], "README figures with no BENCHMARKS.md line:\n" + "\n".join(missing)
-    assert not benchmarks_has(["| 87.41 | ms |"], 72, 0, "ms")  # a figure that is not there is not found
-    assert benchmarks_has(["took 87.41 ms a step"], 87, 0, "ms") and not benchmarks_has(["87.41 GB"], 87, 0, "ms")
-    assert not benchmarks_has(["took 72.51 ms"], 72, 0, "ms")  # 72.51 is 73 at the README's precision
+    assert len(list(readme_figures(readme))) >= 10  # the check sees the README's figures
+    assert figure_problems(readme, bench_records.all_records()) == []
+
+
+def test_each_records_block_in_benchmarks_is_rendered_from_its_file_and_every_record_has_one():
+    benchmarks = (HERE / "BENCHMARKS.md").read_text()
+    records = bench_records.all_records()
+    blocks = {m.group(1): m.group(0) for m in bench_records.BLOCK.finditer(benchmarks)}
+    assert set(blocks) == set(records)
+    for name, record in records.items():
+        assert blocks[name] == bench_records.render(name, record), f"python -m bench records --write ({name})"
+
+
+def test_a_record_whose_measured_code_changed_since_its_commit_says_so():
+    for name, record in bench_records.all_records().items():
+        assert {"title", "command", "commit", "date", "machine", "measures", "files", "values"} <= set(record), name
+        assert bench_records.code_files(record["measures"]), name
+        changed = bench_records.changed_files(record)
+        assert bool(changed) == bool(record.get("stale")), (
+            f"{name}: {'changed since ' + str(changed[:3]) + ' but says nothing' if changed else 'says stale but is not'}")
 
 
 def test_the_readmes_reading_path_starts_each_stop_on_its_concept_and_says_how_long_it_is():
