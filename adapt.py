@@ -59,7 +59,7 @@ import data
 import plumbing
 import synth
 from encoder import EncoderConfig, PairEncoder, from_checkpoint
-from losses import contrastive_loss
+from losses import contrastive_loss, ieee_float32
 from plumbing import ConfigError, flag
 
 CLS_ROWS_ONLY = True  # speed variant: PairEncoder.embed_pair, beside encode_pair (the last block at the CLS rows)
@@ -517,8 +517,10 @@ def evaluate_checkpoint(run: plumbing.Run) -> None:
     state = plumbing.read_encoder(path, config.intra_layers, "adapt.py --eval --checkpoint")  # ours or a release
     model = from_checkpoint(state)
     model.cls_rows_only = CLS_ROWS_ONLY  # as the training's test: the same scores
-    if state.get("release") and config.dtype == "auto":  # scored in float32, as the reference's figures: bf16
-        ctx = nullcontext()  # autocast on a GPU moves ranks that nearly tie (BENCHMARKS.md section 12)
+    precision = nullcontext()
+    if state.get("release") and config.dtype == "auto":  # scored in IEEE float32 (no autocast, TF32 off), as
+        # caption.py scores a release: bf16 or TF32 on a GPU moves ranks that nearly tie (BENCHMARKS.md section 12)
+        ctx, precision = nullcontext(), ieee_float32()
     splits, tokenizer, images = read_pairs(config, dataclasses.replace(dist_, ddp=False),
                                            model.clip.visual.input_resolution)
     if tokenizer.vocab_size != model.clip.config.vocab_size:
@@ -526,7 +528,8 @@ def evaluate_checkpoint(run: plumbing.Run) -> None:
                           f"{config.data} dataset's tokenizer has {tokenizer.vocab_size}"
                           + plumbing.vocabulary_hint(tokenizer))
     plumbing.refuse_empty_splits(splits, ("test",), config)
-    scores = evaluate(model.to(dist_.device), splits["test"], tokenizer, images, config, dist_.device, ctx)
+    with precision:
+        scores = evaluate(model.to(dist_.device), splits["test"], tokenizer, images, config, dist_.device, ctx)
     plumbing.save_json({"checkpoint": str(path), **scores}, run.out_dir / "test_retrieval.json")
     print(f"test retrieval of {path}:\n{retrieval_table(scores)}")
 

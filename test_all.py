@@ -4767,6 +4767,29 @@ def test_adapt_scores_the_released_stage_1_weights_on_the_test_split(releases, c
     assert scores["checkpoint"] == str(releases[1]) and 0 <= scores["text_to_pair_R1"] <= 100
 
 
+def test_adapt_scores_a_released_stage_1_in_ieee_float32_with_tf32_off_as_caption_does(releases, clevr_root, tmp_path,
+                                                                                       monkeypatch):
+    seen = {}
+
+    def evaluate(model, split, tokenizer, images, config, device, ctx):  # what the test split is scored under
+        seen.update(tf32=torch.backends.cuda.matmul.allow_tf32, autocast=not isinstance(ctx, contextlib.nullcontext))
+        return {"text_to_pair_R1": 0.0}
+
+    monkeypatch.setattr(adapt, "evaluate", evaluate)
+    monkeypatch.setenv("CLIP_BPE_PATH", str(vectors("clip_vectors", "bpe_simple_vocab_16e6.txt.gz")))
+    config = adapt.Config(data="clevr", data_root=str(clevr_root), intra_layers=3, num_workers=0, eval=True,
+                          checkpoint=str(releases[1]))
+    alone = processes.Distributed(False, 0, 0, 1, torch.device("cpu"), True)
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        processes.set_tf32(True)  # what setup() leaves on a GPU with --tf32, the default
+        adapt.evaluate_checkpoint(loop.Run(config, alone, "bfloat16", torch.autocast("cpu", dtype=torch.bfloat16),
+                                           None, tmp_path))
+        assert seen == {"tf32": False, "autocast": False} and torch.backends.cuda.matmul.allow_tf32  # restored
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 def test_a_file_that_is_neither_ours_nor_a_release_is_refused_in_one_line(releases, clevr_root, tmp_path):
     notes = tmp_path / "notes.bin"
     notes.write_text("not weights")
