@@ -68,7 +68,8 @@ def pair_rows(predictions: dict[str, str], table: dict, pairs: list[data.ImagePa
     not the split's, or a table that is not these predictions' scores, are refused in one line.
     """
     ids = [pair.id for pair in pairs]
-    strangers = [i for i in predictions if i not in set(ids)]
+    known = set(ids)
+    strangers = [i for i in predictions if i not in known]
     if strangers:
         raise data.DataError(f"results page: {len(strangers)} of the {len(predictions)} predicted ids are not pairs "
                              f"of the test split read (first: {strangers[0]!r}): the predictions are another split's "
@@ -77,8 +78,10 @@ def pair_rows(predictions: dict[str, str], table: dict, pairs: list[data.ImagePa
         raise data.DataError(f"results page: {len(predictions)} predictions for the {len(ids)} pairs of the test "
                              f"split (first without one: {next(i for i in ids if i not in predictions)!r}): they "
                              f"are another split's or an unfinished run's; evaluate again (caption.py --eval)")
+    total = table.get("scores", {}).get("total") if isinstance(table, dict) else None
+    if not isinstance(total, dict):
+        raise data.DataError("results page: the score table has no total row: it is not caption.py's test_scores.json")
     scored = metrics.score_captions({i: predictions[i] for i in ids}, data.references(pairs), scorer=scorer)
-    total = table["scores"]["total"]
     for name, value in total.items():
         if not math.isclose(scored["corpus"][name], value, rel_tol=1e-9, abs_tol=1e-12):
             raise data.DataError(f"results page: the score table is not these predictions' ({name} {value:.4f} in the "
@@ -99,8 +102,12 @@ def pair_rows(predictions: dict[str, str], table: dict, pairs: list[data.ImagePa
 
 
 def data_uri(image: Image.Image, kind: tuple[str, str, int] = THUMB_FORMAT) -> str:
+    """The image as a data: URI of this kind (format, MIME type, quality; PNG has no quality)."""
     buffer = io.BytesIO()
-    image.save(buffer, kind[0], quality=kind[2]) if kind[0] != "PNG" else image.save(buffer, "PNG")
+    if kind[0] == "PNG":
+        image.save(buffer, "PNG")
+    else:
+        image.save(buffer, kind[0], quality=kind[2])
     return f"data:{kind[1]};base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
@@ -183,8 +190,11 @@ def ticks(low: float, high: float, count: int = 5, whole: bool = False) -> tuple
 def chart(title: str, x_label: str, y_label: str, series: list[tuple[str, list[tuple[float, float]]]],
           chosen: float | None = None, dots: bool = False, width: int = 360, height: int = 220) -> str:
     """An inline SVG line chart with axes, round ticks and labels; one polyline per series (name, [(x, y)]), with a
-    dot at each point (dots), and a dashed line at x = chosen."""
+    dot at each point (dots), and a dashed line at x = chosen. A diverged run's non-finite values are left out."""
     left, right, top, bottom = 62, 12, 28, 40
+    series = [(name, [(x, y) for x, y in points if math.isfinite(y)]) for name, points in series]
+    if not any(points for _, points in series):
+        return ""
     xs = [x for _, points in series for x, _ in points]
     ys = [y for _, points in series for _, y in points]
     x0, x1 = min(xs), max(xs)
@@ -420,7 +430,7 @@ svg .chosen{stroke:#888;stroke-dasharray:4 3}svg .chosen-label{fill:#555}svg .ti
 svg .tx{text-anchor:middle}svg .ty{text-anchor:end}svg .label{text-anchor:middle;font-size:11px}
 svg .legend{text-anchor:end}
 #find{display:flex;flex-wrap:wrap;gap:6px 16px;margin:8px 0}#find input[type=search]{width:16em}
-body:not(.js) .needs-js{display:none}.pager button{margin-right:6px}
+body:not(.js) .needs-js{display:none!important}.pager button{margin-right:6px}
 #cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(430px,1fr));gap:10px;margin:8px 0}
 article{border:1px solid #ccc;border-radius:5px;padding:6px;background:#fff}article h3{margin:4px 0}
 .images{display:flex;gap:4px}figure{margin:0;flex:1 1 0;min-width:0;max-width:192px}

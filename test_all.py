@@ -7,12 +7,10 @@ them from tests/, where a README.md in each folder says how every file was made.
 implementation of CLIP4IDC, github.com/sushizixin/CLIP4IDC at commit ca49461.
 """
 import ast
-import base64
 import collections
 import contextlib
 import dataclasses
 import errno
-import fcntl
 import functools
 import gc
 import gzip
@@ -26,7 +24,6 @@ import json
 import math
 import os
 import re
-import select
 import shlex
 import shutil
 import signal
@@ -62,6 +59,7 @@ import pretrain
 import results
 import synth
 from bench import figures as bench
+from bench.browser import CHROMIUM, Chromium
 from plumbing import batches, caches, checkpoints, clip_files, files, flags, loop, processes, progress, stopping
 from scoring import fast as scoring_fast
 from scoring import meteor, ptb
@@ -4505,87 +4503,6 @@ def test_the_results_page_refuses_another_splits_or_runs_predictions_and_says_wh
         results.main(flags_)
 
 
-class Chromium:
-    """Headless Chromium driven over the DevTools protocol on a pipe (--remote-debugging-pipe: commands on its file
-    descriptor 3, replies and events on 4, each a JSON message ended by a zero byte): the standard library suffices."""
-    BINARY = shutil.which("chromium") or shutil.which("chromium-browser")  # Debian's package: apt-get install chromium
-
-    def __init__(self, profile: Path):
-        to_chromium, self.writer = os.pipe()
-        self.reader, from_chromium = os.pipe()
-        ends = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in (to_chromium, from_chromium)]  # clear of 3 and 4
-        options = ["--headless", "--remote-debugging-pipe", "--disable-gpu", "--no-first-run", "--hide-scrollbars",
-                   f"--user-data-dir={profile}"] + (["--no-sandbox"] if os.geteuid() == 0 else [])  # root: no sandbox
-        self.process = subprocess.Popen([self.BINARY, *options, "about:blank"], stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=False,
-                                        preexec_fn=lambda: (os.dup2(ends[0], 3), os.dup2(ends[1], 4)))
-        for fd in (to_chromium, from_chromium, *ends):
-            os.close(fd)
-        self.buffer, self.calls, self.events = b"", 0, []
-        target = self.call("Target.createTarget", url="about:blank")["targetId"]
-        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
-        for domain in ("Page", "Runtime", "Log"):
-            self.call(f"{domain}.enable", page=True)
-
-    def call(self, method: str, page: bool = False, **params) -> dict:
-        """Send one command (to the page's session with page) and wait for its reply, keeping the events."""
-        self.calls += 1
-        message = {"id": self.calls, "method": method, "params": params}
-        if page:
-            message["sessionId"] = self.session
-        os.write(self.writer, json.dumps(message).encode() + b"\0")
-        while (reply := self.receive()).get("id") != self.calls:
-            self.events.append(reply)
-        assert "error" not in reply, f"{method}: {reply.get('error')}"
-        return reply["result"]
-
-    def receive(self, timeout: float = 60) -> dict:
-        while b"\0" not in self.buffer:
-            assert select.select([self.reader], [], [], timeout)[0], "chromium did not answer within a minute"
-            chunk = os.read(self.reader, 1 << 20)
-            assert chunk, "chromium closed its pipe"
-            self.buffer += chunk
-        message, self.buffer = self.buffer.split(b"\0", 1)
-        return json.loads(message)
-
-    def open(self, path: Path, width: int, height: int, phone: bool = False) -> None:
-        """Load a file at this window size (a phone's: the mobile viewport), until its load event."""
-        self.call("Emulation.setDeviceMetricsOverride", page=True, width=width, height=height, deviceScaleFactor=1,
-                  mobile=phone)
-        self.call("Page.navigate", page=True, url=path.resolve().as_uri())
-        while not any(event.get("method") == "Page.loadEventFired" for event in self.events):
-            self.events.append(self.receive())
-        self.events = [event for event in self.events if event.get("method") != "Page.loadEventFired"]
-
-    def run(self, script: str):
-        """The value of a JavaScript expression in the page (a promise is awaited)."""
-        reply = self.call("Runtime.evaluate", page=True, expression=script, returnByValue=True, awaitPromise=True)
-        assert "exceptionDetails" not in reply, reply["exceptionDetails"]
-        return reply["result"].get("value")
-
-    def console_errors(self) -> list[str]:
-        """Uncaught exceptions, console errors and warnings, and the browser's own (an image it could not load)."""
-        said = []
-        for event in self.events:
-            method, params = event.get("method"), event.get("params", {})
-            if method == "Runtime.exceptionThrown":
-                said.append(params["exceptionDetails"].get("exception", {}).get("description", "exception"))
-            elif method == "Runtime.consoleAPICalled" and params["type"] in ("error", "warning", "assert"):
-                said.append(" ".join(str(a.get("value", a.get("description"))) for a in params["args"]))
-            elif method == "Log.entryAdded" and params["entry"]["level"] in ("error", "warning"):
-                said.append(params["entry"]["text"])
-        return said
-
-    def screenshot(self, path: Path, whole_page: bool) -> Path:
-        shot = self.call("Page.captureScreenshot", page=True, format="png", captureBeyondViewport=whole_page)
-        path.write_bytes(base64.b64decode(shot["data"]))
-        return path
-
-    def close(self) -> None:
-        self.call("Browser.close")
-        self.process.wait(timeout=30)
-
-
 def choose(browser: Chromium, **values) -> tuple[int, list[str]]:
     """Set the page's search form as a person would (a select, a box ticked, words typed), then read how many pairs
     match and which cards are shown, in order."""
@@ -4612,7 +4529,7 @@ def test_the_results_page_in_headless_chromium_draws_its_images_and_curves_and_i
     assert 0 < len(with_word) < len(pairs)
     assert [c["data-type"] for c in cards] == [p.change_type for p in pairs]  # what the script filters by
     assert [c["id"].removeprefix("pair-") for c in cards if c["data-wrong"] == "1"] == wrong
-    if Chromium.BINARY is None:
+    if CHROMIUM is None:
         assert not os.environ.get("CLIP4IDC_REQUIRE_CHROMIUM"), "Chromium is required here (.ci/run installs it)"
         warnings.warn("the results page's browser check needs Chromium (apt-get install chromium): it checked in "
                       "Python only what the page's script reads")
@@ -4649,6 +4566,15 @@ def test_the_results_page_in_headless_chromium_draws_its_images_and_curves_and_i
         assert browser.run("document.documentElement.scrollWidth") <= 390  # nothing wider than the phone
         browser.run("document.getElementById('pairs').scrollIntoView()")
         phone = browser.screenshot(tmp_path / "results-phone.png", whole_page=False)
+        browser.call("Emulation.setScriptExecutionDisabled", page=True, value=True)  # readable without JavaScript:
+        browser.open(out / results.PAGE_NAME, 1280, 900)  # the tables, the curves, the first page, no controls
+        assert browser.run("[...document.querySelectorAll('#cards > article')].filter(c => c.offsetParent).length "
+                           "+ ' ' + getComputedStyle(document.getElementById('find')).display + ' ' + "
+                           "document.querySelectorAll('#scores tr, polyline').length") == \
+            f"{len(pairs)} none {1 + len(evaluated['table']['scores']) + len(curves)}"
+        assert len(browser.run("Promise.all([...document.querySelectorAll('img')].filter(i => i.offsetParent)"
+                               ".map(i => i.decode()))")) == len(drawn)
+        browser.call("Emulation.setScriptExecutionDisabled", page=True, value=False)
         browser.open(tmp_path / "again" / results.PAGE_NAME, 1280, 900)  # 3 per page: 4 pages of 10
         assert choose(browser) == (len(pairs), [p.id for p in pairs[:3]])
         browser.run("document.querySelector('.pager button[data-step=\"1\"]').click()")
