@@ -191,7 +191,7 @@ def chart(title: str, x_label: str, y_label: str, series: list[tuple[str, list[t
           chosen: float | None = None, dots: bool = False, width: int = 360, height: int = 220) -> str:
     """An inline SVG line chart with axes, round ticks and labels; one polyline per series (name, [(x, y)]), with a
     dot at each point (dots), and a dashed line at x = chosen. A diverged run's non-finite values are left out."""
-    left, right, top, bottom = 62, 12, 28, 40
+    left, right, top, bottom = 62, 12, 28 + 10 * (len(series) > 1), 40
     series = [(name, [(x, y) for x, y in points if math.isfinite(y)]) for name, points in series]
     if not any(points for _, points in series):
         return ""
@@ -239,9 +239,8 @@ def chart(title: str, x_label: str, y_label: str, series: list[tuple[str, list[t
         if dots or len(points) == 1:
             out += [f'<circle cx="{px:.1f}" cy="{py:.1f}" r="3" fill="{colour}"><title>{html.escape(name)} {x:g}: '
                     f'{y:.4g}</title></circle>' for px, py, (x, y) in ((*at(x, y), (x, y)) for x, y in points)]
-        if len(series) > 1:
-            out.append(f'<text x="{width - right}" y="{top + 12 + 13 * k}" class="legend" fill="{colour}">'
-                       f'{html.escape(name)}</text>')
+        if len(series) > 1:  # a legend above the plot, one entry after another
+            out.append(f'<text x="{left + 130 * k}" y="{top - 4}" fill="{colour}">— {html.escape(name)}</text>')
     return "".join(out) + "</svg>"
 
 
@@ -428,10 +427,9 @@ svg.chart{max-width:100%;height:auto;background:#fcfcfc;border:1px solid #eee;fo
 svg .axis{stroke:#444}svg .tick{stroke:#444}svg .grid{stroke:#e4e4e4}svg .curve{fill:none;stroke-width:1.5}
 svg .chosen{stroke:#888;stroke-dasharray:4 3}svg .chosen-label{fill:#555}svg .title{text-anchor:middle;font-size:12px}
 svg .tx{text-anchor:middle}svg .ty{text-anchor:end}svg .label{text-anchor:middle;font-size:11px}
-svg .legend{text-anchor:end}
 #find{display:flex;flex-wrap:wrap;gap:6px 16px;margin:8px 0}#find input[type=search]{width:16em}
 body:not(.js) .needs-js{display:none!important}.pager button{margin-right:6px}
-#cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(430px,1fr));gap:10px;margin:8px 0}
+#cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(400px,1fr));gap:10px;margin:8px 0}
 article{border:1px solid #ccc;border-radius:5px;padding:6px;background:#fff}article h3{margin:4px 0}
 .images{display:flex;gap:4px}figure{margin:0;flex:1 1 0;min-width:0;max-width:192px}
 figcaption{font-size:11px;color:#666}.frame{position:relative;line-height:0}
@@ -532,9 +530,10 @@ def results_page(out_dir: Path, predictions: dict[str, str], table: dict, pairs:
                 heats[side] = (len(uris), uri)
                 uris.append(uri)
         boxes = pair.change_boxes or {}  # a change pair's; a distractor pair has none
+        after = "distractor view" if pair.change_type == data.DISTRACTOR else "after"  # the before scene, moved
         figures = "".join(figure(label, thumbs[path], number[path], heat, boxes.get(side), k < per_page)
                           for label, path, heat, side in (("before", pair.before, heats[0], "before"),
-                                                          ("after", pair.after, heats[1], "after")))
+                                                          (after, pair.after, heats[1], "after")))
         cards.append(card(row, k, figures, hidden=k >= per_page))
     if not maps:
         notes.append("no attention maps: " + ("caption.py --eval reads them out" if maps is None else
