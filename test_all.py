@@ -4917,6 +4917,11 @@ def test_levir_cc_tiny_stage_1_and_stage_2_end_to_end_print_the_papers_table_sco
     again = levir("caption.py", "--eval", "--out_dir", tmp_path / "caption")
     assert again.returncode == 0, again.stderr
     assert (tmp_path / "caption" / "test_scores.txt").read_text() == written and table in again.stdout
+    page = PageParts((tmp_path / "caption" / results.PAGE_NAME).read_text())  # the results page: both scorings
+    assert {name: row[1:] for name, row in page.tables["field"].items()} == {
+        (name, way): [scores["field"][way][name][m] for m in metrics.FIELD_METRICS]
+        for name in scores["field"]["sizes"] for way in ("project", "field")}
+    assert sorted(c["data-type"] for c in page.cards) == [data.CHANGED] * 2 + [data.UNCHANGED] * 2
 
 
 # --- the reference's released weights, through the commands ---
