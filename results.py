@@ -44,7 +44,8 @@ from plumbing.files import write_text_atomically
 PAGE_NAME = "results.html"  # beside test_predictions.json
 PER_PAGE = 50               # pairs per page: the first page is in the HTML, the others are drawn by the script
 THUMB_BOX = (192, 160)      # a thumbnail fits in this box (CLEVR's 480 x 320 -> 192 x 128), aspect kept
-THUMB_FORMAT = ("WEBP", "image/webp", 70) if features.check("webp") else ("JPEG", "image/jpeg", 80)
+THUMB_FORMATS = (("WEBP", "image/webp", 70), ("JPEG", "image/jpeg", 80))  # WebP is a third of JPEG's size; JPEG
+#                                                                         where Pillow was built without WebP
 SHOWN_SCORES = (("CIDEr", "CIDEr-D"), ("METEOR", "METEOR"), ("BLEU_4", "BLEU-4"))  # each pair's, on its card
 TABLE_COLUMNS = ("BLEU_1", "BLEU_2", "BLEU_3", "BLEU_4", "METEOR", "ROUGE_L", "CIDEr")  # caption.format_table's
 ROW_NAMES = {"material": "material (texture)", data.DISTRACTOR: "distractor (no change)"}  # as caption.py prints
@@ -101,7 +102,7 @@ def pair_rows(predictions: dict[str, str], table: dict, pairs: list[data.ImagePa
 # 2. Images: thumbnails and attention maps, embedded as data URIs
 
 
-def data_uri(image: Image.Image, kind: tuple[str, str, int] = THUMB_FORMAT) -> str:
+def data_uri(image: Image.Image, kind: tuple[str, str, int]) -> str:
     """The image as a data: URI of this kind (format, MIME type, quality; PNG has no quality)."""
     buffer = io.BytesIO()
     if kind[0] == "PNG":
@@ -119,7 +120,7 @@ def thumbnail(path: Path) -> dict:
         return {"problem": str(error).split(";")[0]}
     size = image.size
     image.thumbnail(THUMB_BOX, Image.Resampling.BICUBIC)
-    return {"uri": data_uri(image), "size": size}
+    return {"uri": data_uri(image, THUMB_FORMATS[0] if features.check("webp") else THUMB_FORMATS[1]), "size": size}
 
 
 def thumbnails(paths: list[Path]) -> dict[Path, dict]:
@@ -558,7 +559,7 @@ def results_page(out_dir: Path, predictions: dict[str, str], table: dict, pairs:
 
 @dataclass
 class Config:
-    data: str = flag("synth", "the dataset the run was tested on: clevr, spot, ier, levir, pairs or synth")
+    data: str = flag("clevr", "the dataset the run was tested on: clevr, spot, ier, levir, pairs or synth")
     data_root: str = flag("", "the dataset's folder (\"\" = data/<dataset>, see data.py)")
     out_dir: str = flag("", 'the run\'s folder, with test_predictions.json and test_scores.json ("" = '
                             "runs/caption_<dataset>)")
