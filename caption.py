@@ -87,7 +87,8 @@ TRAINING_KEYS = ("epochs", "batch_size", "grad_accum", "lr", "clip_lr_scale", "w
 PROGRESS = ("step", "best_metric", "best_epoch", "bad_epochs", "history")  # what a checkpoint records of the loop
 SEMANTIC = "semantic change"  # the papers' "SC" row: change pairs only, no distractors
 ATTENTION_PAIRS = 4  # test pairs in test_attention.png, the first of the grid
-TEST_OUTPUTS = ("test_predictions.json", "test_scores.json", "test_scores.txt", "test_grid.png", "test_attention.png")
+TEST_OUTPUTS = ("test_predictions.json", "test_scores.json", "test_scores.txt", "test_grid.png", "test_attention.png",
+                "results.html")
 SCORER = metrics.FastCaptionScorer  # speed variant (metrics.py): the plain CaptionScorer's numbers, faster (tested)
 
 
@@ -641,8 +642,9 @@ def evaluate_test(run: plumbing.Run, encoder: PairEncoder, decoder: CaptionDecod
                                               test_pairs)
         text += "\n\nkind of change said, by keywords (metrics.said_kind): " + metrics.format_kinds(table["kinds"])
     # the change pairs are the first rows of features, in the order of test_pairs (data.evaluation_pairs)
+    maps = {}  # each change pair's attention maps, for the results page
     located = explain.localisation(encoder, decoder, test_pairs, features, images, tokenizer, config.max_len,
-                                   config.eval_batch_size, device, ctx)
+                                   config.eval_batch_size, device, ctx, maps)
     if located is not None:
         table["localisation"] = located
         text += "\n\n" + explain.format_localisation(located)
@@ -661,8 +663,10 @@ def evaluate_test(run: plumbing.Run, encoder: PairEncoder, decoder: CaptionDecod
     attention = out_dir / "test_attention.png"
     explain.explain_pairs(encoder, decoder, [test_pairs[i] for i in rows], images, tokenizer, config.max_len,
                           attention, device, ctx, torch.from_numpy(np.asarray(features[rows], np.float32)).to(device))
+    page = explain.results_page(out_dir, predictions, table, pairs, SCORER, maps,
+                                explain.training_logs(config, out_dir))  # every pair, the curves: results.py
     print(f"predictions {out_dir / 'test_predictions.json'}, scores {out_dir / 'test_scores.json'}, grid {grid}, "
-          f"attention maps {attention}")
+          f"attention maps {attention}, results page {page}")
     return table
 
 

@@ -23,7 +23,8 @@ patch of either image counts by its position. Chance is the target's share of th
 differs from RCC's, which upsamples each image's map to pixels and scores the two images apart.
 
 Run:  python caption.py --data synth --pair BEFORE AFTER --explain OUT.png   one pair, with a trained model
-      python caption.py --data synth --eval      also scores localisation and writes test_attention.png
+      python caption.py --data synth --eval      also scores localisation and writes test_attention.png, and
+                                                 results.html (results.py), every test pair with its attention map
 
 Shape letters: B pairs, H heads, N patches per image (49), L = 2(N+1) pair tokens (100; M in decoder.py),
 K inter-image blocks, S generated tokens, Y caption layers, E width.
@@ -44,6 +45,7 @@ import clip
 import data
 from losses import ieee_float32
 from plumbing.progress import Progress
+from results import results_page, training_logs  # the page of a test split's results, which caption.py writes
 
 if TYPE_CHECKING:  # the models it reads, named for the reader, not loaded: check.py draws its contact sheets alone
     from decoder import CaptionDecoder
@@ -374,10 +376,11 @@ def explain_pairs(encoder: PairEncoder, decoder: CaptionDecoder, pairs: list[dat
 
 
 def localisation(encoder: PairEncoder, decoder: CaptionDecoder, pairs: list[data.ImagePair], features, images,
-                 tokenizer, max_len: int, batch_size: int, device, ctx) -> dict | None:
+                 tokenizer, max_len: int, batch_size: int, device, ctx, kept: dict | None = None) -> dict | None:
     """The pointing game over the change pairs that have boxes (features row i = pairs[i]); None if none has.
 
-    Returns localisation_table's dict: per change type, pairs, chance and each view's hit rate in percent.
+    Returns localisation_table's dict: per change type, pairs, chance and each view's hit rate in percent. kept, a
+    dict, receives each scored pair's maps, {id: {view: (2N,)}}, for the results page.
     """
     rows = [i for i, p in enumerate(pairs) if p.change_boxes and change_patches(p, encoder.n_patches) is not None]
     if not rows:
@@ -402,6 +405,8 @@ def localisation(encoder: PairEncoder, decoder: CaptionDecoder, pairs: list[data
             chance.setdefault(kind, []).append(float(target.mean()))
             for view in maps:
                 hits[view].setdefault(kind, []).append(pointing_hit(maps[view][b], target))
+            if kept is not None:
+                kept[pairs[i].id] = {view: m[b] for view, m in maps.items()}
         batches += 1
         if batches % 20 == 0 or start + batch_size >= len(rows):
             print(f"attention of {len(rows)} change pairs: " + progress.line(batches), flush=True)

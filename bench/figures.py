@@ -27,6 +27,8 @@ figures in BENCHMARKS.md; smaller values (see each subcommand's --help) make a s
   draw      drawing the synthetic dataset: pairs/s and pairs per CPU second                          section 7
   kinds     the kind of change each test caption of a caption.py run says, by keywords, per true kind
             (--confusion: true kind -> said kind), and the run's pointing game                      section 1
+  results   results.html at CLEVR-Change's size, from a synth run repeated: writing time, size, and
+            Chromium's time to open it, filter, sort and turn a page; JSON                          section 13
   first     the README's first command from a clean clone, each line time-stamped: per script wall
             time and peak memory, the phases, the steps' ms, CPU flags, md5 of both outputs, kinds  section 1
   cost      each stage at the papers' sizes: FLOPs per training pair, activation memory per batch size,
@@ -45,6 +47,7 @@ Run:  python -m bench clip [--bpe-path FILE]       (the vocabulary from --bpe-pa
       python -m bench load [--root DIR] [--workers 2]   (DIR: a synthetic set, drawn if missing)
       python -m bench draw DIR --pairs 2000 [--workers 2]   (DIR must not exist)
       python -m bench kinds runs/caption_synth [--confusion] [--data synth] [--data_root DIR]
+      python -m bench results runs/caption_synth [--images DIR]   (after the first command; a minute or two)
       python -m bench first OUT_DIR [--commit C] [--avx2]   (10-20 minutes on 2 cores; logs and summary.json in OUT_DIR)
       python -m bench first OUT_DIR --extra "--synth_pairs 40 --epochs 1"   (flags for both scripts: a smoke run)
       python -m bench cost [--batch-sizes 1 2 4 8]   (about 12 minutes on 2 busy cores; --tiny: a smoke run)
@@ -764,6 +767,68 @@ def print_kinds(run_dir: str, name: str, root: str | None, confusion: bool) -> N
     print(metrics.format_kinds(kinds, confusion))
     if located:
         print(explain.format_localisation(located))
+
+
+def results_page_at_scale(run_dir: str | os.PathLike, root: str | None = None, images: str | None = None,
+                          pairs: int = CLEVR_TEST_PAIRS // 2, out: str | None = None, browse: bool = True) -> dict:
+    """results.html at CLEVR-Change's size: a synth run's test pairs and captions repeated to `pairs` change pairs
+    and as many distractor pairs, each image linked under a name of its own (so none is shared, as in CLEVR-Change),
+    from the synthetic set or, with images, cycling through that folder's PNGs (e.g. CLEVR-Change's own renders).
+    Times the writing (the scoring of every pair, the thumbnails), sizes the page by part and, where Chromium is
+    installed, times its load and a filter, a sort and a page turn in it."""
+    import results
+    from bench.browser import CHROMIUM, Chromium
+    run_dir = Path(run_dir)
+    test = data.load_split("synth", "test", root)
+    said = {p["image_id"]: p["caption"] for p in json.loads((run_dir / "test_predictions.json").read_text())}
+    folder = Path(out or tempfile.mkdtemp(prefix="results_at_scale_"))
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    pool = sorted(Path(images).rglob("*.png")) if images else None
+    made, predictions = [], {}
+    for k in range(pairs):
+        base = test[k % len(test)]
+        links = []
+        for n, path in enumerate((base.before, base.after, base.distractor)):
+            link = folder / "images" / f"{k:06d}_{n}.png"
+            link.unlink(missing_ok=True)
+            link.symlink_to((pool[(3 * k + n) % len(pool)] if pool else path).resolve())
+            links.append(link)
+        made.append(dataclasses.replace(base, id=f"{k:06d}.png", before=links[0], after=links[1], distractor=links[2]))
+        predictions[made[-1].id] = said[base.id]
+        predictions[made[-1].id + data.NO_CHANGE_SUFFIX] = said[base.id + data.NO_CHANGE_SUFFIX]
+    evaluated = data.evaluation_pairs(made, use_no_change_pair=True)
+    predictions = {p.id: predictions[p.id] for p in evaluated}
+    scored = metrics.score_captions(predictions, data.references(evaluated), scorer=metrics.FastCaptionScorer)
+    table = {"scores": {"total": scored["corpus"]}, "sizes": {"total": len(evaluated)},
+             "kinds": metrics.change_kinds([{"image_id": i, "caption": c} for i, c in predictions.items()], made)}
+    generator = torch.Generator().manual_seed(0)
+    maps = {p.id: {"inter": torch.rand(2 * 49, generator=generator).numpy()} for p in made}  # as many as --eval's
+    started = time.perf_counter()
+    page = results.results_page(folder, predictions, table, evaluated, metrics.FastCaptionScorer, maps, {})
+    text = page.read_text()
+    thumbs = re.search(r'<script type="application/json" id="thumbs">(.*?)</script>', text).group(1)
+    seconds = round(time.perf_counter() - started, 1)
+    figures = {"pairs": len(evaluated), "images": 3 * pairs, "seconds_to_write": seconds,
+               "page_MB": round(page.stat().st_size / 1e6, 2), "images_MB": round(len(thumbs) / 1e6, 2),
+               "images_from": images or "the synthetic set", "page": str(page)}
+    if browse and CHROMIUM:
+        browser = Chromium(folder / "profile", timeout=300)
+        try:
+            started = time.perf_counter()
+            browser.open(page, 1280, 900)
+            figures["chromium_load_s"] = round(time.perf_counter() - started, 2)
+            for name, script in (("filter_move_ms", "f.type.value = 'move'"),
+                                 ("sort_worst_ms", "f.sort.value = 'worst'"), ("search_ms", "f.query.value = 'cube'")):
+                figures[name] = round(browser.run(
+                    f"(() => {{ const f = document.getElementById('find'), t = performance.now(); {script}; "
+                    "f.dispatchEvent(new Event('input')); return performance.now() - t; })()"), 1)
+            figures["next_page_ms"] = round(browser.run(
+                "(() => { const t = performance.now(); document.querySelector('.pager button[data-step=\"1\"]')"
+                ".click(); return performance.now() - t; })()"), 1)
+            figures["console_errors"] = browser.console_errors()
+        finally:
+            browser.close()
+    return figures
 
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # the instruction sets torch's CPU kernels choose among
@@ -1597,6 +1662,18 @@ def main(argv=None):
     p.add_argument("--data_root", default=None, help="its folder (default: data/<name>)")
     p.add_argument("--confusion", action="store_true", help="also true kind -> said kind counts")
     p.set_defaults(run=lambda a: print_kinds(a.run_dir, a.data, a.data_root, a.confusion))
+
+    p = figure("results", "results.html at CLEVR-Change's size (a synth run's test pairs repeated): the time to "
+                          "write it, its size, and Chromium's time to open it, filter, sort and turn a page (JSON)")
+    p.add_argument("run_dir", help="a caption.py run on the synthetic set (e.g. runs/caption_synth)")
+    p.add_argument("--data_root", default=None, help="its dataset's folder (default: data/synth)")
+    p.add_argument("--images", default=None, help="a folder of PNGs to cycle through instead of the synthetic "
+                                                  "images (e.g. CLEVR-Change's images/)")
+    p.add_argument("--pairs", type=int, default=CLEVR_TEST_PAIRS // 2, help="change pairs (each with a distractor)")
+    p.add_argument("--out", default=None, help="where the page and its linked images go (default: a temporary folder)")
+    p.add_argument("--no-browser", dest="browse", action="store_false", help="leave Chromium out")
+    p.set_defaults(run=lambda a: print(json.dumps(results_page_at_scale(a.run_dir, a.data_root, a.images, a.pairs,
+                                                                        a.out, a.browse), indent=2)))
 
     p = figure("first", "the README's first command from a clean clone: time-stamped logs, phases, peak memory, "
                         "md5 of the outputs, the kinds of change said (DIR/summary.json)")
