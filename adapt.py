@@ -57,7 +57,6 @@ from torch.utils.data import DataLoader
 import clip
 import data
 import plumbing
-import synth
 from encoder import EncoderConfig, PairEncoder, from_checkpoint
 from losses import contrastive_loss, ieee_float32
 from plumbing import ConfigError, flag
@@ -176,8 +175,7 @@ class PairData(NamedTuple):
 def read_pairs(config: Config, dist_, resolution: int = data.IMAGE_SIZE) -> PairData:
     """The dataset's splits of image pairs, its tokenizer and image reader of resolution x resolution images."""
     root = data.dataset_root(config.data, config.data_root or None)
-    if config.data == "synth":  # the embedded dataset, drawn by synth.py on first use (by the master; others wait)
-        plumbing.by_master(dist_, synth.ensure_synth, root, synth.SynthConfig(pairs=config.synth_pairs))
+    plumbing.draw_synthetic(config, root, dist_)  # --data synth: the embedded dataset, drawn by synth.py on first use
     # data.load_split reads the dataset's own layout (data.py section 4) into ImagePairs: before, after, captions
     # and, for CLEVR-Change and the synthetic set, the distractor view; adaptation_pairs leaves out the pairs that
     # did not change (LEVIR-CC's), whose captions all say so and tell no pair apart

@@ -73,7 +73,7 @@ import data
 import explain
 import metrics
 import plumbing
-import synth
+import results
 from decoder import CaptionDecoder, DecoderConfig, ids_to_text
 from encoder import FROZEN_IN_REFERENCE, PairEncoder, from_checkpoint, no_decay_names
 from losses import caption_loss
@@ -352,8 +352,8 @@ def job(run: plumbing.Run, trained) -> None:
     trained: --eval's or --pair's captioner (plumbing.load_trained), None when training."""
     config, dist_ = run.config, run.dist_
     root = data.dataset_root(config.data, config.data_root or None)
-    if config.data == "synth" and not config.pair:  # drawn first: the tokenizer reads its vocabulary file
-        plumbing.by_master(dist_, synth.ensure_synth, root, synth.SynthConfig(pairs=config.synth_pairs))
+    if not config.pair:  # --data synth: drawn first (the tokenizer reads its vocabulary file), or checked
+        plumbing.draw_synthetic(config, root, dist_)
     stage1 = load_stage1(config, None if trained is None or trained.release else trained)
     positions = stage1.encoder.clip.positional_embedding.shape[0]  # the decoder's, tied to CLIP's
     for name in ("max_words", "max_len"):
@@ -663,8 +663,8 @@ def evaluate_test(run: plumbing.Run, encoder: PairEncoder, decoder: CaptionDecod
     attention = out_dir / "test_attention.png"
     explain.explain_pairs(encoder, decoder, [test_pairs[i] for i in rows], images, tokenizer, config.max_len,
                           attention, device, ctx, torch.from_numpy(np.asarray(features[rows], np.float32)).to(device))
-    page = explain.results_page(out_dir, predictions, table, pairs, SCORER, maps,
-                                explain.training_logs(config, out_dir))  # every pair, the curves: results.py
+    page = results.results_page(out_dir, predictions, table, pairs, SCORER, maps,
+                                results.training_logs(config, out_dir))  # every pair, the curves
     print(f"predictions {out_dir / 'test_predictions.json'}, scores {out_dir / 'test_scores.json'}, grid {grid}, "
           f"attention maps {attention}, results page {page}")
     return table

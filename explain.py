@@ -23,8 +23,8 @@ patch of either image counts by its position. Chance is the target's share of th
 differs from RCC's, which upsamples each image's map to pixels and scores the two images apart.
 
 Run:  python caption.py --data synth --pair BEFORE AFTER --explain OUT.png   one pair, with a trained model
-      python caption.py --data synth --eval      also scores localisation and writes test_attention.png, and
-                                                 results.html (results.py), every test pair with its attention map
+      python caption.py --data synth --eval      also scores localisation and writes test_attention.png (and, with
+                                                 results.py, results.html: every test pair with its attention map)
 
 Shape letters: B pairs, H heads, N patches per image (49), L = 2(N+1) pair tokens (100; M in decoder.py),
 K inter-image blocks, S generated tokens, Y caption layers, E width.
@@ -45,7 +45,6 @@ import clip
 import data
 from losses import ieee_float32
 from plumbing.progress import Progress
-from results import results_page, training_logs  # the page of a test split's results, which caption.py writes
 
 if TYPE_CHECKING:  # the models it reads, named for the reader, not loaded: check.py draws its contact sheets alone
     from decoder import CaptionDecoder

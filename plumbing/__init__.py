@@ -2,7 +2,8 @@
 
 The method lives in the files above this folder (clip, encoder, decoder, losses, data, metrics, adapt, caption).
 Everything here serves it: a script writes `import plumbing` and calls `plumbing.X`, so every departure from the
-lesson says where it goes. Nothing here imports a script, the decoder or METEOR: stage 1 loads neither.
+lesson says where it goes. Nothing here imports a script, the decoder or METEOR: stage 1 loads neither (synth.py is
+imported only when --data synth asks for it).
 
 The map: each part, what it guarantees, and the test of test_all.py that shows it.
 
@@ -37,8 +38,9 @@ The map: each part, what it guarantees, and the test of test_all.py that shows i
                   test_the_step_boundary_reads_the_losses_on_log_and_save_steps_and_saves_between_epochs_or_for_a_
                   signal, test_sigterm_saves_stage_2_at_the_step_boundary_exits_143_and_the_resumed_run_is_the_
                   uninterrupted_one
-  caches.py       What is computed once and kept on disk, named by what it depends on: preprocessed pixels (the image
-                  cache), frozen intra-image tokens, stage 2's pair features.  test_the_image_cache_gives_the_decoded_
+  caches.py       What is computed once and kept on disk, named by what it depends on: the synthetic set (synth.py
+                  draws it on first use), preprocessed pixels (the image cache), frozen intra-image tokens, stage 2's
+                  pair features.  test_the_image_cache_gives_the_decoded_
                   pixels_and_is_rebuilt_when_a_file_changes, test_a_replaced_image_gives_new_pixels_new_intra_tokens_
                   and_new_pair_features
   clip_files.py   CLIP's weights and vocabulary: a checksummed download cache, OpenAI's archives read as data, load().
@@ -49,7 +51,7 @@ The map: each part, what it guarantees, and the test of test_all.py that shows i
 Below: the names the scripts call, by part.
 """
 from plumbing.batches import batch_plan, epoch_batches, training_loader
-from plumbing.caches import FeatureItems, IntraTokens, feature_paths, image_reader
+from plumbing.caches import FeatureItems, IntraTokens, draw_synthetic, feature_paths, image_reader
 from plumbing.checkpoints import (Trained, check_resume, checkpoint_tokenizer, load_checkpoint, load_trained,
                                   read_encoder, rng_state, save_checkpoint, split_fingerprint, start_or_resume,
                                   vocabulary_hint, vocabulary_tensor)

@@ -30,6 +30,7 @@ import clip
 from data import IMAGE_SIZE, CaptionItems, DataError, ImagePair, ImageReader, preprocess_uint8, usable_cpus
 from plumbing.files import (NO_SPACE, NOT_WRITABLE, DiskFull, no_space, process_alive, remove_partial_files,
                             reserve_space, unwritable)
+from plumbing.processes import by_master
 from plumbing.progress import Progress
 
 # -----------------------------------------------------------------------------
@@ -220,6 +221,15 @@ def image_reader(splits: dict, root: Path, resolution: int, cached: bool, dist_)
     if dist_.ddp:
         dist.barrier()
     return ImageReader(resolution, image_cache(every_pair, Path(root) / ".cache", "all", resolution))
+
+
+def draw_synthetic(config, root: Path, dist_) -> None:
+    """The synthetic set (--data synth), drawn by synth.py on first use (by the master, while the other processes
+    wait), and checked against --synth_pairs when it is there. Other datasets are downloaded, not drawn."""
+    if config.data != "synth":
+        return
+    import synth  # the synthetic world's code, loaded only for it: a run on a downloaded dataset never reads it
+    by_master(dist_, synth.ensure_synth, root, synth.SynthConfig(pairs=config.synth_pairs))
 
 
 # -----------------------------------------------------------------------------
