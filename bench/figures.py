@@ -961,15 +961,31 @@ def first_command(folder: str | os.PathLike, commit: str | None = None, avx2: bo
     summary["steps"] = {"stage1": step_ms(adapt_lines), "stage2": step_ms(caption_lines)}
     outputs = (clone / "runs/adapt_synth/test_retrieval.json", clone / "runs/caption_synth/test_predictions.json")
     summary["md5"] = {str(path.relative_to(clone)): md5_of(path) for path in outputs}
+    summary["quality"] = first_quality(*outputs)  # what the README quotes of the run: retrieval, CIDEr-D
     if outputs[1].is_file():
         try:
             kinds, located = run_kinds(outputs[1].parent, "synth", root)
-            summary.update(kinds=metrics.format_kinds(kinds), kinds_confusion=kinds["confusion"],
-                           localisation=located)
+            summary.update(kinds=metrics.format_kinds(kinds), kinds_right=kinds["right"],
+                           kinds_confusion=kinds["confusion"], localisation=located)
         except SystemExit as error:  # the summary keeps the timings of a run whose outputs are not the usual ones
             summary["kinds"] = str(error)
     save_json(summary, folder / "summary.json")
     return summary
+
+
+def first_quality(retrieval_file: Path, predictions_file: Path) -> dict:
+    """The test figures of a first command's run: stage-1 R@1 (%), stage-2 CIDEr-D (total, semantic changes,
+    distractors), from the files the scripts wrote."""
+    quality = {}
+    if retrieval_file.is_file():
+        retrieval = json.loads(retrieval_file.read_text())
+        quality["retrieval"] = {key: retrieval[key] for key in ("text_to_pair_R1", "pair_to_text_R1",
+                                                                "text_to_pair_R5", "pair_to_text_R5")}
+    scores = predictions_file.parent / "test_scores.json"
+    if scores.is_file():
+        table = json.loads(scores.read_text())
+        quality["cider"] = {name.replace(" ", "_"): round(value["CIDEr"], 4) for name, value in table["scores"].items()}
+    return quality
 
 
 def report_first(summary: dict, folder: str) -> None:
