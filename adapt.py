@@ -122,7 +122,9 @@ class Config:
                               "GPU waits for it, so a diverged run stops at most this many steps late")
     save_every: int = flag(200, "optimizer steps between ckpt_last.pt saves (and at every epoch end)")
     eval_batch_size: int = flag(128, "pairs per batch when encoding the evaluation split")
-    resume: bool = flag(False, "continue from out_dir/ckpt_last.pt")
+    resume: bool | str = flag(False, "continue from out_dir/ckpt_last.pt; --resume auto: continue it when it is there, "
+                                     "else start afresh (one command for a job's first start and its requeue)",
+                              also=("auto",))
     eval: bool = flag(False, "score the test split's retrieval with --checkpoint, then exit")
     checkpoint: str = flag("", '--eval: ours ("" = out_dir/ckpt_best.pt) or a release, pretrained/pytorch_model.bin.*')
 
@@ -333,10 +335,9 @@ def train(run: plumbing.Run, raw_model: nn.Module, optimizer, train_set, validat
     # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (plumbing.StepBoundary)
     with plumbing.StepBoundary(run, steps_per_epoch, total_steps, step, state) as boundary:
         model.train()
-        while step < total_steps:
-            epoch = step // steps_per_epoch
-            done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
-            batches = plumbing.epoch_batches(loader, epoch, done_in_epoch, config.grad_accum)  # the sampler's epoch
+        while step < total_steps or boundary.pending_validation:  # (resumed before an epoch's validation)
+            epoch, done_in_epoch = boundary.position(step)  # done_in_epoch > 0 when resuming part-way through it
+            batches = boundary.epoch_batches(loader, epoch, done_in_epoch, config.grad_accum)  # the sampler's epoch
             for _ in range(done_in_epoch, steps_per_epoch):
                 lr = get_lr(step, total_steps, config)
                 for group in optimizer.param_groups:
@@ -356,9 +357,8 @@ def train(run: plumbing.Run, raw_model: nn.Module, optimizer, train_set, validat
                     boundary.log.write(step=step, epoch=epoch, loss=loss_value,
                                        lr=get_lr(step, total_steps, config), logit_scale=scale)
                 boundary.save_or_stop()  # ckpt_last.pt every save_every steps; for Ctrl-C or SIGTERM, then stops
-            boundary.end_epoch()  # the finiteness check of the epoch's last steps
+            boundary.end_epoch(raw_model)  # its last steps and weights checked finite, then saved (ckpt_last.pt)
             if master:  # end of epoch: validation retrieval on the master, the others wait
-                plumbing.check_finite_model(raw_model, step, lr)  # a non-finite model is never scored nor saved
                 scores = validate(raw_model)
                 history.append({"epoch": epoch, "step": step, **scores})
                 improved = scores["text_to_pair_R1"] >= best  # a tie keeps the later epoch, as the reference

@@ -148,7 +148,9 @@ class Config:
                               "GPU waits for it, so a diverged run stops at most this many steps late")
     save_every: int = flag(500, "optimizer steps between ckpt_last.pt saves (and at every epoch end)")
     eval_batch_size: int = flag(64, "pairs per batch when encoding and decoding")
-    resume: bool = flag(False, "continue from out_dir/ckpt_last.pt")
+    resume: bool | str = flag(False, "continue from out_dir/ckpt_last.pt; --resume auto: continue it when it is there, "
+                                     "else start afresh (one command for a job's first start and its requeue)",
+                              also=("auto",))
     eval: bool = flag(False, "decode and score the test split with --checkpoint, then exit")
     pair: tuple[str, str] = flag((), "BEFORE AFTER: caption these two images with --checkpoint, then exit")
     checkpoint: str = flag("", '--eval, --pair: ours ("" = out_dir/ckpt_best.pt) or a release, '
@@ -449,10 +451,9 @@ def train(run: plumbing.Run, root: Path, stage1: Stage1, captioner: Captioner, t
     # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (plumbing.StepBoundary)
     with plumbing.StepBoundary(run, steps_per_epoch, total_steps, step, state) as boundary:
         model.train()
-        while step < total_steps and bad_epochs <= config.patience:
-            epoch = step // steps_per_epoch
-            done_in_epoch = step - epoch * steps_per_epoch  # > 0 when resuming part-way through an epoch
-            batches = plumbing.epoch_batches(loader, epoch, done_in_epoch, config.grad_accum)  # the sampler's epoch
+        while (step < total_steps or boundary.pending_validation) and bad_epochs <= config.patience:
+            epoch, done_in_epoch = boundary.position(step)  # done_in_epoch > 0 when resuming part-way through it
+            batches = boundary.epoch_batches(loader, epoch, done_in_epoch, config.grad_accum)  # the sampler's epoch
             for _ in range(done_in_epoch, steps_per_epoch):
                 lr = get_lr(step, total_steps, config)
                 for group in optimizer.param_groups:
@@ -469,9 +470,8 @@ def train(run: plumbing.Run, root: Path, stage1: Stage1, captioner: Captioner, t
                                         lr=get_lr(step, total_steps, config)), flush=True)
                     boundary.log.write(step=step, epoch=epoch, loss=value, lr=get_lr(step, total_steps, config))
                 boundary.save_or_stop()  # ckpt_last.pt every save_every steps; for Ctrl-C or SIGTERM, then stops
-            boundary.end_epoch()  # the finiteness check of the epoch's last steps
+            boundary.end_epoch(captioner)  # its last steps and weights checked finite, then saved (ckpt_last.pt)
             if master:  # end of epoch: validation CIDEr-D, decoded by the master alone while the others wait
-                plumbing.check_finite_model(captioner, step, lr)  # a non-finite model is never scored nor saved
                 cider, predictions = validate(run, captioner, feature_path, eval_pairs["val"], images, tokenizer)
                 improved = cider >= best_cider  # a tie keeps the later epoch, as the reference
                 best_cider, best_epoch = (cider, epoch) if improved else (best_cider, best_epoch)

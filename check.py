@@ -12,6 +12,8 @@ import argparse
 import multiprocessing
 import sys
 import warnings
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +22,7 @@ from PIL import Image, UnidentifiedImageError
 import clip
 from data import (CHANGE_TYPES, CHANGED, DISTRACTOR, LEVIR_NO_CHANGE, MAX_WORDS, SOURCES, SPLITS, UNCHANGED,
                   DataError, ImagePair, bpe_path, dataset_root, load_split, read_clevr_change, read_json, repair,
-                  training_captions, usable_cpus)
+                  rgb_view, training_captions, usable_cpus)
 from explain import contact_sheet
 from plumbing import clip_files
 from plumbing.progress import Progress
@@ -62,8 +64,11 @@ def image_check(path: Path) -> tuple[str | None, bool]:
             with Image.open(path) as image:
                 image.load()
                 turned = image.getexif().get(EXIF_ORIENTATION, 1) not in (1, None)
+                rgb_view(image, path)  # as training reads it: a float image past 0..255 is refused there too
     except FileNotFoundError:
         return "missing", False
+    except DataError as error:
+        return str(error).removeprefix(f"image {path} "), False
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError,
             Image.DecompressionBombWarning) as error:
         return str(error) or type(error).__name__, False
@@ -71,20 +76,27 @@ def image_check(path: Path) -> tuple[str | None, bool]:
 
 
 def image_checks(images: list[Path], progress) -> list[tuple[str | None, bool]]:
-    """image_check of every image, in order; decoded by one process per usable CPU when there are many."""
+    """image_check of every image, in order; decoded by one process per usable CPU when there are many. A decoding
+    process that dies (killed by the out-of-memory killer) is said on stderr, and this process checks the images
+    it had not done (a process pool's lost task would otherwise be waited for, for ever)."""
+    results = []
     workers = min(usable_cpus(), len(images) // CHECK_PARALLEL_MIN)
-    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        results = []
-        for path in images:
-            results.append(image_check(path))
-            progress.show(len(results))
-        return results
-    with multiprocessing.get_context("fork").Pool(workers) as pool:  # forked: Pillow's limits as set here
-        results = []
-        for result in pool.imap(image_check, images, chunksize=16):
-            results.append(result)
-            progress.show(len(results))
-        return results
+    if workers >= 2 and "fork" in multiprocessing.get_all_start_methods():
+        # forked: Pillow's limits as set here
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+        try:
+            for result in pool.map(image_check, images, chunksize=16):
+                results.append(result)
+                progress.show(len(results))
+        except BrokenProcessPool:
+            print(f"\ncheck.py: note: a decoding process died (killed: out of memory?) after {len(results):,} of "
+                  f"{len(images):,} images; this process checks the rest", file=sys.stderr, flush=True)
+        finally:
+            pool.shutdown(cancel_futures=True)
+    for path in images[len(results):]:
+        results.append(image_check(path))
+        progress.show(len(results))
+    return results
 
 
 def named(problems: list[str]) -> str:
@@ -162,9 +174,13 @@ def check_dataset(data: str, root: Path, tokenizer: clip.SimpleTokenizer | None,
               f"{beside_published(references, published[1], problems, 'references', split)}")
         if any(pair.change_type in (CHANGED, UNCHANGED) for pair in pairs):  # LEVIR-CC's two kinds of pair
             print("    " + kinds_line(data, split, pairs, problems))
+            if not any(pair.change_type == CHANGED for pair in pairs):
+                problems.append(f"{split}: no change pairs")
+                print("    no change pairs: stage 1 (adapt.py) adapts to the change pairs alone, and needs one in "
+                      "every split")
         if not pairs and published[0] is None:  # a published count is compared above
             problems.append(f"{split}: 0 pairs")
-            print(f"    no pairs: training and evaluation need at least one in every split")
+            print("    no pairs: training and evaluation need at least one in every split")
         empty = references - sum(len(training_captions(pair.captions)) for pair in pairs)
         if empty:
             without = sum(not training_captions(pair.captions) for pair in pairs)
@@ -210,8 +226,8 @@ def split_notes(splits: dict[str, list[ImagePair]]) -> list[str]:
         if both:
             notes.append(f"{len(both):,} {split} pair(s) are also in train (the same before and after images): "
                          f"{named(both)}; their scores measure what was memorised, not captioning")
-    known = (*CHANGE_TYPES, DISTRACTOR)
-    other = sorted({p.change_type for pairs in splits.values() for p in pairs} - {None, *known})
+    known = (*CHANGE_TYPES, DISTRACTOR)  # and LEVIR-CC's two kinds, which its table scores (metrics.py)
+    other = sorted({p.change_type for pairs in splits.values() for p in pairs} - {None, *known, CHANGED, UNCHANGED})
     if other:
         notes.append(f"change types {other} are not CLEVR-Change's {list(known)}: the score table gives each its "
                      f"own row")

@@ -541,6 +541,8 @@ def read_ier(root: Path, split: str) -> list[ImagePair]:
 
 LEVIR_CAPTIONS = ("LevirCCcaptions.json", "LevirCCcaptions_v1.json")  # the download's name; PromptCC's copy with
 # changeflag (github.com/Chen-Yang-Liu/PromptCC, data/LEVIR_CC/)
+# A record's "split" as read, and the split it means: other copies write "valid" (IER's name), capitals
+LEVIR_SPLIT_NAMES = {"train": "train", "val": "val", "test": "test", "valid": "val", "validation": "val"}
 # The five sentences of every unchanged LEVIR-CC pair, the list its papers' evaluation scripts find those pairs by
 # (github.com/Chen-Yang-Liu/RSICC eval.py, `nochange_list`): a file without changeflag is read by them too.
 LEVIR_NO_CHANGE = ("there is no difference", "the two scenes seem identical", "the scene is the same as before",
@@ -581,14 +583,23 @@ def read_levir_cc(root: Path, split: str) -> list[ImagePair]:
     if not found:
         raise DataError(f"LEVIR-CC: no {LEVIR_CAPTIONS[0]} in {root}; {SOURCES['levir'].get_it}")
     path = found[0]
+    if len(found) > 1 and split == SPLITS[0]:  # said once, with the first split read
+        reader_note(f"LEVIR-CC: {root} holds both {' and '.join(f.name for f in found)}; reading {path.name} "
+                    f"(move it away to read the other)")
     content = read_json(path, "LEVIR-CC")
     if not isinstance(content, dict) or not isinstance(content.get("images"), list):
         raise DataError(f'{path} should be {{"images": [...]}}, one record per pair (LEVIR-CC\'s Karpathy-style file)')
     records = checked_items(content["images"], ("filename", "split", "sentences"), path)
-    pairs, seen = [], set()
+    pairs, seen, renamed = [], set(), {}
     for position, record in enumerate(records):
-        if record["split"] != split:
+        named = checked_type(record["split"], str, f"{path}, record {position}: split", '"train", "val" or "test"')
+        if LEVIR_SPLIT_NAMES.get(named.lower()) is None:
+            raise DataError(f'{path}, record {position}: split "{named}" is none of train, val, test (or valid, '
+                            f'validation; in any case): correct it there')
+        if LEVIR_SPLIT_NAMES[named.lower()] != split:
             continue
+        if named != split:
+            renamed[named] = renamed.get(named, 0) + 1
         name = checked_type(record["filename"], str, f"{path}, record {position}: filename", 'a name such as '
                             '"train_000016.png"')
         if name in seen:
@@ -608,7 +619,15 @@ def read_levir_cc(root: Path, split: str) -> list[ImagePair]:
         pairs.append(ImagePair(id=name, before=root / "images" / split / "A" / name,
                                after=root / "images" / split / "B" / name, captions=captions,
                                change_type=UNCHANGED if unchanged else CHANGED))
+    for named, count in renamed.items():
+        reader_note(f'LEVIR-CC: {count:,} record(s) of {path.name} with "split": "{named}" read as {split}')
     return pairs
+
+
+def reader_note(note: str) -> None:
+    """A reader's note on stdout; under torchrun every process reads, and the first one says it."""
+    if os.environ.get("RANK", "0") == "0":
+        print(note)
 
 
 def read_user_pairs(root: Path, split: str) -> list[ImagePair]:
@@ -740,11 +759,16 @@ def load_image(path: Path, fix: str = "replace it with a readable copy (python c
                 return rgb_view(image, path)
     except FileNotFoundError as error:
         raise DataError(f"image {path} is missing; {fix}") from error
+    except DataError:  # rgb_view's: an image on no scale it can read
+        raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
         raise DataError(f"image {path} is too large for Pillow ({error}); shrink it below "
                         f"{Image.MAX_IMAGE_PIXELS:,} pixels (the model sees it at {IMAGE_SIZE} x {IMAGE_SIZE})") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
         raise DataError(f"image {path} is corrupt or not an image ({error}); {fix}") from error
+
+
+FLOAT_OVERSHOOT = 1.5  # rgb_view: a float image whose values stay below this is on the 0..1 scale
 
 
 def rgb_view(image: Image.Image, path: Path | str = "") -> Image.Image:
@@ -755,8 +779,10 @@ def rgb_view(image: Image.Image, path: Path | str = "") -> Image.Image:
     CLIP do. 16-bit grey (I;16, I;16B, ...) and 32-bit integers (I, how Pillow opens 16-bit PGMs and older
     Pillows 16-bit PNGs): the high byte of the 16-bit value (clipped to 0..65535), as Pillow reads 16-bit
     colour PNGs; an 8-bit image stored in 16 bits (v = 257 k) gives back its k. Floats (F): 0..1 is black to
-    white, as float images are written, rounded. convert("RGB") alone would clip these three at 255: a 16-bit
-    PNG would be all white.
+    white, as float images are written, rounded (an overshoot up to FLOAT_OVERSHOOT clipped); one with a value
+    past that is on the 8-bit scale, 0..255; one past 255 (a float TIFF of 0..2550) is on no scale this can tell
+    and is refused (DataError). convert("RGB") alone would clip these three at 255: a 16-bit PNG, a float image of
+    0..255, would be all white.
     """
     if image.mode == "RGB":
         return image
@@ -764,7 +790,13 @@ def rgb_view(image: Image.Image, path: Path | str = "") -> Image.Image:
     if image.mode.startswith("I") or image.mode == "F":  # I;16*, I, F: one grey channel
         values = np.asarray(image)  # (H, W)
         if image.mode == "F":
-            grey = np.round(np.clip(np.nan_to_num(values.astype(np.float64)), 0, 1) * 255)
+            values = np.nan_to_num(values.astype(np.float64))
+            top = float(values.max()) if values.size else 0.0
+            if top > 255:
+                raise DataError(f"image {path} holds floats up to {top:g}, past both scales float images are written "
+                                f"on (0..1, 0..255): save it as an 8-bit PNG, or scaled to 0..255")
+            scale = 255 if top <= FLOAT_OVERSHOOT else 1  # 0..1, or already 0..255
+            grey = np.round(np.clip(values * scale, 0, 255))
         else:
             grey = np.clip(values.astype(np.int64), 0, 65535) >> 8
         return Image.fromarray(grey.astype(np.uint8), "L").convert("RGB")

@@ -665,6 +665,11 @@ def ensure_synth(root: str | os.PathLike, cfg: SynthConfig | None = None, worker
         wanted = json.loads(json.dumps(asdict(cfg)))  # tuples become lists, as in the stored file
         if stored != wanted:
             differences = {k: (stored.get(k), v) for k, v in wanted.items() if stored.get(k) != v}
+            if set(differences) == {"pairs"}:  # the one setting a flag chooses: say which value reads it as drawn
+                raise data.DataError(f"the synthetic dataset in {root} was drawn with --synth_pairs {stored['pairs']}, "
+                                     f"not {cfg.pairs}: pass --synth_pairs {stored['pairs']} to read it as drawn (the "
+                                     f"value a checkpoint trained on it records in its config), or remove the folder "
+                                     f"to draw {cfg.pairs} pairs, or use another --data_root")
             raise data.DataError(f"the synthetic dataset in {root} was drawn with other settings (stored, wanted: "
                                  f"{differences}); remove the folder to draw it again, or use another root")
     return root

@@ -22,6 +22,7 @@ import io
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import re
 import shlex
@@ -1981,7 +1982,7 @@ def test_every_image_mode_is_read_as_its_8_bit_rgb_view():
                   Image.fromarray(grey / np.float32(255), "F")):
         view = np.asarray(data.rgb_view(image))  # (1, 4, 3): I;16 and I, a 16-bit value's high byte; F, 0..1
         assert np.array_equal(view, np.repeat(grey[..., None], 3, axis=2)), image.mode
-    assert np.asarray(data.rgb_view(Image.fromarray(np.array([[-5.0, np.nan, 2.0]], np.float32)))).tolist() == \
+    assert np.asarray(data.rgb_view(Image.fromarray(np.array([[-5.0, np.nan, 1.2]], np.float32)))).tolist() == \
         [[[0, 0, 0], [0, 0, 0], [255, 255, 255]]]  # out of range: clipped; not a number: black
 
 
@@ -2323,10 +2324,14 @@ def test_ensure_synth_adds_the_boxes_to_a_folder_drawn_without_them(synth_root, 
     assert (older / data.CHANGE_BOXES_FILE).read_bytes() == (synth_root / data.CHANGE_BOXES_FILE).read_bytes()
 
 
-def test_ensure_synth_refuses_a_folder_drawn_with_other_settings(synth_root):
+def test_ensure_synth_refuses_a_folder_drawn_with_other_settings_naming_the_synth_pairs_that_read_it(synth_root):
     assert synth.ensure_synth(synth_root, SYNTH) == synth_root
-    with pytest.raises(data.DataError, match=r"drawn with other settings .*'pairs': \(40, 41\)"):
+    # --eval --checkpoint of a model trained on --synth_pairs 40: the flag its checkpoint records, not "remove it"
+    with pytest.raises(data.DataError, match=r"drawn with --synth_pairs 40, not 41: pass --synth_pairs 40 to read it "
+                                             r"as drawn \(the value a checkpoint trained on it records in its config\)"):
         synth.ensure_synth(synth_root, synth.SynthConfig(pairs=41, seed=3))
+    with pytest.raises(data.DataError, match=r"drawn with other settings .*'pairs': \(40, 41\), 'seed': \(3, 4\)"):
+        synth.ensure_synth(synth_root, synth.SynthConfig(pairs=41, seed=4))
 
 
 def test_ensure_synth_refuses_a_folder_whose_vocabulary_is_not_the_synthetic_clips(synth_root, tmp_path):
@@ -3051,8 +3056,9 @@ class FakeGPUs:
     """A machine with GPUs as torch sees it, with only what talks to the driver replaced: torch.cuda.is_available,
     device_count, get_device_capability, get_device_name, is_bf16_supported and current_device answer for `count`
     H100s; torch._C._cuda_setDevice (the
-    driver call under torch.cuda.set_device) and init_process_group record their arguments. torch.cuda.set_device's
-    own argument check (_get_device_index: an index, or a torch.device that names one) still runs."""
+    driver call under torch.cuda.set_device) and init_process_group record their arguments, the store the processes
+    meet in a stand-in. torch.cuda.set_device's own argument check (_get_device_index: an index, or a torch.device
+    that names one) still runs."""
 
     def __init__(self, monkeypatch, count: int = 2):
         self.count, self.selected, self.groups = count, [], []
@@ -3065,6 +3071,7 @@ class FakeGPUs:
         monkeypatch.setattr(torch._C, "_cuda_setDevice", self.selected.append, raising=False)  # absent from CPU builds
         monkeypatch.setattr(processes, "init_process_group", lambda backend, **kwargs: self.groups.append(
             {"backend": backend, **kwargs}))
+        monkeypatch.setattr(processes, "process_store", lambda rank, world_size: ("store", rank, world_size))
 
 
 class SetUpDone(Exception):
@@ -3072,13 +3079,15 @@ class SetUpDone(Exception):
 
 
 # (environment, flags, the GPU index the process must take); the torchrun forms start an nccl group bound to it
+TORCHRUN_STORE = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True"}
 LAUNCH_FORMS = {
     "python X.py": ({}, [], 0),
     "--device cuda": ({}, ["--device", "cuda"], 0),
     "--device cuda:1": ({}, ["--device", "cuda:1"], 1),
-    "torchrun, process 1 of 2": ({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, [], 1),
+    "torchrun, process 1 of 2": ({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                                  **TORCHRUN_STORE}, [], 1),
     "torchrun, process 5 of 8, second machine": ({"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8",
-                                                  "LOCAL_WORLD_SIZE": "4"}, [], 1)}
+                                                  "LOCAL_WORLD_SIZE": "4", **TORCHRUN_STORE}, [], 1)}
 SCRIPTS = {"adapt.py": (adapt, ["--data", "clevr"]), "caption.py": (caption, ["--data", "clevr"]),
            "caption.py --eval": (caption, ["--data", "clevr", "--eval"]),
            "caption.py --pair": (caption, ["--data", "clevr", "--pair", "BEFORE", "AFTER"]),
@@ -3091,7 +3100,7 @@ def test_every_launch_form_of_every_script_starts_on_a_gpu_machine_and_takes_its
                                                                                       script):
     env, device_flags, index = LAUNCH_FORMS[form]
     module, script_flags = SCRIPTS[script]
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", *TORCHRUN_STORE):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -3123,7 +3132,9 @@ def test_every_launch_form_of_every_script_starts_on_a_gpu_machine_and_takes_its
     assert gpus.selected == [index] and process.device == torch.device("cuda", index)
     assert process.rank == int(env.get("RANK", 0)) and process.master == (process.rank == 0)
     if env:
-        assert gpus.groups == [{"backend": "nccl", "timeout": processes.GROUP_TIMEOUT,
+        rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        assert gpus.groups == [{"backend": "nccl", "store": ("store", rank, world_size), "rank": rank,
+                                "world_size": world_size, "timeout": processes.GROUP_TIMEOUT,
                                 "device_id": torch.device("cuda", index)}]
         assert process.ddp and process.world_size == int(env["WORLD_SIZE"])
     else:
@@ -3183,7 +3194,7 @@ def test_the_products_said_to_be_float32_run_in_ieee_float32_under_tf32_and_the_
 
 @pytest.mark.parametrize("env, flag, message", [
     ({}, ["--device", "cuda:2"], "--device cuda:2, but torch sees 2 GPU"),
-    ({"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"}, [],
+    ({"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3", **TORCHRUN_STORE}, [],
      "LOCAL_RANK 2 on this machine, but torch sees 2 GPU")])
 def test_a_gpu_that_is_not_there_is_refused_in_one_line(monkeypatch, env, flag, message):
     for name, value in env.items():
@@ -3735,7 +3746,8 @@ def test_sigterm_under_torchrun_stops_every_process_at_the_same_step_after_the_m
     assert time.time() - started < 25  # no process waits for the other (torchrun kills them after 30 s)
     step = torch.load(out / "ckpt_last.pt", weights_only=True)["step"]
     assert step % 3 == 0 or step % 11 == 0  # a check step (log steps, or an epoch's end: 11 steps per epoch)
-    assert f"adapt.py: terminated (SIGTERM): {out / 'ckpt_last.pt'} holds step {step}; continue with:" in stderr
+    assert f"adapt.py: terminated (SIGTERM): {out / 'ckpt_last.pt'} holds step {step}; continue with: " \
+           f"{shlex.join(['python', *command[1:], '--resume'])}\n" in stderr  # the command keeps torchrun
     assert stderr.count("adapt.py: terminated") == 1 and "Traceback" not in stderr.split("adapt.py: terminated")[0]
 
 
@@ -4923,6 +4935,442 @@ def test_levir_cc_tiny_stage_1_and_stage_2_end_to_end_print_the_papers_table_sco
         (name, way): [scores["field"][way][name][m] for m in metrics.FIELD_METRICS]
         for name in scores["field"]["sizes"] for way in ("project", "field")}
     assert sorted(c["data-type"] for c in page.cards) == [data.CHANGED] * 2 + [data.UNCHANGED] * 2
+
+
+# --- faults, round four: waits, full caches, stops that say what is on disk, requeues, loader workers (BENCHMARKS §9) ---
+
+
+def _by_hand(rank: int, port: int, wait=None) -> dict:
+    """The environment of process `rank` of a run of two started by hand (no torchrun), on this machine."""
+    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    return env | ({processes.PEER_WAIT_ENV: str(wait)} if wait is not None else {})
+
+
+def test_a_process_started_by_hand_names_the_peer_that_never_came_within_its_wait_and_sigterm_ends_the_wait(
+        synth40_root, tiny_adapt, tmp_path):
+    args = ["--data_root", synth40_root, "--out_dir", tmp_path / "run"]
+    started = time.time()
+    alone = run_adapt(tiny_adapt, *args, env=_by_hand(0, _free_port(), wait=2))
+    assert alone.returncode == 1 and "Traceback" not in alone.stderr and time.time() - started < 60, alone.stderr
+    assert re.fullmatch(r"adapt.py: error: WORLD_SIZE=2, but RANK 1 never came to MASTER_ADDR:MASTER_PORT "
+                        r"127.0.0.1:\d+ in 2 s: start it \(the same command with RANK=1 in its environment\), or "
+                        r"launch with torchrun; CLIP4IDC_PEER_WAIT=SECONDS sets the wait",
+                        alone.stderr.strip().splitlines()[-1])
+    no_master = run_adapt(tiny_adapt, *args, env=_by_hand(1, _free_port(), wait=2))
+    assert no_master.returncode == 1 and no_master.stderr.count("\n") == 1, no_master.stderr
+    assert "RANK 1 found no RANK 0 at MASTER_ADDR:MASTER_PORT 127.0.0.1:" in no_master.stderr
+    # the default wait (600 s), which SIGTERM ends at once
+    process = subprocess.Popen([sys.executable, str(HERE / "adapt.py"), *tiny_adapt, *map(str, args)], cwd=HERE,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env=_by_hand(0, _free_port()))
+    said = process.stderr.readline()
+    assert said.startswith("RANK 0 waits up to 600 s for RANK 1 of WORLD_SIZE 2 at MASTER_ADDR:MASTER_PORT"), said
+    started = time.time()
+    process.send_signal(signal.SIGTERM)
+    rest = process.stderr.read()
+    process.wait(timeout=30)
+    assert process.returncode == 143 and time.time() - started < 10
+    assert re.fullmatch(r"adapt.py: terminated \(SIGTERM\) while RANK 0 waited for the other processes of the run at "
+                        r"MASTER_ADDR:MASTER_PORT 127.0.0.1:\d+: nothing was started\n", rest), rest
+    assert not (tmp_path / "run").exists()
+
+
+def test_processes_started_by_hand_meet_in_a_store_of_their_own_and_a_stray_rank_or_a_taken_port_is_one_line(
+        monkeypatch):
+    script = ("import torch, adapt; from plumbing import processes\n"
+              "dist_ = processes.setup(adapt.Config(device='cpu'))[0]\n"
+              "total = torch.tensor([dist_.rank + 1.0]); torch.distributed.all_reduce(total)\n"
+              "print(dist_.rank, dist_.world_size, int(total)); torch.distributed.destroy_process_group()\n")
+    port = _free_port()
+    ranks = [subprocess.Popen([sys.executable, "-c", script], cwd=HERE, env=_by_hand(rank, port, wait=60),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (1, 0)]  # RANK 1 first: it waits for its master
+    outputs = [process.communicate(timeout=120) for process in ranks]
+    assert [process.returncode for process in ranks] == [0, 0], outputs
+    assert sorted(out for out, _ in outputs) == ["0 2 3\n", "1 2 3\n"]
+    monkeypatch.setenv("RANK", "0")  # a stray RANK in a shell, without torchrun
+    for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(flags.ConfigError, match=r"^RANK=0 is set in the environment, but not WORLD_SIZE, MASTER_ADDR, "
+                                                r"MASTER_PORT, which torchrun sets with it: to train as one process, "
+                                                r"unset RANK \(env -u RANK python \.\.\.\); as several, launch with "
+                                                r"torchrun"):
+        processes.setup(adapt.Config(device="cpu"))
+    with socket.socket() as taken:  # another run's store, or any other program, on MASTER_PORT
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.setenv(name, _by_hand(0, taken.getsockname()[1])[name])
+        with pytest.raises(flags.ConfigError, match=r"RANK 0 cannot serve the run's store at MASTER_ADDR:MASTER_PORT "
+                                                    r"127.0.0.1:\d+: another process holds that port \(another run\?\); "
+                                                    r"choose a free MASTER_PORT, or launch with torchrun --standalone"):
+            processes.setup(adapt.Config(device="cpu"))
+
+
+def test_a_full_disk_while_the_pair_features_or_the_intra_tokens_are_written_is_one_line_and_leaves_no_file(
+        tmp_path, monkeypatch):
+    pairs = [data.ImagePair(id="0", before=tmp_path / "b.png", after=tmp_path / "a.png", captions=["x"])]
+    for path in (pairs[0].before, pairs[0].after):
+        write_png(path, size=(64, 64))
+    monkeypatch.setattr(os, "posix_fallocate", _no_space)  # the reservation fails, as on a full disk
+    with pytest.raises(files.DiskFull, match=rf"^not enough space for {re.escape(str(tmp_path / 'features'))}/"
+                                             rf"test_[0-9a-f]{{16}}\.npy: it needs .*, .* free; free some "
+                                             rf"space there, or choose an --out_dir on a disk with room"):
+        cached_pair_features(_tiny_encoder(), pairs, data.ImageReader(64), tmp_path / "features")  # not Bus error
+    assert list((tmp_path / "features").iterdir()) == []
+    with pytest.raises(files.DiskFull, match=rf"^not enough space for {re.escape(str(tmp_path / 'cache'))}/"
+                                             rf"intra_tokens_[0-9a-f]{{16}}\.pt: it needs .*the intra-image tokens "
+                                             rf"are kept beside the dataset's image cache"):
+        caches.IntraTokens(_tiny_encoder(), pairs, data.ImageReader(64), 4, torch.device("cpu"),
+                           contextlib.nullcontext(), tmp_path / "cache")  # not torch.save's "unexpected pos"
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_a_stop_on_an_epochs_last_step_or_during_its_validation_says_what_is_on_disk_once_it_is_there(
+        tmp_path, monkeypatch):
+    alone = processes.Distributed(False, 0, 0, 1, torch.device("cpu"), True)
+    monkeypatch.setattr(sys, "argv", ["adapt.py", "--data", "synth"])
+    real_save, model = checkpoints.save_checkpoint, nn.Linear(2, 2)
+    monkeypatch.setattr(checkpoints, "save_checkpoint", lambda state, path: (time.sleep(0.3), real_save(state, path)))
+
+    def boundary(folder, resume=False, first_step=0):
+        config = types.SimpleNamespace(log_every=100, save_every=100, resume=resume)
+        run = loop.Run(config, alone, "float32", contextlib.nullcontext(), torch.amp.GradScaler("cpu", enabled=False),
+                       folder)
+        return loop.StepBoundary(run, steps_per_epoch=2, total_steps=4, first_step=first_step,
+                                 state=lambda path: {"model": model.state_dict(), "step": step, "config": {}})
+
+    with boundary(tmp_path / "a") as steps, pytest.raises(stopping.Interrupted) as stopped:
+        for step in (1, 2):
+            steps.after_step(step, 1e-3, torch.tensor(1.0), torch.tensor(1.0))
+            steps.save_or_stop()
+        steps.end_epoch(model)  # ckpt_last.pt at step 2, before the validation, on a slow disk
+        steps.stop.note(signal.SIGTERM, None)  # SIGTERM during the validation
+        steps.save(tmp_path / "a" / "ckpt_best.pt", tmp_path / "a" / "ckpt_last.pt")  # the validated epoch's files
+        steps.stop_if_signalled()
+    last = tmp_path / "a" / "ckpt_last.pt"
+    assert str(stopped.value) == (f"terminated (SIGTERM): {last} holds step 2; continue with: python adapt.py "
+                                  f"--data synth --resume")  # the validated file, once it is written
+    assert "validated" not in torch.load(last, weights_only=True) and (tmp_path / "a" / "ckpt_best.pt").is_file()
+    with boundary(tmp_path / "b") as steps, pytest.raises(stopping.Interrupted) as stopped:
+        for step in (1, 2):
+            if step == 2:
+                steps.stop.note(signal.SIGTERM, None)  # during the epoch's last step: stop before validating
+            steps.after_step(step, 1e-3, torch.tensor(1.0), torch.tensor(1.0))
+            steps.save_or_stop()
+        steps.end_epoch(model)
+    last = tmp_path / "b" / "ckpt_last.pt"
+    assert str(stopped.value) == (f"terminated (SIGTERM): {last} holds step 2, the end of an epoch not yet validated "
+                                  f"(the resumed run validates it first); continue with: python adapt.py --data synth "
+                                  f"--resume")
+    resumed = boundary(tmp_path / "b", resume=True, first_step=2)
+    assert resumed.pending_validation and resumed.position(2) == (0, 2)  # epoch 1, all its steps done: validate it
+    assert not resumed.pending_validation and resumed.position(2) == (1, 0)
+
+
+def test_stdout_going_away_a_closed_pipe_or_a_full_device_loses_no_step(synth40_root, tiny_adapt, tmp_path):
+    command = [sys.executable, str(HERE / "adapt.py"), *tiny_adapt, "--data_root", str(synth40_root), "--epochs", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    piped = subprocess.Popen([*command, "--out_dir", str(tmp_path / "piped")], cwd=HERE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    for _ in range(3):  # `python adapt.py ... | head -3`: the reader leaves after three lines
+        piped.stdout.readline()
+    piped.stdout.close()
+    stderr = piped.stderr.read()
+    assert piped.wait(timeout=240) == 0 and "Traceback" not in stderr, stderr
+    assert "adapt.py: note: stdout is gone (Broken pipe): the run goes on without it" in stderr
+    with open("/dev/full", "w") as full:  # every write fails with ENOSPC, from the first line on
+        result = subprocess.run([*command, "--out_dir", str(tmp_path / "full")], cwd=HERE, stdout=full,
+                                stderr=subprocess.PIPE, text=True, timeout=240, env=env)
+    assert result.returncode == 0 and "stdout is gone (No space left on device)" in result.stderr, result.stderr
+    for name in ("piped", "full"):  # every step trained, saved and scored
+        assert torch.load(tmp_path / name / "ckpt_last.pt", weights_only=True)["step"] == 22
+        assert (tmp_path / name / "test_retrieval.json").is_file()
+
+
+def test_an_image_unreadable_during_validation_saves_the_epoch_first_and_the_resumed_run_is_the_uninterrupted_one(
+        synth40_root, tiny_adapt, tmp_path):
+    root = shutil.copytree(synth40_root, tmp_path / "synth", ignore=shutil.ignore_patterns(".cache"))
+    splits = {s: data.load_split("synth", s, root) for s in data.SPLITS}
+    elsewhere = {p for s in ("train", "test") for pair in splits[s] for p in (pair.before, pair.after, pair.distractor)}
+    image = next(p for pair in splits["val"] for p in (pair.after, pair.before) if p not in elsewhere)
+    good = image.read_bytes()
+    image.write_bytes(good[:len(good) // 2] + bytes(64) + good[len(good) // 2 + 64:])  # a stale mount's read
+    args = ["--data_root", root, "--epochs", "2", "--no-image_cache"]  # validation decodes its images
+    out = tmp_path / "stopped"
+    stopped = run_adapt(tiny_adapt, *args, "--out_dir", out)
+    assert stopped.returncode == 1 and stopped.stderr.count("\n") == 1, stopped.stderr
+    assert stopped.stderr.startswith(f"adapt.py: error: image {image} is corrupt")
+    assert f"; stopped while validating: {out / 'ckpt_last.pt'} holds step 22, the end of an epoch not yet " \
+           f"validated (the resumed run validates it first); continue with: " in stopped.stderr
+    assert torch.load(out / "ckpt_last.pt", weights_only=True)["validated"] is False
+    image.write_bytes(good)
+    resumed = run_adapt(tiny_adapt, *args, "--out_dir", out, "--resume")
+    assert resumed.returncode == 0 and "epoch 1 validation" in resumed.stdout, resumed.stderr
+    assert run_adapt(tiny_adapt, *args, "--out_dir", tmp_path / "whole").returncode == 0
+    same_run_files(tmp_path / "whole", out, "test_retrieval.json")
+
+
+def test_sigusr1_saves_at_the_step_boundary_as_sigterm_does_and_exits_138(synth40_root, tiny_adapt, tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, str(HERE / "adapt.py"), *tiny_adapt, "--data_root", str(synth40_root), "--out_dir",
+               str(out), "--epochs", "20", "--save_every", "100"]
+    process = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    wait_for_log_step(process, out, 2)
+    process.send_signal(signal.SIGUSR1)  # Slurm's --signal=USR1@90: checkpoint now
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 138 and "Traceback" not in stderr, stderr
+    step = torch.load(out / "ckpt_last.pt", weights_only=True)["step"]
+    assert stderr.strip().splitlines()[-1] == (
+        f"adapt.py: stopped by SIGUSR1 (a scheduler's notice before the job's end, Slurm's --signal): "
+        f"{out / 'ckpt_last.pt'} holds step {step}; continue with: {shlex.join(['python', *command[1:], '--resume'])}")
+
+
+def test_resume_auto_starts_a_first_run_and_continues_it_after_a_stop_with_the_same_command(synth40_root, tiny_adapt,
+                                                                                            tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, str(HERE / "adapt.py"), *tiny_adapt, "--data_root", str(synth40_root), "--out_dir",
+               str(out), "--epochs", "3", "--resume", "auto"]  # one command for a job's start and its requeue
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    wait_for_log_step(process, out, 3)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    step = torch.load(out / "ckpt_last.pt", weights_only=True)["step"]
+    assert process.returncode == 143 and stderr.strip().endswith(
+        f"continue with: {shlex.join(['python', *command[1:-2], '--resume'])}"), stderr
+    again = subprocess.run(command, cwd=HERE, capture_output=True, text=True, timeout=240, env=env)
+    assert again.returncode == 0 and f"resumed {out / 'ckpt_last.pt'} at step {step}" in again.stdout, again.stderr
+    assert json.loads((out / "config.json").read_text())["resume"] is True  # what it did, not "auto"
+    none = run_adapt(tiny_adapt, "--data_root", synth40_root, "--out_dir", tmp_path / "none", "--resume")
+    assert none.returncode == 1 and f"--resume: there is no {tmp_path / 'none' / 'ckpt_last.pt'} to continue; start " \
+                                    f"without --resume, or pass --resume auto" in none.stderr
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def test_a_torchrun_restart_after_a_killed_worker_resumes_with_resume_auto_in_a_store_of_its_own(
+        synth40_root, tiny_adapt, tmp_path):
+    out = tmp_path / "ddp"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+               str(HERE / "adapt.py"), *tiny_adapt, "--data_root", str(synth40_root), "--out_dir", str(out),
+               "--epochs", "6", "--save_every", "4", "--resume", "auto"]
+    agent = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and not (out / "ckpt_last.pt").exists():
+            time.sleep(0.02)
+        os.kill(max(_children(agent.pid)), signal.SIGKILL)  # a worker killed (the OOM killer, a lost GPU)
+        output = agent.communicate(timeout=240)[0]
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+    assert agent.returncode == 0, output[-3000:]
+    assert re.search(rf"resumed {re.escape(str(out / 'ckpt_last.pt'))} at step \d+", output)  # not "Connection refused"
+    assert torch.load(out / "ckpt_last.pt", weights_only=True)["step"] == 6 * 22
+    assert (out / "test_retrieval.json").is_file()
+
+
+class _Unsendable:
+    """A sample that no worker can hand over, as when no file descriptor is left (ulimit -n): pickling it fails."""
+
+    def __reduce__(self):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+
+class _LoaderFault(torch.utils.data.Dataset):
+    """Eight samples; from `after` on, the fault `how`: a sample no worker can hand over, a full /dev/shm, the
+    worker killed, or a read that never ends."""
+
+    def __init__(self, how: str, after: int = 0):
+        self.how, self.after = how, after
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if i >= self.after:
+            if self.how == "hand over":
+                return _Unsendable()
+            if self.how == "shared memory":  # what torch says when a worker's batch does not fit in /dev/shm
+                raise RuntimeError("unable to write to file </torch_1_2_3>: No space left on device (28)")
+            if self.how == "killed":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.how == "hangs":
+                time.sleep(60)
+        return torch.zeros(2)
+
+
+def _fault_loader(how: str, after: int = 0):
+    dataset = _LoaderFault(how, after)
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=False)
+    return batches.training_loader(dataset, sampler, 2, 1, torch.device("cpu"), lambda samples: samples)
+
+
+def test_loader_workers_that_die_cannot_start_or_cannot_hand_over_a_batch_end_in_one_line_naming_the_fix(
+        monkeypatch):
+    for how, expected in (("hand over", r"^the DataLoader's worker processes ran out of file descriptors \(Too many "
+                                        r"open files; ulimit -n is \d+\).* Raise the limit \(ulimit -n 65536 before "
+                                        r"the command\), or train with --num_workers 0"),
+                          ("shared memory", r"^the DataLoader's worker processes ran out of shared memory \(/dev/shm "
+                                            r".*docker run --shm-size=8g .*--num_workers 0"),
+                          ("killed", r"^a DataLoader worker process died \(worker \(pid.*; the out-of-memory killer "
+                                     r".*: train with fewer --num_workers, or --num_workers 0")):
+        with pytest.raises(stopping.LoaderError, match=expected):  # a DataError: the loops save their last step
+            next(batches.epoch_batches(_fault_loader(how), 0, 0, 1))  # a batch that never comes: no wait for ever
+    def no_fork(self):
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", no_fork)  # ulimit -u, a container's pids
+    with pytest.raises(stopping.LoaderError, match=r"^the DataLoader's worker processes could not start \(Resource "
+                                                   r"temporarily unavailable\): .*--num_workers 0.*ulimit -u"):
+        next(batches.epoch_batches(_fault_loader("none"), 0, 0, 1))
+    monkeypatch.undo()
+    assert stopping.loader_failure(RuntimeError("DataLoader worker (pid 7) is killed by signal: Bus error. It is "
+                                                "possible that dataloader's workers are out of shared memory.")) \
+        .startswith("the DataLoader's worker processes ran out of shared memory")  # Docker's 64 MB, unreserved
+    with pytest.raises(SystemExit) as exit_:  # the evaluation's loaders: one line all the same
+        stopping.run_main(lambda: next(iter(torch.utils.data.DataLoader(_LoaderFault("shared memory"),
+                                                                        num_workers=1))), "x.py")
+    assert exit_.value.code == 1
+
+
+def test_a_signal_while_the_loop_waits_for_a_batch_saves_the_last_step_and_stops_at_once(tmp_path, monkeypatch):
+    alone = processes.Distributed(False, 0, 0, 1, torch.device("cpu"), True)
+    monkeypatch.setattr(sys, "argv", ["adapt.py"])
+    config = types.SimpleNamespace(log_every=100, save_every=100, resume=False)
+    run = loop.Run(config, alone, "float32", contextlib.nullcontext(), torch.amp.GradScaler("cpu", enabled=False),
+                   tmp_path)
+    loader = _fault_loader("hangs", after=2)  # the first batch comes, the second never does
+    with pytest.raises(stopping.Interrupted) as stopped:
+        with loop.StepBoundary(run, 4, 4, 0, lambda path: {"model": {}, "step": step, "config": {}}) as boundary:
+            batches_of_epoch = boundary.epoch_batches(loader, 0, 0, 1)
+            next(batches_of_epoch)
+            step = 1
+            boundary.after_step(step, 1e-3, torch.tensor(1.0), torch.tensor(1.0))
+            boundary.save_or_stop()
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()  # Slurm's, while it waits
+            started = time.time()
+            next(batches_of_epoch)
+    assert time.time() - started < 10 and stopped.value.status == 143
+    assert str(stopped.value) == (f"terminated (SIGTERM): {tmp_path / 'ckpt_last.pt'} holds step 1; continue with: "
+                                  f"python adapt.py --resume")
+
+
+def test_an_out_dir_deleted_during_the_run_keeps_the_model_in_memory_and_the_resumed_run_finishes(
+        synth40_root, tiny_adapt, tmp_path):
+    out = tmp_path / "run"
+    args = ["--data_root", synth40_root, "--out_dir", out, "--epochs", "3"]
+    process = subprocess.Popen([sys.executable, str(HERE / "adapt.py"), *tiny_adapt, *map(str, args)], cwd=HERE,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    wait_for_log_step(process, out, 26)  # in the second epoch: the first one's ckpt_best.pt is on disk
+    out.rename(tmp_path / "deleted")  # `rm -rf runs/...` as one step: the path names no folder of the run's now
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 1 and stderr.count("\n") == 1, stderr
+    state = torch.load(out / "ckpt_last.pt", weights_only=True)
+    assert state["step"] > 26 and state["best_epoch"] == -1  # the model in memory, without the best epoch it lost
+    assert stderr == (f"adapt.py: error: {out} was deleted during the run, with its checkpoints and log: the model in "
+                      f"memory is saved there again, {out / 'ckpt_last.pt'} at step {state['step']}, but the best "
+                      f"epoch so far went with the folder (the resumed run chooses one among the epochs still to "
+                      f"come); continue with: {shlex.join(['python', str(HERE / 'adapt.py'), *tiny_adapt, *map(str, args), '--resume'])}\n")
+    resumed = run_adapt(tiny_adapt, *args, "--resume")
+    assert resumed.returncode == 0 and (out / "test_retrieval.json").is_file(), resumed.stderr
+
+
+_KILLED = {}  # _killed_while_decoding's image, and the process that is not killed
+
+
+def _killed_while_decoding(path):
+    """check.image_check, but the decoding process of one image is killed, as the out-of-memory killer would."""
+    if path == _KILLED["image"] and os.getpid() != _KILLED["parent"]:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _KILLED["check"](path)
+
+
+def test_check_goes_on_in_its_own_process_when_a_decoding_process_is_killed(clevr_root, synth_root, monkeypatch,
+                                                                            capsys):
+    shutil.copy(synth_root / data.SYNTH_BPE_FILE, clevr_root)
+    monkeypatch.setattr(check, "CHECK_PARALLEL_MIN", 4)  # 15 images: decoded by 2 processes, as a large dataset is
+    monkeypatch.setattr(check, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(sys.modules[__name__], "_KILLED", {"image": sorted(clevr_root.glob("*/*.png"))[6],
+                                                           "parent": os.getpid(), "check": check.image_check})
+    monkeypatch.setattr(check, "image_check", _killed_while_decoding)
+    assert check_command(monkeypatch, "--data", "synth", "--data_root", str(clevr_root)) == 0  # it used to hang
+    captured = capsys.readouterr()
+    assert "check.py: note: a decoding process died (killed: out of memory?) after " in captured.err
+    assert captured.out.endswith("complete: every split reads, every image opens\n")
+
+
+def test_levir_cc_split_names_valid_and_capitals_are_read_with_a_line_others_refused_and_the_file_read_named(
+        tmp_path, capsys):
+    root = write_levir(tmp_path / "levir")
+    content = json.loads((root / "LevirCCcaptions.json").read_text())
+    for record in content["images"]:  # the names other copies of the file write
+        record["split"] = {"val": "valid", "test": "Test"}.get(record["split"], record["split"])
+    write_json(root / "LevirCCcaptions.json", content)
+    capsys.readouterr()
+    assert [len(data.load_split("levir", s, root)) for s in data.SPLITS] == [8, 2, 4]  # none dropped
+    out = capsys.readouterr().out
+    assert 'LEVIR-CC: 2 record(s) of LevirCCcaptions.json with "split": "valid" read as val\n' in out
+    assert 'LEVIR-CC: 4 record(s) of LevirCCcaptions.json with "split": "Test" read as test\n' in out
+    content["images"][0]["split"] = "extra"
+    write_json(root / "LevirCCcaptions.json", content)
+    with pytest.raises(data.DataError, match=r'LevirCCcaptions.json, record 0: split "extra" is none of train, val, '
+                                             r'test \(or valid, validation; in any case\): correct it there'):
+        data.load_split("levir", "test", root)
+    content["images"][0]["split"] = "train"
+    write_json(root / "LevirCCcaptions.json", content)
+    write_json(root / "LevirCCcaptions_v1.json", content)
+    data.load_split("levir", "train", root)
+    assert f"LEVIR-CC: {root} holds both LevirCCcaptions.json and LevirCCcaptions_v1.json; reading " \
+           f"LevirCCcaptions.json (move it away to read the other)\n" in capsys.readouterr().out
+
+
+def test_a_float_image_of_0_to_255_is_read_and_one_past_255_refused_in_training_and_by_check(tmp_path):
+    grey = np.array([[0, 64, 255]], np.float32)
+    Image.fromarray(grey, "F").save(tmp_path / "a.tif")  # a float TIFF on the 8-bit scale: it read all white
+    assert np.asarray(data.load_image(tmp_path / "a.tif"))[0, :, 0].tolist() == [0, 64, 255]
+    Image.fromarray(grey * 10, "F").save(tmp_path / "b.tif")  # 0..2550: on no scale that can be told
+    with pytest.raises(data.DataError, match=r"^image .*b.tif holds floats up to 2550, past both scales float images "
+                                             r"are written on \(0..1, 0..255\): save it as an 8-bit PNG"):
+        data.load_image(tmp_path / "b.tif")
+    assert check.image_problem(tmp_path / "a.tif") is None
+    assert check.image_problem(tmp_path / "b.tif").startswith("holds floats up to 2550")  # check.py called it fine
+
+
+def test_check_on_levir_cc_has_no_clevr_change_note_and_calls_a_split_of_unchanged_pairs_incomplete_as_stage_1_does(
+        tmp_path, synth_root, monkeypatch, capsys):
+    monkeypatch.setenv("CLIP_BPE_PATH", str(synth_root / data.SYNTH_BPE_FILE))
+    root = write_levir(tmp_path / "levir")
+    content = json.loads((root / "LevirCCcaptions.json").read_text())
+    content["images"] = [levir_record("val", r["imgid"], changed=False) if r["split"] == "val" else r
+                         for r in content["images"]]
+    write_json(root / "LevirCCcaptions.json", content)
+    assert check_command(monkeypatch, "--data", "levir", "--data_root", str(root)) == 1
+    out = capsys.readouterr().out
+    assert "    no change pairs: stage 1 (adapt.py) adapts to the change pairs alone, and needs one in every split\n" \
+           in out and "; val: no change pairs" in out.splitlines()[-1]
+    assert "note: change types" not in out  # LEVIR-CC's two kinds are its own table's rows
+    val = data.adaptation_pairs(data.load_split("levir", "val", root))
+    with pytest.raises(data.DataError, match=r"the val split of levir in .* has no changed pairs \(2 unchanged, which "
+                                             r"stage 1 leaves out: their captions tell no pair apart\)"):
+        stopping.refuse_empty_splits({"val": val}, ("val",), types.SimpleNamespace(data="levir", data_root=str(root)))
 
 
 # --- the reference's released weights, through the commands ---

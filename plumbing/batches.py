@@ -4,14 +4,16 @@
   DistributedSampler that deals the samples out (shuffled, the same order on every process for a seed and epoch).
 - `training_loader`: the run's one DataLoader (workers that persist from epoch to epoch, pinned batches on CUDA).
 - `epoch_batches`, `SkipSampler`: one epoch's micro-batches, resumed part-way through when a run was interrupted,
-  drawing the random numbers an uninterrupted run draws.
+  drawing the random numbers an uninterrupted run draws; `EpochBatches`: its worker processes' failures (dead, not
+  started, no file descriptor or shared memory left) as one line naming the cause and the fix, and a signal while
+  the loop waits for a batch ending the wait.
 """
 import itertools
 
 import torch
 
 from plumbing.flags import ConfigError
-from plumbing.stopping import ignore_stop_signals
+from plumbing.stopping import LoaderError, ignore_stop_signals, loader_failure
 
 class SkipSampler(torch.utils.data.Sampler):
     """The indices of `sampler` after the first `skip`: resumes an epoch part-way through.
@@ -57,9 +59,9 @@ def training_loader(dataset, sampler, micro: int, num_workers: int, device: torc
                                        worker_init_fn=ignore_stop_signals if num_workers > 0 else None)
 
 
-def epoch_batches(loader, epoch: int, done_steps: int, grad_accum: int):
+def epoch_batches(loader, epoch: int, done_steps: int, grad_accum: int, stop=None) -> "EpochBatches":
     """An iterator over one epoch's micro-batches of a training_loader, skipping the first `done_steps` optimizer
-    steps (resuming).
+    steps (resuming); stop: the loop's StopSignals (EpochBatches).
 
     A new iterator draws a number from its DataLoader's generator, the global one (the base seed of its workers):
     an uninterrupted run draws it at the start of every epoch with num_workers 0, and once, at its first epoch,
@@ -75,11 +77,51 @@ def epoch_batches(loader, epoch: int, done_steps: int, grad_accum: int):
     sampler = loader.sampler.sampler
     sampler.set_epoch(epoch)
     loader.sampler.skip = done_steps * loader.batch_size * grad_accum
-    if done_steps == 0 and (loader.num_workers == 0 or epoch == 0):
-        return iter(loader)  # the draw of an uninterrupted run
-    own = torch.Generator().manual_seed(((sampler.seed * 1_000_003 + epoch) * 1_000_003 + done_steps) % 2 ** 63)
-    loader.generator = own
-    try:
-        return iter(loader)
-    finally:
-        loader.generator = None
+
+    def start():  # at the first batch asked for: nothing draws a random number between here and there
+        if done_steps == 0 and (loader.num_workers == 0 or epoch == 0):
+            return iter(loader)  # the draw of an uninterrupted run
+        own = torch.Generator().manual_seed(((sampler.seed * 1_000_003 + epoch) * 1_000_003 + done_steps) % 2 ** 63)
+        loader.generator = own
+        try:
+            return iter(loader)
+        finally:
+            loader.generator = None
+
+    return EpochBatches(start, loader.num_workers > 0, stop)
+
+
+class EpochBatches:
+    """An epoch's micro-batches: the DataLoader's iterator, made at the first batch asked for (start()).
+
+    With worker processes (workers), a failure of theirs is one line naming the cause and the fix (LoaderError,
+    stopping.loader_failure: a worker that died, that could not start, or could not hand over a batch for want of
+    file descriptors or shared memory), a DataError, so that the loop saves its last step first. And with stop (the
+    loop's StopSignals), a signal while the loop waits for a batch ends the wait at once (StopSignals.waiting): a
+    batch may never come. Not without workers: the training process then reads the batch itself, drawing the
+    samples' random numbers, and a stop in the middle of it would save a random state no uninterrupted run had."""
+
+    def __init__(self, start, workers: bool, stop=None):
+        self.start, self.workers, self.stop, self.iterator = start, workers, stop, None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        starting, waiting = False, self.stop is not None and self.workers
+        try:
+            if waiting:
+                self.stop.waiting = True
+            if self.iterator is None:  # the worker processes start here (the first epoch's)
+                starting = True
+                self.iterator = self.start()
+                starting = False
+            return next(self.iterator)
+        except (RuntimeError, OSError) as error:
+            line = loader_failure(error, starting) if self.workers else None
+            if line is None:
+                raise
+            raise LoaderError(line) from None
+        finally:
+            if waiting:
+                self.stop.waiting = False

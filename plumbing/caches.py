@@ -28,8 +28,8 @@ from torch.utils.data import DataLoader, Dataset
 
 import clip
 from data import IMAGE_SIZE, CaptionItems, DataError, ImagePair, ImageReader, preprocess_uint8, usable_cpus
-from plumbing.files import (NO_SPACE, NOT_WRITABLE, DiskFull, no_space, process_alive, remove_partial_files,
-                            reserve_space, unwritable)
+from plumbing.files import (NO_SPACE, NOT_WRITABLE, DiskFull, no_space, out_of_space, process_alive,
+                            remove_partial_files, reserve_space, unwritable)
 from plumbing.processes import by_master
 from plumbing.progress import Progress
 
@@ -235,6 +235,8 @@ def draw_synthetic(config, root: Path, dist_) -> None:
 # -----------------------------------------------------------------------------
 # Intra-image tokens: the frozen intra-image blocks' output
 
+TORCH_SAVE_SLACK = 64 << 10  # what torch.save's zip archive adds to a tensor's bytes, at most (a few KB)
+
 
 class IntraTokens:
     """path -> the image's intra-image tokens (N+1, D), computed once for every image of `pairs`.
@@ -288,18 +290,27 @@ class IntraTokens:
     @staticmethod
     def compute(model: torch.nn.Module, paths: list, images, batch_size: int, device, ctx, file: Path) -> None:
         """Every image's intra-image tokens, written whole to file, then renamed: an interrupted run leaves no
-        half-written file."""
+        half-written file. Their space is reserved first (files.reserve_space): a disk too full for them is one line
+        naming the file and the space it needs (DiskFull), before the write, instead of torch.save's "unexpected
+        pos" midway."""
         chunks = []
         with torch.no_grad():
             for start in range(0, len(paths), batch_size):
                 pixels = torch.stack([images(path) for path in paths[start:start + batch_size]])  # (b, R, R, 3)
                 with ctx:
                     chunks.append(model.intra_image(clip.normalize(pixels.to(device))).float().cpu())  # (b, N+1, D)
+        tokens = torch.cat(chunks)  # (images, N+1, D)
+        size = tokens.numel() * tokens.element_size() + TORCH_SAVE_SLACK
+        fix = ("free some space there (the intra-image tokens are kept beside the dataset's image cache, else in "
+               "--out_dir), or copy the dataset to a disk with room and pass --data_root")
         partial = file.with_suffix(f".partial-{os.getpid()}")
         try:
             file.parent.mkdir(parents=True, exist_ok=True)
             remove_stale_partials(file.parent)  # a killed run's
-            torch.save(torch.cat(chunks), partial)  # (images, N+1, D)
+            with open(partial, "wb") as handle:
+                reserve_space(handle, size, file, fix)
+                torch.save(tokens, handle)
+                handle.truncate()  # the reserved blocks past torch.save's last byte
             os.replace(partial, file)
         except BaseException as error:
             partial.unlink(missing_ok=True)
@@ -307,6 +318,8 @@ class IntraTokens:
                 raise unwritable(file.parent, error, "the intra-image tokens are kept there: make it writable for "
                                                      "this user, or copy the dataset to a writable folder and "
                                                      "pass --data_root") from None
+            if not isinstance(error, DiskFull) and out_of_space(error):
+                raise no_space(file, file.parent, size, fix) from None
             raise
 
     @staticmethod
@@ -342,12 +355,24 @@ def cached_features(encoder_sha: str, pairs, shape: tuple, cache_dir: Path, name
     if path.is_file():
         return path
     partial = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    size = int(np.prod(shape)) * 2  # float16
+    fix = ("free some space there, or choose an --out_dir on a disk with room (the pair features are kept in its "
+           "features/)")
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         remove_partial_files(cache_dir)  # the partial files of killed runs (gigabytes at CLEVR-Change's size)
         array = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float16, shape=shape)
+        # the whole file's blocks, reserved before a byte is written: a disk that fills while the features are
+        # written would otherwise end the process with SIGBUS ("Bus error") at the first page without a block
+        with open(partial, "r+b") as file:
+            reserve_space(file, os.fstat(file.fileno()).st_size, path, fix)
     except OSError as error:
+        array = None  # the memory map lets go of the file first
         partial.unlink(missing_ok=True)
+        if isinstance(error, DiskFull):
+            raise
+        if error.errno in NO_SPACE:
+            raise no_space(path, cache_dir, size, fix) from None
         if error.errno not in NOT_WRITABLE:
             raise
         raise unwritable(cache_dir, error, "the pair features are kept there: make it writable for this user, or "

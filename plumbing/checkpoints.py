@@ -26,7 +26,7 @@ import torch
 
 import clip
 from plumbing import clip_files
-from plumbing.files import NO_SPACE, fsync_dir, no_space, remove_partial_files, signals_deferred
+from plumbing.files import fsync_dir, no_space, out_of_space, remove_partial_files, signals_deferred
 from plumbing.flags import ConfigError
 from plumbing.progress import LOG_NAME, trim_log
 from plumbing.release import RELEASE, release_checkpoint, release_stage
@@ -95,7 +95,7 @@ def save_checkpoint(state: dict, path) -> None:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except Exception as error:  # torch.save reports a failed write as a RuntimeError, the OSError its context
-            if any(isinstance(e, OSError) and e.errno in NO_SPACE for e in _chain(error)):
+            if out_of_space(error):
                 tmp.unlink(missing_ok=True)
                 raise no_space(path, path.parent, needed, fix) from None
             raise
@@ -152,15 +152,6 @@ def _to_host(state):
     if isinstance(state, (list, tuple)):
         return type(state)(_to_host(value) for value in state)
     return state
-
-
-def _chain(error: BaseException):
-    """An exception and those it was raised from or while handling, newest first."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        yield error
-        error = error.__cause__ or error.__context__
 
 
 def state_bytes(state) -> int:
@@ -267,6 +258,10 @@ def check_resume(out_dir, stage1=None) -> None:
     trained on."""
     out_dir = Path(out_dir)
     path, best = out_dir / "ckpt_last.pt", out_dir / "ckpt_best.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"--resume: there is no {path} to continue; start without --resume, or pass --resume "
+                                f"auto, which starts when there is none and continues when there is (one command for "
+                                f"a job's first start and its requeue)")
     state = load_checkpoint(path)
     if state.get("best_epoch", -1) >= 0 and not best.is_file():
         raise FileNotFoundError(f"{best} is missing, but {path} has validated {state['best_epoch'] + 1} or more "
@@ -290,7 +285,8 @@ def start_or_resume(run, model_keys, model, optimizer, train_split: dict | None 
         remove_partial_files(path.parent)
     if not config.resume:
         if dist_.master and path.exists():
-            raise FileExistsError(f"{path} exists: pass --resume to continue that run, or choose another --out_dir")
+            raise FileExistsError(f"{path} exists: pass --resume to continue that run (--resume auto: continue it "
+                                  f"when it is there, else start), or choose another --out_dir")
         if dist_.master:  # a run stopped before its first checkpoint left a log of steps that this run repeats
             (path.parent / LOG_NAME).unlink(missing_ok=True)
         return None

@@ -3,8 +3,8 @@
 - `write_text_atomically`, `save_json`: a temporary file beside the target, then renamed over it: a reader sees the
   old file or the new one, never half of one. `signals_deferred` holds Ctrl-C, SIGTERM and SIGHUP off such a write
   (the checkpoints use it), and `remove_partial_files` deletes the temporary files of a killed process.
-- `DiskFull`, `no_space`, `reserve_space`: a disk too full for a file (a checkpoint, the image cache) is one line
-  naming the file and the space it needs, said before the write where possible.
+- `DiskFull`, `no_space`, `reserve_space`, `out_of_space`: a disk too full for a file (a checkpoint, a cache) is one
+  line naming the file and the space it needs, said before the write where possible.
 - `Unwritable`, `unwritable`: a folder this user may not write (another user's, a read-only one) is one line naming
   it and what to do.
 - `check_out_dir`, `OutDirLock`: an --out_dir that is a file is refused before any work; one run at a time writes
@@ -79,12 +79,25 @@ def reserve_space(file, size: int, what: Path, fix: str) -> None:
             # EOPNOTSUPP, EINVAL: a file system without it; the free space was checked above
 
 
+def out_of_space(error: BaseException) -> bool:
+    """Whether a full disk or quota caused `error`: torch.save reports a failed write as a RuntimeError, the OSError
+    in its context."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError) and error.errno in NO_SPACE:
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
 # -----------------------------------------------------------------------------
 # Whole files or none
 
 
-# Ctrl-C, what Slurm and torchrun send to end a job, and what a closed terminal or ssh session sends
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Ctrl-C, what Slurm and torchrun send to end a job, what a closed terminal or ssh session sends, and the signal
+# a scheduler sends ahead of a job's end to ask for a checkpoint (Slurm's --signal=USR1@90)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
 
 @contextlib.contextmanager

@@ -21,9 +21,10 @@ class ConfigError(ValueError):
     """A setting that cannot work: a bad flag value, or flags that contradict a checkpoint or each other."""
 
 
-def flag(default, help: str):
-    """A Config field whose --help text is `help`: `lr: float = flag(1e-4, "learning rate")`."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def flag(default, help: str, also: tuple = ()):
+    """A Config field whose --help text is `help`: `lr: float = flag(1e-4, "learning rate")`. also: the words a
+    yes-or-no flag takes besides (`--resume`, `--no-resume`, `--resume auto`)."""
+    return dataclasses.field(default=default, metadata={"help": help, "also": also})
 
 
 def _flag_type(kind):
@@ -52,7 +53,12 @@ def parse_config(config_cls, presets: dict, argv=None, description: str = ""):
         kind, about = hints[f.name], f.metadata.get("help", "")
         flags = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
         help_text = f"{about} (default: {getattr(defaults, f.name)!r})"
-        if kind is bool:
+        if f.metadata.get("also"):  # --name (True), --no-name (False), or --name WORD
+            parser.add_argument(*flags, dest=f.name, nargs="?", const=True, choices=f.metadata["also"],
+                                default=argparse.SUPPRESS, help=help_text)
+            parser.add_argument(f"--no-{f.name}", dest=f.name, action="store_false", default=argparse.SUPPRESS,
+                                help=argparse.SUPPRESS)
+        elif kind is bool:
             parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
         elif typing.get_origin(kind) is tuple:  # e.g. tuple[str, str]: a flag that takes that many values

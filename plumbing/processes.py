@@ -4,6 +4,10 @@ DDP is torch's DistributedDataParallel: one process per GPU, each with a copy of
 
 - `setup`: one of torchrun's processes (RANK is set: DDP, `init_process_group`) or the only one; its device, TF32,
   the autocast context and the GradScaler. adapt.py, pretrain.py and caption.py all call it.
+- `process_environment`, `process_store`, `rendezvous`: torchrun's environment read, a stray RANK refused in one
+  line; the store the processes meet in, fresh for each of torchrun's restarts; started by hand (RANK, WORLD_SIZE,
+  MASTER_ADDR, MASTER_PORT), a wait for the others bounded by CLIP4IDC_PEER_WAIT that Ctrl-C and SIGTERM end, and a
+  missing process or a taken port named in one line.
 - `Distributed`, `gpu_index`, `resolve_dtype`, `set_tf32`, `GROUP_TIMEOUT`, `loader_workers`: what
   the set-up fills in, the GPU a process takes, the precision 'auto' means (by the GPU's compute capability), TF32
   and where it is turned off, how long a process waits for the master, how many loader processes 'auto' means.
@@ -14,15 +18,20 @@ import ctypes
 import dataclasses
 import datetime
 import os
+import signal
+import socket
 import sys
+import time
 from contextlib import contextmanager, nullcontext
 
 import torch
+import torch.distributed as dist
 from torch.distributed import init_process_group
 
 import data
 from plumbing import clip_files
 from plumbing.flags import ConfigError, check_device
+from plumbing.stopping import Interrupted
 
 # -----------------------------------------------------------------------------
 # Processes and precision
@@ -48,7 +57,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
     CPU runs the GPU's fp16 path (autocast and a GradScaler) slowly, which is how the tests exercise it.
     """
     if dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise ConfigError(f"--dtype {dtype!r} is not one this project trains in: use auto, float32, bfloat16 or float16")
+        raise ConfigError(f"--dtype {dtype!r} is not one this project trains in: use auto, float32, bfloat16 or "
+                          f"float16")
     if device.type != "cuda":
         return "float32" if dtype == "auto" else dtype
     major, minor = torch.cuda.get_device_capability(device)
@@ -113,6 +123,123 @@ def one_download_per_machine(dist_: Distributed):
 GROUP_TIMEOUT = datetime.timedelta(hours=2)
 
 
+# How long a process started without torchrun's agent waits for the others (PEER_WAIT_ENV, seconds): a peer on
+# another machine may start minutes later (a container pulled), one that never comes is named when it is over.
+PEER_WAIT = 600
+PEER_WAIT_ENV = "CLIP4IDC_PEER_WAIT"
+ARRIVED = "clip4idc/arrived/"  # each process's key in the store, once it has come
+
+
+def process_environment() -> tuple[int, int, int]:
+    """(RANK, LOCAL_RANK, WORLD_SIZE) as torchrun sets them; a RANK without the rest (a stray RANK=0 in a shell or
+    a job script) or a value that is not a number is refused in one line."""
+    missing = [k for k in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing:
+        raise ConfigError(f"RANK={os.environ['RANK']} is set in the environment, but not {', '.join(missing)}, which "
+                          f"torchrun sets with it: to train as one process, unset RANK (env -u RANK python ...); as "
+                          f"several, launch with torchrun (torchrun --standalone --nproc_per_node=2 ...)")
+    try:
+        values = tuple(int(os.environ.get(k, 0)) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"))
+    except ValueError:
+        shown = ", ".join(f"{k}={os.environ.get(k)!r}" for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"))
+        raise ConfigError(f"torchrun's environment holds a value that is not a whole number ({shown}); set them "
+                          f"by launching with torchrun, or unset RANK to train as one process") from None
+    rank, local_rank, world_size, _ = values
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"RANK={rank} with WORLD_SIZE={world_size}: a process's RANK is one of 0 to "
+                          f"{world_size - 1}; launch with torchrun, which sets both")
+    return rank, local_rank, world_size
+
+
+def process_store(rank: int, world_size: int) -> dist.Store:
+    """The key-value store the processes of a run meet in, at MASTER_ADDR:MASTER_PORT.
+
+    Under torchrun its agent serves it (TORCHELASTIC_USE_AGENT_STORE) and has already gathered every process; the
+    keys of this start go under its restart count: torch's agent keeps one store across --max-restarts, and a
+    restarted process would read the first start's addresses (gloo: "Connection refused"; torch issue 135712).
+    Started by hand (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set in each process's environment, a job script's
+    srun), RANK 0 serves it and every process waits for the others at most CLIP4IDC_PEER_WAIT seconds
+    (rendezvous), instead of torch's silent two hours."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=GROUP_TIMEOUT)
+        return dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/default_pg", store)
+    return dist.PrefixStore("default_pg", rendezvous(host, port, rank, world_size, peer_wait()))
+
+
+def peer_wait() -> float:
+    value = os.environ.get(PEER_WAIT_ENV, str(PEER_WAIT))
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ConfigError(f"{PEER_WAIT_ENV}={value!r}: it must be a number of seconds > 0, how long a process waits "
+                          f"for the others of its run")
+    return seconds
+
+
+def rendezvous(host: str, port: int, rank: int, world_size: int, wait: float) -> dist.TCPStore:
+    """Every process of a run started by hand meets the others here: RANK 0 serves the store at host:port, each
+    process writes its key (ARRIVED) and waits until all WORLD_SIZE have, polling once a second so that a signal
+    (Ctrl-C, SIGTERM) ends the wait at once. After `wait` seconds the processes that never came are named in one
+    line (ConfigError); a port another process holds, too."""
+    where = f"MASTER_ADDR:MASTER_PORT {host}:{port}"
+    deadline = time.monotonic() + wait
+    try:
+        if rank == 0:
+            try:
+                store = dist.TCPStore(host, port, world_size, is_master=True, timeout=GROUP_TIMEOUT,
+                                      wait_for_workers=False)
+            except dist.DistNetworkError as error:
+                taken = "EADDRINUSE" in str(error)
+                raise ConfigError(f"RANK 0 cannot serve the run's store at {where}: "
+                                  + ("another process holds that port (another run?); choose a free MASTER_PORT, or "
+                                     "launch with torchrun --standalone, which finds one" if taken else
+                                     f"{str(error).strip().splitlines()[0]}; MASTER_ADDR must be an address of RANK "
+                                     f"0's machine")) from None
+        else:
+            reached = reach(host, port, deadline)
+            if reached is not None:
+                raise ConfigError(f"RANK {rank} found no RANK 0 at {where} in {wait:g} s ({reached}): start RANK 0 "
+                                  f"there, or correct MASTER_ADDR and MASTER_PORT; {PEER_WAIT_ENV}=SECONDS sets the "
+                                  f"wait") from None
+            store = dist.TCPStore(host, port, world_size, is_master=False, timeout=GROUP_TIMEOUT)
+        store.set(f"{ARRIVED}{rank}", str(os.getpid()))
+        said = False
+        while True:
+            missing = [r for r in range(world_size) if not store.check([f"{ARRIVED}{r}"])]
+            if not missing:
+                return store
+            if time.monotonic() > deadline:
+                raise ConfigError(f"WORLD_SIZE={world_size}, but RANK {', '.join(map(str, missing))} never came to "
+                                  f"{where} in {wait:g} s: start {'it' if len(missing) == 1 else 'them'} (the same "
+                                  f"command with RANK={missing[0]} in its environment), or launch with torchrun; "
+                                  f"{PEER_WAIT_ENV}=SECONDS sets the wait")
+            if not said and time.monotonic() > deadline - wait + 2:
+                print(f"RANK {rank} waits up to {wait:g} s for RANK {', '.join(map(str, missing))} of WORLD_SIZE "
+                      f"{world_size} at {where} ({PEER_WAIT_ENV} sets it)", file=sys.stderr, flush=True)
+                said = True
+            time.sleep(0.5)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, SIGTERM (stopping.run_main): the wait is over, nothing began
+        raise Interrupted(f"{str(interrupt) or 'interrupted'} while RANK {rank} waited for the other processes of "
+                          f"the run at {where}: nothing was started",
+                          getattr(interrupt, "status", 128 + signal.SIGINT)) from None
+
+
+def reach(host: str, port: int, deadline: float) -> str | None:
+    """Try to connect to host:port once a second until `deadline`: None once it answers, else why it did not (a
+    plain socket: torch's store client would log a traceback at every try)."""
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            return None
+        except OSError as error:
+            if time.monotonic() > deadline:
+                return error.strerror or str(error)
+        time.sleep(1)
+
+
 def loader_workers(num_workers: int, device: torch.device) -> int:
     """--num_workers as the DataLoaders use it: -1 (auto) is, on a GPU, every CPU this process may use less one
     (the training process's own), shared between the processes of this machine (LOCAL_WORLD_SIZE under torchrun):
@@ -146,13 +273,15 @@ def setup(config) -> tuple[Distributed, str, object, torch.amp.GradScaler]:
     the precision it trains in, the autocast context and the GradScaler."""
     device = check_device(config.device)  # auto: cuda when torch sees a GPU; a missing GPU is refused
     ddp = int(os.environ.get("RANK", -1)) != -1
-    rank, local_rank, world_size = (int(os.environ.get(k, 0)) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    rank, local_rank, world_size = process_environment() if ddp else (0, 0, 1)
     if device.startswith("cuda"):
         device = f"cuda:{gpu_index(device, ddp, local_rank)}"  # torch.cuda.set_device wants an index: cuda:N
         torch.cuda.set_device(torch.device(device))  # also for one process on cuda:1: its kernels and caches go there
         set_tf32(config.tf32)
     if ddp:  # device_id binds NCCL to this process's GPU at once; the timeout covers the master's work alone
-        init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=GROUP_TIMEOUT,
+        # the store every process meets in first: a bounded wait for the others (rendezvous)
+        init_process_group("nccl" if device.startswith("cuda") else "gloo", store=process_store(rank, world_size),
+                           rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT,
                            device_id=torch.device(device) if device.startswith("cuda") else None)
     if ddp and not device.startswith("cuda"):
         # torchrun sets OMP_NUM_THREADS=1: share this machine's cores between its local processes instead

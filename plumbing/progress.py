@@ -71,6 +71,7 @@ class JsonlLog:
 
     def write(self, **record) -> None:
         if self.enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)  # an out_dir deleted meanwhile: StepBoundary says so
             with open(self.path, "a") as f:
                 f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
 

@@ -5,27 +5,38 @@
   out-of-memory, keeps its traceback.
 - `DivergenceWatch`, `check_finite_model`: a diverged run (Diverged) stops at the next log step, naming the step
   where it diverged, without a wait for the GPU in every step; a model whose weights are not finite is never saved.
-- `StopSignals`, `stopped`, `stop_everywhere`: Ctrl-C, SIGTERM and SIGHUP (a closed terminal or ssh session) end
-  the step in progress, the master saves ckpt_last.pt and the run stops in one line (exit status 130, 143, 129)
-  with the command that resumes it (`resume_hint`), every process at the same check under torchrun.
+- `StopSignals`, `stopped`, `stop_everywhere`: Ctrl-C, SIGTERM, SIGHUP (a closed terminal or ssh session) and
+  SIGUSR1 (a scheduler's "checkpoint now") end the step in progress, the master saves ckpt_last.pt and the run stops
+  in one line (exit status 130, 143, 129, 138) with the command that resumes it (`resume_hint`, keeping torchrun:
+  `launch_command`), every process at the same check under torchrun.
 - `write_with_replacement`, `permission_line`: a terminal that cannot show a character, and a folder this user
   cannot write, never end a run with a traceback.
-- `data_error_stop`: a damaged image met in training saves the last step, then stops in one line naming it.
+- `data_error_stop`: a damaged image met in training saves the last step, then stops in one line naming it;
+  `LoaderError`, `loader_failure`: DataLoader workers that die or cannot start, the same way, naming the cause and
+  the fix (--num_workers 0, ulimit -n, --shm-size); `hand_over_failure`: a batch a worker cannot hand over is an
+  error, not a wait for ever.
+- `KeptStream`: stdout or stderr going away (`| head`, `> /dev/full`) never ends a run.
 """
+import errno
 import math
+import multiprocessing.queues
 import os
+import resource
 import shlex
+import shutil
 import signal
 import sys
 import threading
+import traceback
 from pathlib import Path
 
 import torch
+from torch._utils import ExceptionWrapper  # what a DataLoader worker sends in place of a batch it failed to make
 
 from plumbing import clip_files
 import data
 from plumbing.checkpoints import CheckpointError
-from plumbing.files import STOP_SIGNALS, DiskFull, Unwritable
+from plumbing.files import STOP_SIGNALS, DiskFull, Unwritable, size_text
 from plumbing.flags import ConfigError
 
 # -----------------------------------------------------------------------------
@@ -114,7 +125,8 @@ class Interrupted(KeyboardInterrupt):
 
 
 SIGNAL_WORDS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)",
-                signal.SIGHUP: "hung up (SIGHUP: its terminal or ssh session closed)"}
+                signal.SIGHUP: "hung up (SIGHUP: its terminal or ssh session closed)",
+                signal.SIGUSR1: "stopped by SIGUSR1 (a scheduler's notice before the job's end, Slurm's --signal)"}
 
 
 def leave_closed_terminal(number) -> None:
@@ -132,16 +144,49 @@ def leave_closed_terminal(number) -> None:
             setattr(sys, name, open(os.devnull, "w"))
 
 
+def launch_command() -> list[str]:
+    """The command that started this run, as a user types it: `python <script> <flags>`, or under torchrun its
+    agent's command line (this process's parent: `torchrun --standalone --nproc_per_node=2 adapt.py ...`), so that
+    a hint to continue keeps the launcher. Where the agent's command line cannot be read (no /proc), torchrun with
+    this machine's process count and the script's flags."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return ["python", *sys.argv]
+    try:
+        agent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        agent = []
+    if agent[1:3] == ["-m", "torch.distributed.run"]:
+        return ["python", *agent[1:]]
+    if len(agent) > 1 and Path(agent[1]).name == "torchrun":
+        return ["torchrun", *agent[2:]]
+    if agent and Path(agent[0]).name == "torchrun":
+        return ["torchrun", *agent[1:]]
+    return ["torchrun", f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', 1)}", *sys.argv]
+
+
+def command_with(*flags: str) -> str:
+    """The launch command with its --resume (or --resume auto, --no-resume) replaced by `flags`."""
+    command, kept, skip = launch_command(), [], False
+    for word in command:
+        if skip and word == "auto":  # --resume auto
+            continue
+        skip = word == "--resume"
+        if word not in ("--resume", "--no-resume") and not word.startswith("--resume="):
+            kept.append(word)
+    return shlex.join([*kept, *flags])
+
+
 def resume_hint(path) -> str:
     """What a stopped run's last checkpoint `path` holds and the command that continues it. The step is read from
     the file itself: the stop may have come between a save and any note of it. mmap reads the one number, not the
-    weights."""
+    weights. A checkpoint saved at an epoch's end before its validation (StepBoundary.end_epoch) says so."""
     path = Path(path)
     if not path.is_file():
         return "before the first checkpoint: nothing was saved; run the same command again to start over"
-    step = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"]
-    argv = [a for a in sys.argv if a not in ("--resume", "--no-resume")]
-    return f"{path} holds step {step}; continue with: {shlex.join(['python', *argv, '--resume'])}"
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    pending = (", the end of an epoch not yet validated (the resumed run validates it first)"
+               if state.get("validated") is False else "")
+    return f"{path} holds step {state['step']}{pending}; continue with: {command_with('--resume')}"
 
 
 def interrupted(path, number: int = signal.SIGINT) -> Interrupted:
@@ -154,10 +199,9 @@ def interrupted(path, number: int = signal.SIGINT) -> Interrupted:
 def final_test_stopped(interrupt: KeyboardInterrupt, out_dir) -> Interrupted:
     """A signal during the final test, after the training: what is saved, and the --eval command that scores it."""
     status = getattr(interrupt, "status", 128 + signal.SIGINT)
-    argv = [a for a in sys.argv if a not in ("--resume", "--no-resume")]
     return Interrupted(f"{SIGNAL_WORDS.get(status - 128, 'interrupted')} during the final test: the training "
                        f"finished and {Path(out_dir) / 'ckpt_best.pt'} holds its best epoch; score it with: "
-                       f"{shlex.join(['python', *argv, '--eval'])}", status)
+                       f"{command_with('--eval')}", status)
 
 
 def stopped(stop, path, dist_) -> Interrupted:
@@ -184,18 +228,26 @@ class StopSignals:
     """Within the block, SIGINT (Ctrl-C) and SIGTERM (what Slurm sends before preemption; torchrun forwards it to
     every process) are noted in .signal instead of ending the process: the training loop ends the step in progress,
     saves ckpt_last.pt at that step boundary and stops (Interrupted, exit status 130 or 143). SIGHUP (a closed
-    terminal or ssh session) is SIGTERM's twin (exit status 129); under nohup it stays ignored. Ctrl-\\ (SIGQUIT)
-    still ends a process at once. A signal that this process ignores (a background job's SIGINT) stays ignored;
-    outside the main thread Python gives no signals, and the block runs as it is."""
+    terminal or ssh session) is SIGTERM's twin (exit status 129); under nohup it stays ignored. SIGUSR1 (Slurm's
+    --signal=USR1@90, "checkpoint now") too (exit status 138), in one process: torchrun's agent does not forward it
+    (it dies of it), so under torchrun send SIGTERM, which it forwards. Ctrl-\\ (SIGQUIT) still ends a process at
+    once. A signal that this process ignores (a background job's SIGINT) stays ignored; outside the main thread
+    Python gives no signals, and the block runs as it is.
+
+    While .waiting (the loop waits for a batch: StepBoundary.epoch_batches) a signal ends the wait at once
+    (WaitInterrupted): no step is in progress, and a batch may never come (a worker that hangs)."""
 
     NUMBERS = STOP_SIGNALS
 
     def __init__(self):
-        self.signal, self.previous = None, {}
+        self.signal, self.previous, self.waiting = None, {}, False
 
     def note(self, number, frame) -> None:
         self.signal = self.signal or number
         leave_closed_terminal(number)
+        if self.waiting:
+            self.waiting = False
+            raise WaitInterrupted("", 128 + number)
 
     def now(self, ddp: bool) -> bool:
         """Whether to check at this step boundary for the signal alone: at once in a single process; under DDP it
@@ -215,16 +267,35 @@ class StopSignals:
         self.previous = {}
 
 
+class WaitInterrupted(Interrupted):
+    """A stop signal that came while the training loop waited for a batch (StopSignals.waiting)."""
+
+
 def ignore_stop_signals(worker_id: int = 0) -> None:
     """A DataLoader worker's worker_init_fn. A terminal's Ctrl-C reaches every process of the job: a worker ignores
-    it (the training process ends its workers itself, once it has saved). SIGTERM (Slurm's, which also reaches
-    every process; and the one DataLoader ends its workers with) ends a worker with exit status 0: killed by the
-    signal, it would make torch raise "DataLoader worker is killed by signal" in the training process at once,
-    inside the step that SIGTERM lets finish. A worker whose training process died exits on its own (DataLoader's
-    watchdog)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal's: as Ctrl-C, the training process decides
+    it (the training process ends its workers itself, once it has saved), and SIGHUP and SIGUSR1 alike. SIGTERM
+    (Slurm's, which also reaches every process; and the one DataLoader ends its workers with) ends a worker with exit
+    status 0: killed by the signal, it would make torch raise "DataLoader worker is killed by signal" in the training
+    process at once, inside the step that SIGTERM lets finish. A worker whose training process died exits on its own
+    (DataLoader's watchdog). A batch the worker cannot hand over (no file descriptor left, ulimit -n) is sent as
+    its error instead (hand_over_failure), which the training process raises, instead of waiting for ever."""
+    for number in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):  # the training process decides
+        signal.signal(number, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda number, frame: os._exit(0))
+    multiprocessing.queues.Queue._on_queue_feeder_error = hand_over_failure  # this worker's queues only
+
+
+def hand_over_failure(queue, error: Exception, item) -> None:
+    """A DataLoader worker's queue could not send `item` (a batch (index, data)) to the training process: its
+    feeder thread met `error` while pickling it (EMFILE: torch hands each tensor over as a file descriptor). Python's
+    own hook prints the traceback and drops the batch, and the training process would wait for it for ever; this
+    sends the error in its place, as the worker sends a dataset's errors, so the training process raises it."""
+    if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int)):
+        traceback.print_exception(error)  # what the default hook does
+        return
+    worker = torch.utils.data.get_worker_info()
+    where = f"in DataLoader worker process {worker.id if worker else '?'}, handing over a batch"
+    queue.put((item[0], ExceptionWrapper((type(error), error, error.__traceback__), where)))
 
 
 def one_line(error: Exception) -> str:
@@ -254,6 +325,55 @@ def data_error_stop(error: Exception, save, step: int, watch, path, dist_) -> da
 
 
 # -----------------------------------------------------------------------------
+# DataLoader workers that die or cannot start
+
+
+class LoaderError(data.DataError):
+    """The DataLoader's worker processes died, or could not start or hand over a batch: the message names the cause
+    and the fix. A DataError, so that the training loops save the last step first (StepBoundary.damaged)."""
+
+
+def loader_failure(error: BaseException, starting: bool = False) -> str | None:
+    """The one line for an error of a DataLoader's worker processes (what torch raises in the training process),
+    naming the cause and the fix, or None for another error. starting: raised while the workers were started."""
+    text = str(error)
+    fewer = "--num_workers 0 (the training process reads the data itself)"
+    if "Too many open files" in text or getattr(error, "errno", None) in (errno.EMFILE, errno.ENFILE):
+        return (f"the DataLoader's worker processes ran out of file descriptors (Too many open files; ulimit -n is "
+                f"{open_files_limit()}): torch hands each batch's tensors over as file descriptors. Raise the limit "
+                f"(ulimit -n 65536 before the command), or train with {fewer}")
+    if ("No space left on device" in text and "/torch_" in text) or "out of shared memory" in text \
+            or "shared memory" in text and "Bus error" in text:
+        return (f"the DataLoader's worker processes ran out of shared memory (/dev/shm {shared_memory()}), where "
+                f"they hand over each batch (Docker gives a container 64 MB): give it more (docker run "
+                f"--shm-size=8g ...), or train with {fewer}")
+    if "DataLoader worker" in text and ("exited unexpectedly" in text or "killed by signal" in text):
+        cause = text.split("DataLoader worker", 1)[1].split(".")[0].strip()
+        return (f"a DataLoader worker process died (worker {cause}; the out-of-memory killer ends a process when "
+                f"the machine's memory runs out): train with fewer --num_workers, or {fewer}")
+    if starting and isinstance(error, OSError):
+        return (f"the DataLoader's worker processes could not start ({error.strerror or error}): train with fewer "
+                f"--num_workers, or {fewer}, or raise the limit of processes (ulimit -u)")
+    return None
+
+
+def open_files_limit() -> str:
+    try:
+        return str(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    except (OSError, ValueError):
+        return "unknown"
+
+
+def shared_memory() -> str:
+    """'12.0 MB free of 67.1 MB', or why it cannot be told."""
+    try:
+        usage = shutil.disk_usage("/dev/shm")
+    except OSError:
+        return "not found"
+    return f"{size_text(usage.free)} free of {size_text(usage.total)}"
+
+
+# -----------------------------------------------------------------------------
 # Data a run cannot use
 
 
@@ -264,8 +384,10 @@ def refuse_empty_splits(splits: dict, names, config) -> None:
     data_name, root = config.data, data.dataset_root(config.data, config.data_root or None)
     for name in names:
         pairs = splits[name]
-        if not pairs:
-            problem = "has no pairs"
+        if not pairs:  # stage 1 reads LEVIR-CC's changed pairs alone (data.adaptation_pairs): say so
+            unchanged = sum(p.change_type == data.UNCHANGED for p in data.load_split(data_name, name, root))
+            problem = (f"has no changed pairs ({unchanged:,} unchanged, which stage 1 leaves out: their captions "
+                       f"tell no pair apart)" if unchanged else "has no pairs")
         elif name == "train" and not any(data.training_captions(p.captions) for p in pairs):
             problem = f"has {len(pairs)} pairs but no caption that is not empty, nothing to train on"
         else:
@@ -282,6 +404,7 @@ def refuse_empty_splits(splits: dict, names, config) -> None:
 # The errors a user can fix, by the file, flag or data they name: the scripts print these as one line.
 USER_ERRORS = (FileNotFoundError, FileExistsError, ConfigError, CheckpointError, data.DataError, clip_files.FileError,
                DiskFull, Unwritable)
+GONE = (errno.EPIPE, errno.ENOSPC, errno.EDQUOT, errno.EIO)  # a stream whose reader left: `| head`, `> /dev/full`
 
 
 def _terminated(number, frame):
@@ -305,13 +428,60 @@ def write_with_replacement() -> None:
             stream.reconfigure(errors="replace")
 
 
+class KeptStream:
+    """stdout or stderr, whose reader may leave while the run goes on (`python adapt.py ... | head -30`, a full disk
+    under `> log.txt`, `> /dev/full`): a write or flush that fails so (GONE) sends the stream to /dev/null, its file
+    descriptor too (what is still buffered, and Python's flush at exit, go there), says so once on the other stream,
+    and the run goes on: its steps and scores are in its files (log.jsonl). Any other error is raised."""
+
+    def __init__(self, stream, name: str, program: str):
+        self.stream, self.name, self.program, self.gone = stream, name, program, False
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError as error:
+            self.leave(error)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError as error:
+            self.leave(error)
+
+    def leave(self, error: OSError) -> None:
+        if error.errno not in GONE:
+            raise error
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self.stream.fileno())
+            os.close(null)
+            self.stream.flush()  # what was buffered, to /dev/null
+        except (OSError, ValueError, AttributeError):
+            pass
+        if not self.gone:
+            self.gone = True
+            other = sys.stderr if self.name == "stdout" else sys.stdout
+            print(f"{self.program}: note: {self.name} is gone ({error.strerror}): the run goes on without it; its "
+                  f"steps and scores are in its files (log.jsonl)", file=other, flush=True)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 def run_main(main, program: str) -> None:
     """Call a script's main(). A USER_ERRORS error ends the process with one line on stderr and exit status 1;
-    any other exception (a bug, a shape mismatch inside torch, CUDA out of memory) keeps its traceback. Ctrl-C and
-    SIGTERM (and SIGHUP) end it with one line and the shell's status for the signal, 130 or 143 (129) (in the
-    training loop, after a save at the step boundary: StopSignals). A permission error is one line too."""
+    any other exception (a bug, a shape mismatch inside torch, CUDA out of memory) keeps its traceback, but for a
+    DataLoader worker that died or could not start (loader_failure: one line naming the cause and the fix).
+    Ctrl-C, SIGTERM, SIGHUP and SIGUSR1 end it with one line and the shell's status for the signal, 130, 143, 129,
+    138 (in the training loop, after a save at the step boundary: StopSignals). A permission error is one line too.
+    stdout or stderr going away never ends the run (KeptStream)."""
     write_with_replacement()
-    for number in (signal.SIGTERM, signal.SIGHUP):  # outside the training loop they end the run as Ctrl-C does
+    kept = {name: KeptStream(getattr(sys, name), name, program) for name in ("stdout", "stderr")}
+    for name, stream in kept.items():
+        setattr(sys, name, stream)
+    for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):  # outside the training loop: as Ctrl-C does
         if threading.current_thread() is threading.main_thread() and signal.getsignal(number) is signal.SIG_DFL:
             signal.signal(number, _terminated)
     try:
@@ -327,3 +497,13 @@ def run_main(main, program: str) -> None:
         if message:
             print(f"{program}: {message}", file=sys.stderr)
         sys.exit(getattr(interrupt, "status", 128 + signal.SIGINT))
+    except (RuntimeError, OSError) as error:
+        line = loader_failure(error)
+        if line is None:
+            raise
+        print(f"{program}: error: {line}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        for name, stream in kept.items():  # a caller's own streams back (a test's), unless replaced meanwhile
+            if getattr(sys, name) is stream:
+                setattr(sys, name, stream.stream)
