@@ -202,7 +202,8 @@ def check_dataset(data: str, root: Path, tokenizer: clip.SimpleTokenizer | None,
 
 def split_notes(splits: dict[str, list[ImagePair]]) -> list[str]:
     """What a user's splits may not mean to hold: a pair (the same before and after images) in the training split
-    and in an evaluation split; change types that the score table does not know, each scored as its own row."""
+    and in an evaluation split; change types that the score table does not know (neither CLEVR-Change's nor
+    LEVIR-CC's change / no change), each scored as its own row."""
     notes = []
     trained = {(pair.before, pair.after) for pair in splits.get("train", [])}
     for split in ("val", "test"):
@@ -211,7 +212,7 @@ def split_notes(splits: dict[str, list[ImagePair]]) -> list[str]:
             notes.append(f"{len(both):,} {split} pair(s) are also in train (the same before and after images): "
                          f"{named(both)}; their scores measure what was memorised, not captioning")
     known = (*CHANGE_TYPES, DISTRACTOR)
-    other = sorted({p.change_type for pairs in splits.values() for p in pairs} - {None, *known})
+    other = sorted({p.change_type for pairs in splits.values() for p in pairs} - {None, *known, CHANGED, UNCHANGED})
     if other:
         notes.append(f"change types {other} are not CLEVR-Change's {list(known)}: the score table gives each its "
                      f"own row")

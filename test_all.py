@@ -1710,6 +1710,26 @@ def test_levir_cc_reader_says_where_the_file_is_missing_or_wrong(tmp_path):
         data.read_levir_cc(tmp_path, "train")
 
 
+def test_levir_cc_raw_only_sentences_are_tokenized_as_the_papers_preprocessing_tokenizes_them():
+    sentence = {"raw": " a road is built, near 0.5km ; fine ?"}
+    assert data.levir_caption(sentence, "here") == "a road is built , near 05km ; fine"  # RSCaMa's tokenize
+    assert data.levir_caption(sentence, "here").split() == field.raw_tokens(sentence["raw"])[1:-1]
+
+
+def test_levir_cc_is_found_in_the_folder_its_download_unpacks_to_or_the_error_names_that_folder(tmp_path):
+    write_levir(tmp_path / "download" / "Levir-CC-dataset")
+    test = data.load_split("levir", "test", tmp_path / "download")
+    assert test[0].before == tmp_path / "download" / "Levir-CC-dataset" / "images" / "test" / "A" / "test_000001.png"
+    with pytest.raises(data.DataError, match="no LevirCCcaptions.json in .* \\(nor in Levir-CC-dataset/ there"):
+        data.read_levir_cc(tmp_path, "test")
+
+
+def test_levir_cc_pair_whose_file_name_says_another_split_is_refused_naming_both(tmp_path):
+    write_json(tmp_path / "LevirCCcaptions.json", {"images": [levir_record("val", 1, True) | {"split": "test"}]})
+    with pytest.raises(data.DataError, match=r"\(val_000001.png\): its name says 'val' but its split is 'test'"):
+        data.read_levir_cc(tmp_path, "test")
+
+
 def test_check_levir_prints_pairs_references_and_kinds_beside_the_published_counts(tmp_path, synth_root,
                                                                                      monkeypatch, capsys):
     monkeypatch.setenv("CLIP_BPE_PATH", str(synth_root / data.SYNTH_BPE_FILE))  # no download in tests
@@ -1725,7 +1745,7 @@ def test_check_levir_prints_pairs_references_and_kinds_beside_the_published_coun
     assert "  train: 8 pairs (published: 8), 40 references (published: 40)\n" \
            "    4 change pairs (published: 4), 4 no-change pairs (published: 4)\n" \
            "    images: 16, 0 missing, 0 unreadable\n" in out
-    assert "1 longer than max_words 32" in out
+    assert "1 longer than max_words 32" in out and "note: change types" not in out  # LEVIR-CC's own two kinds
     assert out.endswith("complete: every split reads, every image opens, the published counts are met\n")
 
 
