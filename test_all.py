@@ -2874,6 +2874,8 @@ def test_metrics_command_scores_levir_cc_as_a_paper_and_prints_its_scripts_lines
     assert scores["CIDEr"] == known["answers"]["rscama shipped vocab"]["calls"][-1]["scores"]["CIDEr"]
     assert metrics.main([predictions, "--references", references]) == 0   # our way: words, PTB tokens
     assert capsys.readouterr().out.startswith("metric ")
+    one = write(tmp_path / "one.json", [{"image_id": "test_000001", "caption": "a road is built"}])  # by its name
+    assert metrics.main([one, "--references", references]) == 0 and "1 items, 5 references" in capsys.readouterr().out
 
 
 def test_metrics_command_reads_clevr_change_spot_the_diff_and_ier_files_as_they_ship(tmp_path, capsys):

@@ -199,9 +199,10 @@ def record_split(record, paper):
     return "train" if record["split"] == "restval" else record["split"]
 
 
-def prediction_keys(predictions, records, paper=None):
+def prediction_keys(predictions, records, paper=None, every_pair=True):
     """{prediction id: record index}, a prediction named by its pair's filename ("test_000001.png"), the name without
-    its extension, or its "imgid"; every prediction of one split, and every pair of that split predicted."""
+    its extension, or its "imgid"; every prediction of one split, and (every_pair) every pair of that split
+    predicted, as the papers score."""
     names = {}
     for n, record in enumerate(records):
         for key in (record["filename"], record["filename"].rsplit(".", 1)[0], record.get("imgid")):
@@ -219,10 +220,13 @@ def prediction_keys(predictions, records, paper=None):
                                 f"imgid); keep one caption per pair")
     splits = sorted({record_split(records[n], paper) for n in index.values()})
     if len(splits) > 1:
-        raise CaptionInputError(f"the predictions name pairs of {len(splits)} splits {splits}; score one split")
+        named = " (by their file names' prefix, as preprocess_data.py reads them: test_000001.png)" \
+            if paper is not None and paper.split_by_name else ""
+        raise CaptionInputError(f"the predictions name pairs of {len(splits)} splits{named}: {splits[:5]}; score "
+                                f"one split")
     ordered = [n for n, r in enumerate(records) if record_split(r, paper) == splits[0]]
     missing = sorted(set(ordered) - set(index.values()))
-    if missing:
+    if missing and every_pair:
         raise CaptionInputError(f"{len(missing)} of the {len(ordered)} {splits[0]} pairs have no prediction, e.g. "
                                 f"{[records[n]['filename'] for n in missing[:3]]}; the papers score every pair of "
                                 f"the split")
@@ -301,7 +305,7 @@ def paper_split(predictions, records, paper, word_map):
 def levir_captions(predictions, records):
     """{prediction id: [captions]} of the predicted split's pairs, for scoring them our way: each sentence's
     "tokens" joined by spaces, or its "raw" tokenized as preprocess_data.py does (data.py's levir_caption)."""
-    index, _ = prediction_keys(predictions, records)
+    index, _ = prediction_keys(predictions, records, every_pair=False)
     out = {}
     for i, n in index.items():
         out[i] = [" ".join(s["tokens"]) if isinstance(s, dict) and isinstance(s.get("tokens"), list) and s["tokens"]
@@ -317,6 +321,8 @@ def score_each(scorer, hypotheses, references, subsets):
     """{subset: result} of id strings, each subset scored on its own by the scorer class passed in, with the copy's
     CIDEr-D (log N = 1 for a one-item set)."""
     scored = scorer(hypotheses, references, tokenize=False)
+    # CIDEr-D is computed in score(), from this config (a one-item set never starts FastCaptionScorer's worker, which
+    # computes the whole set's CIDEr-D early)
     scored.config = dataclasses.replace(scored.config, cider_log_n_of_one=CIDER_LOG_N_OF_ONE)
     return {name: scored.score(ids) for name, ids in subsets.items() if ids}
 
