@@ -613,8 +613,8 @@ def evaluate(run: plumbing.Run, root: Path, stage1: Stage1, captioner: Captioner
         feature_path = feature_files(run, stage1, eval_pairs, images, () if config.finetune_encoder else ("test",))
     features = split_features(run, captioner, feature_path, "test", eval_pairs["test"], images)
     field = data.SOURCES[config.data].field_scoring  # LEVIR-CC: also as its papers score, with their vocabulary
-    vocabulary = metrics.field_vocabulary(c for s in data.SPLITS for p in splits[s] for c in p.captions) if field \
-        else None
+    vocabulary = metrics.field.field_vocabulary(c for s in data.SPLITS for p in splits[s] for c in p.captions) \
+        if field else None
     evaluate_test(run, stage1.encoder, captioner.decoder, features, eval_pairs["test"], splits["test"], images,
                   tokenizer, vocabulary)
 
@@ -635,8 +635,8 @@ def evaluate_test(run: plumbing.Run, encoder: PairEncoder, decoder: CaptionDecod
         by_type = data.ids_by_type(pairs)
         subsets = {"whole test": [p.id for p in pairs],
                    **{kind: by_type[kind] for kind in (data.CHANGED, data.UNCHANGED) if kind in by_type}}
-        table["field"] = metrics.score_both_ways(predictions, data.references(pairs), subsets, vocabulary, SCORER)
-        text = metrics.format_both_ways(table["field"])
+        table["field"] = metrics.field.score_both_ways(predictions, data.references(pairs), subsets, vocabulary, SCORER)
+        text = metrics.field.format_both_ways(table["field"])
     if {pair.change_type for pair in pairs} <= {*data.CHANGE_TYPES, data.DISTRACTOR}:  # CLEVR-Change's types (synth)
         table["kinds"] = metrics.change_kinds([{"image_id": i, "caption": c} for i, c in predictions.items()],
                                               test_pairs)

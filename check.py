@@ -218,7 +218,8 @@ def check_dataset(data: str, root: Path, tokenizer: clip.SimpleTokenizer | None,
 
 def split_notes(splits: dict[str, list[ImagePair]]) -> list[str]:
     """What a user's splits may not mean to hold: a pair (the same before and after images) in the training split
-    and in an evaluation split; change types that the score table does not know, each scored as its own row."""
+    and in an evaluation split; change types that the score table does not know (neither CLEVR-Change's nor
+    LEVIR-CC's change / no change), each scored as its own row."""
     notes = []
     trained = {(pair.before, pair.after) for pair in splits.get("train", [])}
     for split in ("val", "test"):

@@ -539,6 +539,7 @@ def read_ier(root: Path, split: str) -> list[ImagePair]:
     return pairs
 
 
+LEVIR_ARCHIVE_FOLDER = "Levir-CC-dataset"  # the download's top folder (RSCaMa preprocess_data.py's default path)
 LEVIR_CAPTIONS = ("LevirCCcaptions.json", "LevirCCcaptions_v1.json")  # the download's name; PromptCC's copy with
 # changeflag (github.com/Chen-Yang-Liu/PromptCC, data/LEVIR_CC/)
 # A record's "split" as read, and the split it means: other copies write "valid" (IER's name), capitals
@@ -552,13 +553,15 @@ LEVIR_NO_CHANGE = ("there is no difference", "the two scenes seem identical", "t
 def levir_caption(sentence, where: str) -> str:
     """A LEVIR-CC sentence as the words its papers score: its "tokens" joined by spaces (the JSON's own
     tokenization, which github.com/Chen-Yang-Liu/RSICC utils.py `create_input_files` reads), or, in a record
-    without them, its "raw" text without periods (" the road is widened ." -> "the road is widened")."""
+    without them, its "raw" text tokenized as the papers that read "raw" do (github.com/Chen-Yang-Liu/RSCaMa
+    preprocess_data.py `tokenize`): "," and ";" split off, "." and "?" dropped (" the road is built, 0.5km ." ->
+    "the road is built , 05km")."""
     checked_type(sentence, dict, where, 'a sentence {"tokens": [...], "raw": "..."}')
     tokens = sentence.get("tokens")
     if isinstance(tokens, list) and tokens and all(isinstance(t, str) for t in tokens):
         return " ".join(tokens)
     raw = checked_type(sentence.get("raw"), str, f"{where}: 'raw' (there are no 'tokens')", "the sentence's text")
-    return " ".join(raw.replace(".", " ").split())
+    return " ".join(raw.replace(";", " ;").replace(",", " ,").replace("?", "").replace(".", "").split())
 
 
 def adaptation_pairs(pairs: list[ImagePair]) -> list[ImagePair]:
@@ -579,9 +582,12 @@ def read_levir_cc(root: Path, split: str) -> list[ImagePair]:
     is unchanged when its "changeflag" is 0, or, in a file without changeflag, when its captions are the five
     no-change sentences (LEVIR_NO_CHANGE), as the papers' evaluation scripts find them.
     """
+    if not any((root / name).is_file() for name in LEVIR_CAPTIONS) and (root / LEVIR_ARCHIVE_FOLDER).is_dir():
+        root = root / LEVIR_ARCHIVE_FOLDER   # the folder the download unpacks to
     found = [root / name for name in LEVIR_CAPTIONS if (root / name).is_file()]
     if not found:
-        raise DataError(f"LEVIR-CC: no {LEVIR_CAPTIONS[0]} in {root}; {SOURCES['levir'].get_it}")
+        raise DataError(f"LEVIR-CC: no {LEVIR_CAPTIONS[0]} in {root} (nor in {LEVIR_ARCHIVE_FOLDER}/ there, the "
+                        f"folder the download unpacks to); {SOURCES['levir'].get_it}")
     path = found[0]
     if len(found) > 1 and split == SPLITS[0]:  # said once, with the first split read
         reader_note(f"LEVIR-CC: {root} holds both {' and '.join(f.name for f in found)}; reading {path.name} "
@@ -606,6 +612,10 @@ def read_levir_cc(root: Path, split: str) -> list[ImagePair]:
             raise DataError(f"{path}: {name} appears twice in split {split}; evaluation ids must be unique")
         seen.add(name)
         where = f"{path}, record {position} ({name})"
+        prefix = name.split("_")[0]
+        if prefix in SPLITS and prefix != split:  # RSCaMa and Chg2Cap take the split from the name, RSICC from "split"
+            raise DataError(f"{where}: its name says {prefix!r} but its split is {split!r}; the papers' scripts "
+                            f"would put it in different splits: correct its name or its \"split\"")
         sentences = checked_type(record["sentences"], list, f"{where}: sentences", "a list of sentences")
         captions = checked_captions([levir_caption(s, f"{where}, sentence {k}") for k, s in enumerate(sentences)],
                                     name, path)

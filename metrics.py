@@ -24,8 +24,8 @@ Then what the lesson leans on, off the reading path:
     6. FastCaptionScorer          the same numbers, faster: it selects every speed variant (scoring/fast.py, the
                                   PTB shortcut of scoring/ptb.py); score_captions runs the plain CaptionScorer unless
                                   asked for it, as the scripts ask in one line
-    7. the field's scoring        how the LEVIR-CC papers score (vocabulary-id strings, no tokenizer, S*m), beside
-                                  ours, in one table
+    7. the field's scoring        how the LEVIR-CC papers score (vocabulary-id strings, no tokenizer, S*m): each
+                                  paper's evaluation exactly, in scoring/field.py (--as rsicc|rscama|chg2cap)
     8. the kind of change a caption says, by keywords (CLEVR-Change-style captions; no toolkit has it)
     9. the command line, and the demo
 Side trips in their own files: the PTB tokenizer (scoring/ptb.py, Stanford PTBTokenizer 3.4.1 -preserveLines
@@ -44,12 +44,15 @@ Differences from the toolkit (each is marked `# differs from reference:` below, 
   - METEOR's own differences are listed in scoring/meteor.py.
 
 Run:   python metrics.py                                   # demo: one candidate against two references
-       python metrics.py PREDICTIONS.json REFERENCES.json  # a table; --json for machines
+       python metrics.py PREDICTIONS.json --references FILE [--as coco|rsicc|rscama|chg2cap] [--json]
+                             # any predictions against a dataset's references; LEVIR-CC as each paper scores it;
+                             # --help: an example per dataset
        python metrics.py tests/metrics_vectors/edge_cases.json.gz   # items with candidate and references
 
 Shape letters: T texts (captions).
 """
 import argparse
+import dataclasses
 import functools
 import gzip
 import json
@@ -59,24 +62,26 @@ import os
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from scoring import field
 from scoring.fast import PARALLEL_MIN_ITEMS, FastMeteor, MeteorWorker, collector_paused
 from scoring.meteor import (METEOR_DATA_ENV, METEOR_MODULES, CaptionInputError, Meteor, MeteorConfig,
                             load_meteor_resources)
 from scoring.ptb import ptb_tokenize, ptb_tokenize_fast
 
 
-@dataclass
+@dataclasses.dataclass
 class MetricsConfig:
     bleu_n: int = 4                                 # BLEU-1..4
     cider_n: int = 4                                # CIDEr uses 1- to 4-grams
     cider_sigma: float = 6.0                        # width of CIDEr-D's Gaussian length penalty
     rouge_beta: float = 1.2                         # ROUGE-L F-measure: recall weighs beta^2 times precision
-    meteor: MeteorConfig = field(default_factory=MeteorConfig)   # alpha, beta, gamma, delta, weights, beam
+    cider_log_n_of_one: float | None = None         # CIDEr's log N for a one-item set: None, log 1 = 0, as the
+    #                                                 toolkit; the LEVIR-CC papers' copy sets 1 (scoring/field.py)
+    meteor: MeteorConfig = dataclasses.field(default_factory=MeteorConfig)   # alpha, beta, gamma, delta, weights, beam
 
 
 METRICS = ("BLEU", "METEOR", "ROUGE_L", "CIDEr")
@@ -174,12 +179,12 @@ def rouge_l(candidate, references, beta=1.2):
 # ---------------------------------------------------------------------------------------------------------------
 # 3. CIDEr-D (pycocoevalcap cider/cider_scorer.py)
 # ---------------------------------------------------------------------------------------------------------------
-def cider_scores(candidate_counts, reference_counts, n=4, sigma=6.0):
+def cider_scores(candidate_counts, reference_counts, n=4, sigma=6.0, log_n_of_one=None):
     """Per-item CIDEr-D of a corpus: lists of n-gram counts per candidate, and per item one list per reference.
 
     Document frequency of an n-gram = number of items whose references hold it; weight = tf * (log N - log df);
     one cosine per n with the candidate clipped to the reference, times exp(-(l_c - l_r)^2 / (2 sigma^2));
-    averaged over n, divided by the number of references, times 10.
+    averaged over n, divided by the number of references, times 10. log_n_of_one: log N when N = 1, if not log 1.
     """
     document_frequency = Counter()
     for refs in reference_counts:
@@ -190,6 +195,8 @@ def cider_scores(candidate_counts, reference_counts, n=4, sigma=6.0):
         document_frequency.update(grams)
     # differs from reference: the toolkit crashes (max() of an empty table) when every reference is empty.
     log_n = math.log(float(len(reference_counts)))
+    if len(reference_counts) == 1 and log_n_of_one is not None:
+        log_n = log_n_of_one
     idf = {gram: log_n - math.log(float(df)) for gram, df in document_frequency.items()}   # unseen: log N
     weight_of, norms = idf.get, {}      # norms by id(): equal captions share a counts object (CaptionScorer._ngrams)
 
@@ -298,7 +305,7 @@ class CaptionScorer:
         """CIDEr-D of these items, with document frequencies over their references only."""
         cands = [self._ngrams(self.candidates[i])[0] for i in ids]
         refs = [[self._ngrams(r)[0] for r in self.references[i]] for i in ids]
-        return cider_scores(cands, refs, self.config.cider_n, self.config.cider_sigma)
+        return cider_scores(cands, refs, self.config.cider_n, self.config.cider_sigma, self.config.cider_log_n_of_one)
 
     def _ngrams(self, text):
         """(n-gram counts, word count) of a tokenized caption, computed once."""
@@ -452,8 +459,9 @@ def read_predictions(data, path="predictions"):
         return out
     if isinstance(data, dict) and "items" in data:
         return _items_field(data, path, "candidate")
-    if isinstance(data, dict) and "annotations" in data:
-        raise CaptionInputError(f"{path}: this is a ground-truth file (it has 'annotations'); give predictions first")
+    if isinstance(data, dict) and ("annotations" in data or field.is_levir(data)):
+        raise CaptionInputError(f"{path}: this is a ground-truth file; give the predictions first, then "
+                                f"--references FILE")
     if isinstance(data, dict) and all(isinstance(v, str) for v in data.values()):
         return data
     raise CaptionInputError(f"{path}: expected a COCO results list [{{image_id, caption}}], {{id: caption}}, or "
@@ -461,7 +469,10 @@ def read_predictions(data, path="predictions"):
 
 
 def read_references(data, path="references"):
-    """{id: [captions]} from a COCO ground truth {images, annotations}, an items file, or {id: [captions]}."""
+    """{id: [captions]} from a COCO ground truth {images, annotations}, an items file, {id: [captions]}, or a
+    dataset's own file: CLEVR-Change's change_captions.json ("CLEVR_default_000123.png" is "000123.png", as
+    RCC's eval_utils.py names it) or no_change_captions.json ("000123.png_n"), Spot-the-Diff's annotations/test.json
+    (items merged by img_id: "<img_id>.png"), IER's test.json ({uid: sents}). LevirCCcaptions.json: scoring/field.py."""
     if isinstance(data, dict) and "annotations" in data:
         out = {}
         for image in data.get("images", []):
@@ -473,10 +484,44 @@ def read_references(data, path="references"):
         return out
     if isinstance(data, dict) and "items" in data:
         return _items_field(data, path, "references")
-    if isinstance(data, dict) and all(isinstance(v, list) for v in data.values()):
+    if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
+        if all(str(k).startswith("CLEVR_default_") for k in data):     # CLEVR-Change's caption files
+            suffix = NO_CHANGE_ID_SUFFIX if "no_change" in Path(path).name else ""
+            return {k.split("_")[-1] + suffix: v for k, v in data.items()}
         return data
-    raise CaptionInputError(f"{path}: expected a COCO ground truth {{images, annotations}}, {{id: [captions]}}, or "
-                            f"{{\"items\": [...]}}")
+    if isinstance(data, list) and data and all(isinstance(d, dict) for d in data):
+        if all("img_id" in d and "sentences" in d for d in data):      # Spot-the-Diff: items repeat img_id
+            out = {}
+            for d in data:
+                out.setdefault(f"{d['img_id']}.png", []).extend(d["sentences"])
+            return out
+        if all("uid" in d and "sents" in d for d in data):             # Image-Editing-Request
+            return {d["uid"]: d["sents"] for d in data}
+        if all("image_id" in d and "caption" in d for d in data):
+            raise CaptionInputError(f"{path}: this is a predictions file (COCO results [{{image_id, caption}}]); "
+                                    f"give the ground truth as references")
+    if field.is_levir(data):
+        raise CaptionInputError(f"{path}: a LevirCCcaptions.json is read alone, not beside other references")
+    raise CaptionInputError(f"{path}: not a references file; expected a COCO ground truth {{images, annotations}}, "
+                            f"{{id: [captions]}}, {{\"items\": [...]}}, CLEVR-Change's change_captions.json, "
+                            f"Spot-the-Diff's annotations/<split>.json, IER's <split>.json or LevirCCcaptions.json")
+
+
+def read_reference_files(paths):
+    """{id: [captions]} of one or more references files (CLEVR-Change's two caption files together), or the
+    records of a LevirCCcaptions.json (scoring/field.py)."""
+    loaded = [load_json(path) for path in paths]
+    if any(field.is_levir(d) for d in loaded):
+        if len(paths) > 1:
+            raise CaptionInputError("a LevirCCcaptions.json holds all the references: give it alone")
+        return field.checked_records(loaded[0], paths[0])
+    out = {}
+    for data, path in zip(loaded, paths):
+        for i, captions in read_references(data, path).items():
+            if i in out:
+                raise CaptionInputError(f"{path}: id {i!r} is in an earlier references file too; give each id once")
+            out[i] = captions
+    return out
 
 
 def format_table(result):
@@ -532,84 +577,10 @@ class FastCaptionScorer(CaptionScorer):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 7. The field's scoring: how the LEVIR-CC papers score, beside ours
+# 7. The field's scoring: how the LEVIR-CC papers score (vocabulary-id strings, no tokenizer, S*m), in
+#    scoring/field.py, with each paper's rules (RSICC, RSCaMa, Chg2Cap) and caption.py's table of both ways.
+#    metrics.field is that file; the command line's --as chooses a paper; it is given the scorer class above.
 # ---------------------------------------------------------------------------------------------------------------
-# The remote-sensing change-captioning papers (RSICCformer, PSNet, PromptCC, Chg2Cap, SEN, RSCaMa, ...) score with
-# a copy of coco-caption called as github.com/Chen-Yang-Liu/RSICC utils.py `get_eval_score` does: each caption
-# becomes the string of its words' vocabulary ids ("12 40 7"), references keep <unk> for a word outside the
-# vocabulary, there is no PTB tokenizer, and the same four scorers run on those strings. METEOR (the jar with its
-# four modules, as they run it) then matches almost only exactly: no id is one of its function words, and ids have
-# no stems or synonyms; its paraphrase table alone still joins a few phrases of numbers (it moves the METEOR of 14
-# of the 240 items of tests/metrics_vectors/levir_field.json.gz), so METEOR, and METEOR alone, depends a little on
-# which number a word gets. The vocabulary is the words seen at least 5 times in the captions, counted over all three splits as the
-# papers' preprocessing counts them, and numbered as github.com/Chen-Yang-Liu/RSCaMa preprocess_data.py numbers
-# them (its vocab.json: <NULL> 0, <UNK> 1, <START> 2, <END> 3, then the words in sorted order). They report
-# S*m = (BLEU-4 + METEOR + ROUGE-L + CIDEr-D) / 4, x100.
-FIELD_MIN_COUNT = 5           # a word seen fewer times is <unk>
-FIELD_SPECIALS = ("<NULL>", "<UNK>", "<START>", "<END>")   # ids 0..3, as RSCaMa's vocab.json
-FIELD_METRICS = ("BLEU_1", "BLEU_2", "BLEU_3", "BLEU_4", "METEOR", "ROUGE_L", "CIDEr", "S*m")
-
-
-def field_words(text):
-    """A caption as the field's words. CLIP's tokenizer decodes a hyphenated word with spaces around the hyphen
-    ("lower - right"); the field's captions keep it one word ("lower-right")."""
-    return text.replace(" - ", "-").split()
-
-
-def field_vocabulary(captions, min_count=FIELD_MIN_COUNT):
-    """{word: id} of the words seen at least min_count times in captions, numbered after FIELD_SPECIALS in sorted
-    order."""
-    counts = Counter(word for caption in captions for word in field_words(caption))
-    words = sorted(word for word, n in counts.items() if n >= min_count)
-    return {word: len(FIELD_SPECIALS) + k for k, word in enumerate(words)}
-
-
-def field_ids(text, vocabulary):
-    """The string the field's scorers see: each word's id, <UNK>'s (1) for a word outside the vocabulary."""
-    unknown = FIELD_SPECIALS.index("<UNK>")
-    return " ".join(str(vocabulary.get(word, unknown)) for word in field_words(text))
-
-
-def s_star_m(corpus):
-    """The papers' S*m of a corpus's scores, x100 like theirs."""
-    return 100 * (corpus["BLEU_4"] + corpus["METEOR"] + corpus["ROUGE_L"] + corpus["CIDEr"]) / 4
-
-
-def score_both_ways(predictions, references, subsets, vocabulary, scorer=CaptionScorer):
-    """{"project": {subset: scores}, "field": {subset: scores}, ...}, every score x100 with S*m, each subset
-    re-scored on its own: the project's way (words, PTB tokens) and the field's (vocabulary ids, no tokenizer),
-    METEOR with all four modules where its data is found, as the jar runs. Both score the same words: hyphens
-    joined as in the field's captions."""
-    # differs from reference: its captions are scored as decoded; here "lower - right" is "lower-right" again
-    predictions = {i: " ".join(field_words(c)) for i, c in predictions.items()}
-    references = {i: [" ".join(field_words(r)) for r in references[i]] for i in predictions}
-    ids = {i: field_ids(c, vocabulary) for i, c in predictions.items()}
-    id_references = {i: [field_ids(r, vocabulary) for r in references[i]] for i in predictions}
-    ways = {"project": score_subsets(predictions, references, subsets, scorer=scorer),
-            "field": score_subsets(ids, id_references, subsets, tokenize=False, scorer=scorer)}
-    table = {way: {name: {**{k: 100 * v for k, v in result["corpus"].items()}, "S*m": s_star_m(result["corpus"])}
-                   for name, result in results.items()} for way, results in ways.items()}
-    table["sizes"] = {name: len(ids) for name, ids in subsets.items()}
-    table["meteor_modules"] = next(iter(ways["project"].values()))["info"].get("meteor_modules")
-    table["vocabulary"] = len(vocabulary)
-    return table
-
-
-def format_both_ways(table):
-    """The papers' table, x100: each subset scored the project's way and the field's, one line each."""
-    names = {"CIDEr": "CIDEr-D", "ROUGE_L": "ROUGE-L"}
-    lines = [f"{'x100':<22}{'pairs':>6}  " + " ".join(f"{names.get(m, m.replace('_', '-')):>7}" for m in FIELD_METRICS)]
-    for name, size in table["sizes"].items():
-        for way, label in (("project", "ours"), ("field", "field's")):
-            scores = table[way][name]
-            lines.append(f"{name + ', ' + label:<22}{size:>6,}  "
-                         + " ".join(f"{scores[m]:7.2f}" for m in FIELD_METRICS))
-    lines.append(f"ours: words, PTB tokens, METEOR {table['meteor_modules']}")
-    lines.append(f"field's: vocabulary-id strings (the {table['vocabulary']:,} words seen >= {FIELD_MIN_COUNT} times "
-                 f"in the captions, others <unk>, kept in references), no PTB tokenizer, METEOR on the ids (exact "
-                 f"matches but for a few number phrases), as the LEVIR-CC papers score (RSICC utils.py get_eval_score)")
-    lines.append("S*m = (BLEU-4 + METEOR + ROUGE-L + CIDEr-D) / 4")
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -675,12 +646,33 @@ def format_kinds(kinds: dict, confusion: bool = False) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # 9. The command line, and a demo
 # ---------------------------------------------------------------------------------------------------------------
+EXAMPLES = """examples, the references as each dataset ships them (predictions: caption.py's test_predictions.json
+or any COCO results list [{"image_id", "caption"}]):
+  CLEVR-Change   python metrics.py test_predictions.json --references data/clevr_change/change_captions.json
+                     data/clevr_change/no_change_captions.json        (ids 000123.png and 000123.png_n)
+  Spot-the-Diff  python metrics.py test_predictions.json --references data/spot/annotations/test.json
+  IER            python metrics.py test_predictions.json --references data/ier/test.json      (ids: uid)
+  LEVIR-CC       python metrics.py test_predictions.json --references data/levir_cc/LevirCCcaptions.json --as rsicc
+                     (or rscama, chg2cap: as that paper's test script scores and prints; coco: our way)
+  RSCaMa's own vocabulary: ... --as rscama --vocab RSCaMa/data/LEVIR_CC/vocab.json
+  any COCO set   python metrics.py results.json --references captions_val2014.json
+"""
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Score captions as the coco-caption toolkit does (BLEU-1..4, "
-                                                 "METEOR, ROUGE-L, CIDEr), without Java.")
+    parser = argparse.ArgumentParser(description="Score captions as the coco-caption toolkit does (BLEU-1..4, METEOR, "
+                                     "ROUGE-L, CIDEr), without Java; or LEVIR-CC as each paper's code scores it.",
+                                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("predictions", help="COCO results [{image_id, caption}], {id: caption}, or {items: [...]}")
-    parser.add_argument("references", nargs="?", help="COCO ground truth {images, annotations} or {id: [captions]}; "
-                                                      "leave out when predictions is an {items: [...]} file")
+    parser.add_argument("old_references", nargs="?", metavar="REFERENCES", help="the same as --references FILE")
+    parser.add_argument("--references", nargs="+", metavar="FILE",
+                        help="COCO ground truth {images, annotations}, {id: [captions]}, a dataset's own files "
+                             "(below) or LevirCCcaptions.json; leave out for an {items: [...]} file")
+    parser.add_argument("--as", dest="paper", default="coco", choices=("coco", *field.PAPERS),
+                        help="coco: the toolkit's way (PTB tokens, words); rsicc, rscama, chg2cap: LEVIR-CC as "
+                             "that paper's test script scores and prints it (scoring/field.py)")
+    parser.add_argument("--vocab", metavar="FILE", help="with --as PAPER: the paper's own word map (RSCaMa's "
+                        "vocab.json, RSICC's WORDMAP_*.json) instead of the one its preprocessing builds")
     parser.add_argument("--json", action="store_true", help="print corpus, per-item scores and info as JSON")
     parser.add_argument("--metrics", default=",".join(METRICS), help=f"comma-separated subset of {METRICS}")
     parser.add_argument("--meteor-modules", default=None,
@@ -691,22 +683,46 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         started = time.perf_counter()
-        data = load_json(args.predictions)
-        predictions = read_predictions(data, args.predictions)
-        references = read_references(load_json(args.references) if args.references else data,
-                                     args.references or args.predictions)
-        modules = tuple(args.meteor_modules.split(",")) if args.meteor_modules else None
         with collector_paused():      # until the table is written: then the process ends, nothing left to scan
-            result = score_captions(predictions, references, tuple(args.metrics.split(",")),
-                                    tokenize=not args.pretokenized, meteor_modules=modules,
-                                    # the speed variant (section 6): the same numbers as the plain scorer (tested)
-                                    scorer=functools.partial(FastCaptionScorer, processes=args.processes))
-            result["info"]["seconds"] = round(time.perf_counter() - started, 3)
-            print(json.dumps(result, ensure_ascii=False) if args.json else format_table(result))
+            text = score_command(args, started)
+        print(text)
     except CaptionInputError as e:
         print(f"metrics.py: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def score_command(args, started):
+    """The printed table (or JSON) of the command line's arguments."""
+    if args.old_references and args.references:
+        raise CaptionInputError("give the references once: as the second argument or with --references")
+    paths = args.references or ([args.old_references] if args.old_references else [])
+    data = load_json(args.predictions)
+    predictions = read_predictions(data, args.predictions)
+    if not predictions:
+        raise CaptionInputError(f"{args.predictions}: no predictions in it")
+    references = read_reference_files(paths) if paths else read_references(data, args.predictions)
+    # the speed variant (section 6): the same numbers as the plain scorer (tested)
+    scorer = functools.partial(FastCaptionScorer, processes=args.processes)
+    if args.paper != "coco" or args.vocab:
+        if not isinstance(references, list):
+            raise CaptionInputError(f"--as {args.paper} scores LEVIR-CC as its papers do: give its "
+                                    f"LevirCCcaptions.json as --references (the vocabulary comes from all its splits)")
+        if args.paper == "coco":
+            raise CaptionInputError("--vocab is a paper's word map: give --as rsicc, rscama or chg2cap too")
+        paper = field.PAPERS[args.paper]
+        vocabulary = field.checked_word_map(load_json(args.vocab), paper, args.vocab) if args.vocab else None
+        result = field.score_as(paper, predictions, references, scorer, vocabulary)
+        result["info"]["seconds"] = round(time.perf_counter() - started, 3)
+        return json.dumps(result, ensure_ascii=False) if args.json else \
+            field.format_as(result, result["info"]["seconds"])
+    if isinstance(references, list):          # LevirCCcaptions.json, our way
+        references = field.levir_captions(predictions, references)
+    modules = tuple(args.meteor_modules.split(",")) if args.meteor_modules else None
+    result = score_captions(predictions, references, tuple(args.metrics.split(",")), tokenize=not args.pretokenized,
+                            meteor_modules=modules, scorer=scorer)
+    result["info"]["seconds"] = round(time.perf_counter() - started, 3)
+    return json.dumps(result, ensure_ascii=False) if args.json else format_table(result)
 
 
 if __name__ == "__main__":
@@ -720,4 +736,4 @@ if __name__ == "__main__":
     demo = score_captions({"demo": candidate}, {"demo": references})
     print(format_table(demo))
     print("(a one-item corpus scores CIDEr 0: its document frequencies make every n-gram weightless)")
-    print("usage: python metrics.py PREDICTIONS.json [REFERENCES.json] [--json]")
+    print("usage: python metrics.py PREDICTIONS.json --references FILE [--as coco|rsicc|rscama|chg2cap] [--json]")

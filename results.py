@@ -305,9 +305,9 @@ def score_tables(table: dict, printed: str | None) -> str:
     if "field" in table:  # LEVIR-CC: every score x100, ours and the field's way
         field = table["field"]
         out.append(html_table("field", "<h3>As the LEVIR-CC papers score, beside ours (x100)</h3>",
-                              ["", "pairs", *(names.get(m, m) for m in metrics.FIELD_METRICS)],
+                              ["", "pairs", *(names.get(m, m) for m in metrics.field.FIELD_METRICS)],
                               [row_html(name, f"{name}, {label}", [f"<td>{size}</td>", *(
-                                  cell(field[way][name][m], 2) for m in metrics.FIELD_METRICS)], way=way)
+                                  cell(field[way][name][m], 2) for m in metrics.field.FIELD_METRICS)], way=way)
                                for name, size in field["sizes"].items()
                                for way, label in (("project", "ours"), ("field", "field's"))]))
     if "kinds" in table:

@@ -64,7 +64,7 @@ from bench import records as bench_records
 from bench.browser import CHROMIUM, Chromium
 from plumbing import batches, caches, checkpoints, clip_files, files, flags, loop, processes, progress, stopping
 from scoring import fast as scoring_fast
-from scoring import meteor, ptb
+from scoring import field, meteor, ptb
 from decoder import CaptionDecoder, DecoderConfig, ids_to_text
 from encoder import FROZEN_IN_REFERENCE, EncoderConfig, PairEncoder, block_at_rows, from_checkpoint
 from losses import caption_loss, contrastive_loss, gather_with_grad
@@ -1711,6 +1711,26 @@ def test_levir_cc_reader_says_where_the_file_is_missing_or_wrong(tmp_path):
         data.read_levir_cc(tmp_path, "train")
 
 
+def test_levir_cc_raw_only_sentences_are_tokenized_as_the_papers_preprocessing_tokenizes_them():
+    sentence = {"raw": " a road is built, near 0.5km ; fine ?"}
+    assert data.levir_caption(sentence, "here") == "a road is built , near 05km ; fine"  # RSCaMa's tokenize
+    assert data.levir_caption(sentence, "here").split() == field.raw_tokens(sentence["raw"])[1:-1]
+
+
+def test_levir_cc_is_found_in_the_folder_its_download_unpacks_to_or_the_error_names_that_folder(tmp_path):
+    write_levir(tmp_path / "download" / "Levir-CC-dataset")
+    test = data.load_split("levir", "test", tmp_path / "download")
+    assert test[0].before == tmp_path / "download" / "Levir-CC-dataset" / "images" / "test" / "A" / "test_000001.png"
+    with pytest.raises(data.DataError, match="no LevirCCcaptions.json in .* \\(nor in Levir-CC-dataset/ there"):
+        data.read_levir_cc(tmp_path, "test")
+
+
+def test_levir_cc_pair_whose_file_name_says_another_split_is_refused_naming_both(tmp_path):
+    write_json(tmp_path / "LevirCCcaptions.json", {"images": [levir_record("val", 1, True) | {"split": "test"}]})
+    with pytest.raises(data.DataError, match=r"\(val_000001.png\): its name says 'val' but its split is 'test'"):
+        data.read_levir_cc(tmp_path, "test")
+
+
 def test_check_levir_prints_pairs_references_and_kinds_beside_the_published_counts(tmp_path, synth_root,
                                                                                      monkeypatch, capsys):
     monkeypatch.setenv("CLIP_BPE_PATH", str(synth_root / data.SYNTH_BPE_FILE))  # no download in tests
@@ -1726,7 +1746,7 @@ def test_check_levir_prints_pairs_references_and_kinds_beside_the_published_coun
     assert "  train: 8 pairs (published: 8), 40 references (published: 40)\n" \
            "    4 change pairs (published: 4), 4 no-change pairs (published: 4)\n" \
            "    images: 16, 0 missing, 0 unreadable\n" in out
-    assert "1 longer than max_words 32" in out
+    assert "1 longer than max_words 32" in out and "note: change types" not in out  # LEVIR-CC's own two kinds
     assert out.endswith("complete: every split reads, every image opens, the published counts are met\n")
 
 
@@ -2741,20 +2761,20 @@ def levir_field_vectors():
 def test_field_scoring_of_vocabulary_ids_equals_the_java_toolkits_as_the_levir_cc_papers_run_it():
     corpus, toolkit = levir_field_vectors()
     items = corpus["items"]
-    vocabulary = metrics.field_vocabulary(r for item in items for r in item["references"])
+    vocabulary = field.field_vocabulary(r for item in items for r in item["references"])
     assert vocabulary == toolkit["vocabulary"] and len(vocabulary) == 69
-    assert [metrics.field_ids(item["candidate"], vocabulary) for item in items] == \
+    assert [field.field_ids(item["candidate"], vocabulary) for item in items] == \
         [item["candidate_ids"] for item in toolkit["items"]]
     subsets = {"whole": [it["id"] for it in items],
                **{kind: [it["id"] for it in items if it["kind"] == kind] for kind in ("change", "no change")}}
-    table = metrics.score_both_ways({it["id"]: it["candidate"] for it in items},
+    table = field.score_both_ways({it["id"]: it["candidate"] for it in items},
                                     {it["id"]: it["references"] for it in items}, subsets, vocabulary,
                                     metrics.FastCaptionScorer)
     for name, expected in toolkit["scores"].items():
-        field = table["field"][name]
+        scored = table["field"][name]
         for metric in ("BLEU_1", "BLEU_2", "BLEU_3", "BLEU_4", "METEOR", "ROUGE_L", "CIDEr"):
-            assert field[metric] == pytest.approx(100 * expected[metric], abs=1e-9), (name, metric)
-        assert field["S*m"] == pytest.approx(25 * (expected["BLEU_4"] + expected["METEOR"] + expected["ROUGE_L"]
+            assert scored[metric] == pytest.approx(100 * expected[metric], abs=1e-9), (name, metric)
+        assert scored["S*m"] == pytest.approx(25 * (expected["BLEU_4"] + expected["METEOR"] + expected["ROUGE_L"]
                                                    + expected["CIDEr"]), abs=1e-9)
     assert table["sizes"] == {"whole": 240, "change": 130, "no change": 110}
     assert round(toolkit["scores"]["whole"]["METEOR"], 4) == 0.4311  # the table in tests/metrics_vectors/README.md
@@ -2771,11 +2791,157 @@ def test_field_meteor_on_ids_matches_exactly_but_for_the_paraphrase_tables_numbe
 
 
 def test_field_words_join_clip_decoded_hyphens_and_unknown_words_are_unk_in_references_too():
-    assert metrics.field_words("a lane at the lower - right corner") == ["a", "lane", "at", "the", "lower-right",
+    assert field.field_words("a lane at the lower - right corner") == ["a", "lane", "at", "the", "lower-right",
                                                                          "corner"]
-    vocabulary = metrics.field_vocabulary(["the road is widened"] * 5 + ["the quonset"] * 4)
+    vocabulary = field.field_vocabulary(["the road is widened"] * 5 + ["the quonset"] * 4)
     assert vocabulary == {"is": 4, "road": 5, "the": 6, "widened": 7}  # after <NULL> <UNK> <START> <END>
-    assert metrics.field_ids("the quonset is widened", vocabulary) == "6 1 4 7"
+    assert field.field_ids("the quonset is widened", vocabulary) == "6 1 4 7"
+
+
+# --- each LEVIR-CC paper's own evaluation (scoring/field.py), against its code run with the Java toolkit ---
+
+def levir_papers():
+    """Two LEVIR-CC-form corpora with predictions, and what RSICC's, RSCaMa's and Chg2Cap's code made of them."""
+    return json.loads(gzip.decompress(vectors("metrics_vectors", "levir_papers.json.gz").read_bytes()))["corpora"]
+
+
+TOOLKIT_NAMES = {"Bleu_1": "BLEU_1", "Bleu_2": "BLEU_2", "Bleu_3": "BLEU_3", "Bleu_4": "BLEU_4", "METEOR": "METEOR",
+                 "ROUGE_L": "ROUGE_L", "CIDEr": "CIDEr"}
+
+
+@pytest.mark.parametrize("corpus", ["main", "tiny"])
+@pytest.mark.parametrize("paper", ["rsicc", "rscama", "chg2cap", "rscama shipped vocab"])
+def test_each_levir_cc_papers_evaluation_gives_what_its_own_code_gave_every_subset_to_the_last_bit(corpus, paper):
+    known = levir_papers()[corpus]
+    answer = known["answers"][paper]
+    rules = field.PAPERS[paper.split()[0]]
+    own_file = answer["word_map"] if paper == "rscama shipped vocab" else None   # RSCaMa's vocab.json, as it ships
+    if own_file is None:  # the vocabulary its preprocessing wrote: the same words, the same ids
+        assert field.paper_vocabulary(known["records"], rules) == answer["word_map"]
+    predictions = {p["image_id"]: p["caption"] for p in known["predictions"]}
+    result = field.score_as(rules, predictions, known["records"], metrics.FastCaptionScorer, own_file)
+    subsets = [n for n in ("no change", "change") if result["sizes"].get(n)] + ["whole"]  # the scripts' call order
+    assert len(answer["calls"]) == len(subsets)
+    for name, call in zip(subsets, answer["calls"]):
+        assert result["sizes"][name] == len(call["hypotheses"])
+        assert {TOOLKIT_NAMES[k]: v for k, v in call["scores"].items()} == \
+            {m: result["subsets"][name][m] for m in field.METRICS}, name   # ==: every bit
+    whole = answer["calls"][-1]
+    assert [result["items"][i]["hypothesis"] for i in predictions] == [" ".join(map(str, h))
+                                                                        for h in whole["hypotheses"]]
+    printed = answer["printed"].splitlines()
+    printed = printed[next(k for k, line in enumerate(printed) if line.startswith(("len(", "Testing:"))):]
+    time_cut = lambda lines: [line.split("\t", 1)[1] if line.startswith("Time:") else line for line in lines]  # noqa
+    assert time_cut(field.format_as(result).splitlines()[:-1]) == time_cut(printed)  # as its script prints
+
+
+def test_the_papers_part_at_words_seen_5_and_6_times_and_number_them_by_first_appearance_or_sorted():
+    known = levir_papers()["main"]
+    words = {paper: field.paper_vocabulary(known["records"], field.PAPERS[paper]) for paper in field.PAPERS}
+    assert ["greenhouse" in words[p] for p in ("rsicc", "rscama", "chg2cap")] == [False, False, True]  # 5 times
+    assert all("stadium" in words[p] and "cul-de-sac" in words[p] for p in words)                      # 6 times
+    assert all("pond" not in words[p] for p in words)                                                   # 4 times
+    rsicc = [w for w in words["rsicc"] if not w.startswith("<")]
+    assert rsicc != sorted(rsicc) and list(words["rsicc"].values())[:3] == [1, 2, 3]
+    chg2cap = list(words["chg2cap"])
+    assert chg2cap[:4] == ["<NULL>", "<UNK>", "<START>", "<END>"] and chg2cap[4:] == sorted(chg2cap[4:])
+
+
+def test_the_raw_tokenizer_splits_off_commas_drops_periods_and_keeps_an_empty_word_as_the_papers_script_does():
+    assert field.raw_tokens(" a road is built, near 0.5km .") == ["<START>", "a", "road", "is", "built", ",", "near",
+                                                                 "05km", "<END>"]
+    assert field.raw_tokens("a   b c") == ["<START>", "a", "", "b", "c", "<END>"]  # its remove-while-iterating
+    assert field.prediction_words("at the lower - right .", field.PAPERS["chg2cap"]) == ["at", "the", "lower-right"]
+    assert field.prediction_words("at the lower - right .", field.PAPERS["rsicc"]) == ["at", "the", "lower-right", "."]
+
+
+def write_levir_papers_corpus(folder, corpus="tiny"):
+    known = levir_papers()[corpus]
+    references = write(folder / "LevirCCcaptions.json", {"images": known["records"]})
+    predictions = write(folder / "test_predictions.json", [{"image_id": p["image_id"], "caption": p["caption"]}
+                                                           for p in known["predictions"]])
+    return predictions, references, known
+
+
+def test_metrics_command_scores_levir_cc_as_a_paper_and_prints_its_scripts_lines_then_s_star_m(tmp_path, capsys):
+    predictions, references, known = write_levir_papers_corpus(tmp_path)
+    assert metrics.main([predictions, "--references", references, "--as", "chg2cap"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:3] == ["len(nochange_references): 1", "len(change_references): 1", "nochange_metric:"]
+    assert lines[-1].startswith("S*m ") and "ShizhenChang/Chg2Cap test.py" in lines[-1]
+    assert metrics.main([predictions, "--references", references, "--as", "rsicc", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["subsets"]["whole"]["CIDEr"] == known["answers"]["rsicc"]["calls"][-1]["scores"]["CIDEr"]
+    assert printed["sizes"] == {"whole": 2, "change": 1, "no change": 1} and printed["split"] == "test"
+    vocab = write(tmp_path / "vocab.json", known["answers"]["rscama shipped vocab"]["word_map"])
+    assert metrics.main([predictions, "--references", references, "--as", "rscama", "--vocab", vocab, "--json"]) == 0
+    scores = json.loads(capsys.readouterr().out)["subsets"]["whole"]
+    assert scores["CIDEr"] == known["answers"]["rscama shipped vocab"]["calls"][-1]["scores"]["CIDEr"]
+    assert metrics.main([predictions, "--references", references]) == 0   # our way: words, PTB tokens
+    assert capsys.readouterr().out.startswith("metric ")
+    one = write(tmp_path / "one.json", [{"image_id": "test_000001", "caption": "a road is built"}])  # by its name
+    assert metrics.main([one, "--references", references]) == 0 and "1 items, 5 references" in capsys.readouterr().out
+
+
+def test_metrics_command_reads_clevr_change_spot_the_diff_and_ier_files_as_they_ship(tmp_path, capsys):
+    said = {"000007.png": "the red cube moved", "000007.png_n": "nothing changed", "12.png": "a car is gone",
+            "Reddit_1": "make it brighter"}
+    predictions = write(tmp_path / "pred.json", [{"image_id": i, "caption": c} for i, c in said.items()])
+    clevr = [write(tmp_path / "change_captions.json", {"CLEVR_default_000007.png": ["the red cube has moved"],
+                                                       "CLEVR_default_000009.png": ["a ball is gone"]}),
+             write(tmp_path / "no_change_captions.json", {"CLEVR_default_000007.png": ["nothing has changed"]})]
+    spot = write(tmp_path / "test.json", [{"img_id": 12, "sentences": ["the car is gone"]},
+                                          {"img_id": 12, "sentences": ["a car left"]}])  # merged by img_id
+    ier = write(tmp_path / "ier_test.json", [{"img0": "a.jpg", "img1": "b.jpg", "uid": "Reddit_1",
+                                              "sents": ["brighten the image", "make it lighter"]}])
+    assert metrics.main([predictions, "--references", *clevr, spot, ier, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["info"]["references"] == 6
+    expected = metrics.score_captions(said, {"000007.png": ["the red cube has moved"], "000007.png_n": [
+        "nothing has changed"], "12.png": ["the car is gone", "a car left"], "Reddit_1": ["brighten the image",
+                                                                                      "make it lighter"]})
+    assert printed["corpus"] == expected["corpus"]
+
+
+@pytest.mark.parametrize("case, error", [
+    ("empty", "pred.json: no predictions in it"),
+    ("unknown id", "1 prediction id(s) name no pair of the LevirCCcaptions.json, e.g. ['test_999999.png']"),
+    ("a pair left out", "1 of the 2 test pairs have no prediction, e.g. ['test_000002.png']"),
+    ("the same pair twice", "two predictions name the pair test_000001.png"),
+    ("predictions as references", "this is a predictions file (COCO results [{image_id, caption}])"),
+    ("a paper without LevirCCcaptions.json", "--as rsicc scores LEVIR-CC as its papers do"),
+    ("the other paper's word map", "no ['<unk>', '<start>', '<end>', '<pad>'] in it"),
+    ("references of no known kind", "not a references file; expected a COCO ground truth"),
+])
+def test_metrics_command_refuses_bad_predictions_and_references_in_one_line(tmp_path, capsys, case, error):
+    predictions, references, known = write_levir_papers_corpus(tmp_path)
+    said = [{"image_id": p["image_id"], "caption": p["caption"]} for p in known["predictions"]]
+    args = {"empty": [write(tmp_path / "pred.json", []), "--references", references],
+            "unknown id": [write(tmp_path / "p1.json", said + [{"image_id": "test_999999.png", "caption": "a"}]),
+                           "--references", references, "--as", "rsicc"],
+            "a pair left out": [write(tmp_path / "p2.json", said[:1]), "--references", references, "--as", "rsicc"],
+            "the same pair twice": [write(tmp_path / "p3.json", said + [{"image_id": "test_000001", "caption": "a"}]),
+                                    "--references", references, "--as", "chg2cap"],
+            "predictions as references": [predictions, "--references", predictions],
+            "a paper without LevirCCcaptions.json": [predictions, "--references", write(
+                tmp_path / "gt.json", {"test_000001.png": ["a"], "test_000002.png": ["b"]}), "--as", "rsicc"],
+            "the other paper's word map": [predictions, "--references", references, "--as", "rsicc", "--vocab",
+                                           write(tmp_path / "v.json", known["answers"]["rscama"]["word_map"])],
+            "references of no known kind": [predictions, "--references", write(tmp_path / "r.json", [1, 2])],
+            }[case]
+    assert metrics.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("metrics.py: error: ") and error in err and err.count("\n") == 1
+
+
+def test_metrics_command_help_shows_an_example_per_dataset(capsys):
+    with pytest.raises(SystemExit):
+        metrics.main(["--help"])
+    text = capsys.readouterr().out
+    for dataset, reference in (("CLEVR-Change", "no_change_captions.json"), ("Spot-the-Diff", "annotations/test.json"),
+                               ("IER", "data/ier/test.json"), ("LEVIR-CC", "LevirCCcaptions.json --as rsicc"),
+                               ("any COCO set", "captions_val2014.json")):
+        assert re.search(rf"{dataset} +python metrics.py .*{re.escape(reference)}", text, re.S), dataset
 
 
 def test_both_ways_table_prints_whole_change_and_no_change_each_scored_ours_and_the_fields_with_s_star_m():
@@ -2783,15 +2949,15 @@ def test_both_ways_table_prints_whole_change_and_no_change_each_scored_ours_and_
                   "b": list(data.LEVIR_NO_CHANGE), "c": ["a road is built in the forest", "a new road appears"]}
     predictions = {"a": "several houses appear at the lower - right", "b": "there is no difference",
                    "c": "a road is built"}
-    vocabulary = metrics.field_vocabulary([r for refs in references.values() for r in refs] * 5)
-    table = metrics.score_both_ways(predictions, references, {"whole test": ["a", "b", "c"], "change": ["a", "c"],
-                                                              "no change": ["b"]}, vocabulary)
+    vocabulary = field.field_vocabulary([r for refs in references.values() for r in refs] * 5)
+    table = field.score_both_ways(predictions, references, {"whole test": ["a", "b", "c"], "change": ["a", "c"],
+                                                            "no change": ["b"]}, vocabulary, metrics.CaptionScorer)
     for way in ("project", "field"):
         scores = table[way]["change"]
         assert scores["S*m"] == pytest.approx((scores["BLEU_4"] + scores["METEOR"] + scores["ROUGE_L"]
                                                + scores["CIDEr"]) / 4)
         assert table[way]["whole test"]["BLEU_4"] == pytest.approx(100.0)  # hyphens joined: every word matches
-    text = metrics.format_both_ways(table)
+    text = field.format_both_ways(table)
     lines = text.splitlines()
     assert lines[0].split() == ["x100", "pairs", "BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L",
                                 "CIDEr-D", "S*m"]
@@ -4924,7 +5090,7 @@ def test_levir_cc_tiny_stage_1_and_stage_2_end_to_end_print_the_papers_table_sco
         "change, field's            2", "no change, ours            2", "no change, field's         2"]
     scores = json.loads((tmp_path / "caption" / "test_scores.json").read_text())
     assert scores["field"]["sizes"] == {"whole test": 4, "change": 2, "no change": 2}
-    assert scores["field"]["vocabulary"] == len(metrics.field_vocabulary(
+    assert scores["field"]["vocabulary"] == len(field.field_vocabulary(
         c for s in data.SPLITS for p in data.load_split("levir", s, root) for c in p.captions))
     written = (tmp_path / "caption" / "test_scores.txt").read_text()
     again = levir("caption.py", "--eval", "--out_dir", tmp_path / "caption")
@@ -4932,7 +5098,7 @@ def test_levir_cc_tiny_stage_1_and_stage_2_end_to_end_print_the_papers_table_sco
     assert (tmp_path / "caption" / "test_scores.txt").read_text() == written and table in again.stdout
     page = PageParts((tmp_path / "caption" / results.PAGE_NAME).read_text())  # the results page: both scorings
     assert {name: row[1:] for name, row in page.tables["field"].items()} == {
-        (name, way): [scores["field"][way][name][m] for m in metrics.FIELD_METRICS]
+        (name, way): [scores["field"][way][name][m] for m in metrics.field.FIELD_METRICS]
         for name in scores["field"]["sizes"] for way in ("project", "field")}
     assert sorted(c["data-type"] for c in page.cards) == [data.CHANGED] * 2 + [data.UNCHANGED] * 2
 
@@ -5917,11 +6083,11 @@ PROJECT_TOP = ("clip", "encoder", "decoder", "losses", "data", "synth", "metrics
 SCRIPT_LOADS = {  # the project modules each script loads; every plumbing/ module counts as "plumbing"
     "adapt.py": {"adapt", "clip", "data", "encoder", "losses", "plumbing"},  # no decoder, no METEOR; synth on use
     "caption.py": {"caption", "clip", "data", "decoder", "encoder", "explain", "losses", "metrics", "results",
-                   "plumbing", "scoring", "scoring.fast", "scoring.meteor", "scoring.ptb"},
+                   "plumbing", "scoring", "scoring.fast", "scoring.field", "scoring.meteor", "scoring.ptb"},
     "pretrain.py": {"pretrain", "adapt", "clip", "data", "encoder", "losses", "synth", "plumbing"},
     "check.py": {"check", "clip", "data", "explain", "losses", "plumbing"},
-    "results.py": {"results", "clip", "data", "metrics", "plumbing", "scoring", "scoring.fast", "scoring.meteor",
-                   "scoring.ptb"},
+    "results.py": {"results", "clip", "data", "metrics", "plumbing", "scoring", "scoring.fast", "scoring.field",
+                   "scoring.meteor", "scoring.ptb"},
 }
 
 

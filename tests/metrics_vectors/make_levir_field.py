@@ -1,5 +1,5 @@
 """Make levir_field.json.gz, a LEVIR-CC-style corpus, and levir_field.coco.json.gz, the Java toolkit's scores of
-it in the field's form: what metrics.py's field scoring (its section 9) must give.
+it in the field's form: what scoring/field.py's field_ids and score_both_ways must give.
 
 Run by hand, never by the tests (see README.md beside this file); scoring needs pycocoevalcap 1.2 and Java:
 
