@@ -309,15 +309,20 @@ class CaptionItems(Dataset):
         return item
 
 
-def collate_captions(items: list[dict]) -> dict:
+def collate_captions(items: list[dict], static: bool = False) -> dict:
     """A stage-2 batch of CaptionItems, cut to its longest caption, change and no-change captions alike (the
     columns after it are padding in every row), with, for each kind of caption, the positions the loss reads:
     "<kind>_targets", the flat indices into (B x T') of the targets that are not padding. Both come from the
-    token ids, here on the host: the training step never waits for the device to count a mask."""
+    token ids, here on the host: the training step never waits for the device to count a mask.
+    static=True (a step captured whole, --cuda_graphs): every batch of the same shape, (B, T) and B x T targets,
+    the padding among them; the loss ignores padding, so it is the same up to float rounding (tested)."""
     batch = default_collate(items)
     kinds = [kind for kind in ("caption", "no_change_caption") if f"{kind}_out" in batch]
     length = max(int((batch[f"{kind}_out"] != clip.PAD_ID).sum(dim=1).max()) for kind in kinds)
     for kind in kinds:  # contiguous copies: a pinned copy to the GPU needs no temporary
+        if static:
+            batch[f"{kind}_targets"] = torch.arange(batch[f"{kind}_out"].numel())  # (B x T,)
+            continue
         batch[f"{kind}_in"] = batch[f"{kind}_in"][:, :length].contiguous()    # (B, T')
         batch[f"{kind}_out"] = batch[f"{kind}_out"][:, :length].contiguous()  # (B, T')
         batch[f"{kind}_targets"] = (batch[f"{kind}_out"] != clip.PAD_ID).flatten().nonzero().squeeze(1)  # (n,)

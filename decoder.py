@@ -344,6 +344,39 @@ class CaptionDecoder(nn.Module):
                 break
         return tokens[:, 1:]  # (B, S), S <= max_len
 
+    @torch.no_grad()
+    def greedy_decode_static(self, visual: torch.Tensor, sot_id: int, eot_id: int, max_len: int = 22) -> torch.Tensor:
+        """greedy_decode with its cache at fixed shapes, for a GPU to replay as one graph: token ids (B, max_len).
+
+        The self-attention keys and values go into tensors of max_len rows, written one row a step and attended
+        under a mask of the rows written so far; every step has the same shapes and none reads a value back to
+        the host, so all max_len steps run (a row that has ended keeps emitting eot_id). The same tokens as
+        greedy_decode's, padded with eot_id (tested). torch.compile or CUDA graphs can capture the whole loop."""
+        if self.training:
+            raise RuntimeError("CaptionDecoder.greedy_decode_static: call .eval() first (dropout would be random)")
+        self._check_inputs(visual)
+        batch, heads, head_width = visual.shape[0], self.config.heads, self.config.hidden // self.config.heads
+        visual_keys_values = [layer.cross_attention.keys_values(state)  # L x 2 x (B, H, M, E/H), once
+                              for layer, state in zip(self.caption_layers, self.encode_visual(visual))]
+        cache = [[visual.new_zeros(batch, heads, max_len, head_width) for _ in range(2)]  # L x 2 x (B, H, S, E/H)
+                 for _ in self.caption_layers]
+        rows = torch.arange(max_len, device=visual.device)  # (S,)
+        token = torch.full((batch,), sot_id, dtype=torch.long, device=visual.device)  # (B,)
+        finished = torch.zeros(batch, dtype=torch.bool, device=visual.device)  # (B,)
+        out = []
+        for step in range(max_len):
+            caption = self.embed(token[:, None], first_position=step)  # (B, 1, E)
+            written = (rows <= step)[None, None, None, :]  # (1, 1, 1, S): the rows this step may attend to
+            for (keys, values), layer, visual_kv in zip(cache, self.caption_layers, visual_keys_values):
+                new_keys, new_values = layer.self_attention.keys_values(caption)  # (B, H, 1, E/H) each
+                keys[:, :, step] = new_keys[:, :, 0]
+                values[:, :, step] = new_values[:, :, 0]
+                caption = layer(caption, keys, values, *visual_kv, self_mask=written)  # (B, 1, E)
+            token = self.to_logits(caption[:, -1]).argmax(dim=-1).masked_fill(finished, eot_id)  # (B,)
+            finished = finished | (token == eot_id)
+            out.append(token)
+        return torch.stack(out, dim=1)  # (B, max_len)
+
     def _check_inputs(self, visual: torch.Tensor, caption_in: Optional[torch.Tensor] = None,
                       caption_padding: Optional[torch.Tensor] = None):
         expected = (self.config.visual_tokens, self.config.hidden)

@@ -980,10 +980,10 @@ def first_quality(retrieval_file: Path, predictions_file: Path) -> dict:
     if retrieval_file.is_file():
         retrieval = json.loads(retrieval_file.read_text())
         quality["retrieval"] = {key: retrieval[key] for key in ("text_to_pair_R1", "pair_to_text_R1",
-                                                                "text_to_pair_R5", "pair_to_text_R5")}
+                                                                "text_to_pair_R5", "pair_to_text_R5") if key in retrieval}
     scores = predictions_file.parent / "test_scores.json"
-    if scores.is_file():
-        table = json.loads(scores.read_text())
+    table = json.loads(scores.read_text()) if scores.is_file() else {}
+    if "scores" in table:
         quality["cider"] = {name.replace(" ", "_"): round(value["CIDEr"], 4) for name, value in table["scores"].items()}
     return quality
 
