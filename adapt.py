@@ -116,6 +116,9 @@ class Config:
                             "with the CPU's numbers")
     compile: bool = flag(False, "torch.compile the model (after the DDP wrap): up to a minute of compiling, then fused "
                                 "element-wise work; no faster on the CPU (BENCHMARKS.md section 11: the H200's step)")
+    cuda_graphs: bool = flag(False, "capture the whole training step (forward, backward, clipping, AdamW) as one CUDA "
+                                    "graph and replay it: one launch a step instead of thousands; one GPU, bf16 or "
+                                    "float32 (plumbing/capture.py). Not yet run on a GPU")
     out_dir: str = flag("", 'checkpoints and logs ("" = runs/adapt_<dataset>)')
     log_every: int = flag(10, "optimizer steps between progress lines; the check that the loss and gradient norm are "
                               "finite runs then too (and before every save), not every step: reading a number from a "
@@ -331,7 +334,13 @@ def train(run: plumbing.Run, raw_model: nn.Module, optimizer, train_set, validat
         return checkpoint(epoch=epoch, step=step, best_metric=best, best_epoch=best_epoch, history=history)
 
     loader = plumbing.training_loader(train_set, sampler, micro, config.num_workers, device,
-                                      functools.partial(data.collate_text, cut=not config.compile))
+                                      functools.partial(data.collate_text, cut=not (config.compile or
+                                                                                    config.cuda_graphs)))
+    step_once = functools.partial(train_step, model, optimizer, run.scaler, ctx=run.ctx, config=config, ddp=dist_.ddp,
+                                  logit_scale=raw_model.clip.logit_scale, inputs=inputs)
+    if config.cuda_graphs:  # the step captured once as a CUDA graph, then replayed (plumbing/capture.py)
+        plumbing.check_capture(config, dist_, run.dtype)
+        step_once = plumbing.CapturedStep(step_once, optimizer)
     # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (plumbing.StepBoundary)
     with plumbing.StepBoundary(run, steps_per_epoch, total_steps, step, state) as boundary:
         model.train()
@@ -346,8 +355,7 @@ def train(run: plumbing.Run, raw_model: nn.Module, optimizer, train_set, validat
                     micro_batches = [data.to_device(next(batches), device, inputs) for _ in range(config.grad_accum)]
                 except data.DataError as error:  # a damaged image: ckpt_last.pt at the last step, then one line
                     raise boundary.damaged(error, step) from None
-                loss, grad_norm = train_step(model, optimizer, run.scaler, micro_batches, run.ctx, config, dist_.ddp,
-                                             raw_model.clip.logit_scale, inputs)
+                loss, grad_norm = step_once(micro_batches)  # train_step: forward, backward, clipping, AdamW
                 step += 1
                 if boundary.after_step(step, lr, loss, grad_norm):  # the master's log steps: .item() waits, here only
                     loss_value, scale = loss.item(), raw_model.clip.logit_scale.exp().item()

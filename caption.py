@@ -57,6 +57,7 @@ Shape letters: B pairs in a batch, M visual tokens per pair (100), E width (512)
 R image side (224), P pairs of a split.
 """
 import dataclasses
+import functools
 import math
 import time
 from contextlib import nullcontext
@@ -142,6 +143,9 @@ class Config:
     tf32: bool = flag(True, "float32 on a GPU (--dtype float32): matrix products and convolutions in TensorFloat-32 on "
                             "A100/H100, about 8x IEEE float32's rate; --no-tf32 for IEEE float32, to compare a run "
                             "with the CPU's numbers")
+    cuda_graphs: bool = flag(False, "capture the whole training step as one CUDA graph and replay it (captions padded "
+                                    "to max_words): one GPU, bf16 or float32 (plumbing/capture.py). Not yet run on a "
+                                    "GPU")
     out_dir: str = flag("", 'checkpoints, features, predictions and scores ("" = runs/caption_<dataset>)')
     log_every: int = flag(50, "optimizer steps between progress lines; the check that the loss and gradient norm are "
                               "finite runs then too (and before every save), not every step: reading a number from a "
@@ -447,7 +451,12 @@ def train(run: plumbing.Run, root: Path, stage1: Stage1, captioner: Captioner, t
                           step=step, best_metric=best_cider, best_epoch=best_epoch, bad_epochs=bad_epochs,
                           history=history, train_split=train_split)
 
-    loader = plumbing.training_loader(train_set, sampler, micro, config.num_workers, device, data.collate_captions)
+    loader = plumbing.training_loader(train_set, sampler, micro, config.num_workers, device,
+                                      functools.partial(data.collate_captions, static=config.cuda_graphs))
+    step_once = functools.partial(train_step, model, optimizer, run.scaler, ctx=run.ctx, config=config, ddp=dist_.ddp)
+    if config.cuda_graphs:  # the step captured once as a CUDA graph, then replayed (plumbing/capture.py)
+        plumbing.check_capture(config, dist_, run.dtype)
+        step_once = plumbing.CapturedStep(step_once, optimizer)
     # Ctrl-C and SIGTERM end the step in progress, save ckpt_last.pt at that step and stop (plumbing.StepBoundary)
     with plumbing.StepBoundary(run, steps_per_epoch, total_steps, step, state) as boundary:
         model.train()
@@ -462,7 +471,7 @@ def train(run: plumbing.Run, root: Path, stage1: Stage1, captioner: Captioner, t
                     micro_batches = [data.to_device(next(batches), device) for _ in range(config.grad_accum)]
                 except data.DataError as error:  # a damaged image: ckpt_last.pt at the last step, then one line
                     raise boundary.damaged(error, step) from None
-                loss, grad_norm = train_step(model, optimizer, run.scaler, micro_batches, run.ctx, config, dist_.ddp)
+                loss, grad_norm = step_once(micro_batches)  # train_step: forward, backward, clipping, AdamW
                 step += 1
                 if boundary.after_step(step, lr, loss, grad_norm):  # the master's log steps: .item() waits, here only
                     value = loss.item()

@@ -4295,6 +4295,47 @@ def test_a_training_step_issues_no_more_operations_than_counted_whatever_its_bat
     assert sum(one_pair.counts.values()) == counted  # the launches a step costs do not grow with its batch
 
 
+def test_a_captured_steps_batches_keep_one_shape_and_its_loss_whatever_the_caption_lengths():
+    # stage 2 (--cuda_graphs): two batches of different caption lengths, padded to max_words, with B x T targets
+    def items(lengths):
+        rows = []
+        for n in lengths:
+            caption_in, caption_out = torch.zeros(9, dtype=torch.long), torch.zeros(9, dtype=torch.long)
+            caption_in[:n + 1] = torch.tensor([SOT_ID, *range(1, n + 1)])
+            caption_out[:n + 1] = torch.tensor([*range(1, n + 1), EOT_ID])
+            rows.append({"visual": visual_tokens(1)[0], "caption_in": caption_in, "caption_out": caption_out})
+        return rows
+    short, long = items([2, 3]), items([5, 7])
+    static = [data.collate_captions(batch, static=True) for batch in (short, long)]
+    assert [b["caption_in"].shape for b in static] == [(2, 9)] * 2 and [len(b["caption_targets"]) for b in static] == [18] * 2
+    captioner = caption.Captioner(tiny_decoder(), None, pad_id=0)  # eval: no dropout, two calls comparable
+    for batch, cut in zip(static, (data.collate_captions(short), data.collate_captions(long))):
+        assert cut["caption_in"].shape[1] < 9  # the eager step's batch is cut to its longest caption
+        torch.testing.assert_close(captioner(batch), captioner(cut), rtol=1e-6, atol=1e-6)  # the same loss
+    # one graph over both: torch.compile traces the captioner once (a new shape would trace it again)
+    torch._dynamo.reset()
+    compiled = torch.compile(captioner, backend="eager")
+    for batch in static:
+        compiled(batch)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    # stage 1 (--compile, --cuda_graphs): captions not cut, one shape
+    samples = [{"caption": torch.tensor([5, 6, EOT_ID, 0, 0, 0])}, {"caption": torch.tensor([5, EOT_ID, 0, 0, 0, 0])}]
+    assert data.collate_text(samples, cut=False)["caption"].shape == (2, 6)
+
+
+@pytest.mark.parametrize("device, dtype, ddp, compiled, why", [
+    ("cpu", "float32", False, False, "it captures CUDA kernels: run on a GPU"),
+    ("cuda", "float16", False, False, "float16's loss scaler reads back"),
+    ("cuda", "bfloat16", True, False, "DDP's all-reduce is not captured yet"),
+    ("cuda", "bfloat16", False, True, "it replaces --compile")])
+def test_cuda_graphs_where_a_step_cannot_be_captured_is_refused_in_one_line(device, dtype, ddp, compiled, why):
+    process = processes.Distributed(ddp, 0, 0, 2 if ddp else 1, torch.device(device), True)
+    with pytest.raises(flags.ConfigError, match=f"^--cuda_graphs: {re.escape(why)}"):
+        plumbing.check_capture(adapt.Config(compile=compiled, cuda_graphs=True), process, dtype)
+    if (device, dtype, ddp, compiled) == ("cpu", "float32", False, False):  # the scripts refuse it before a step
+        assert (HERE / "adapt.py").read_text().count("plumbing.check_capture(") == 1
+
+
 class HostWaits(TorchDispatchMode):
     """Records the operations that, on CUDA, make the host wait for the device: a number read back
     (_local_scalar_dense: .item(), bool(), int(), float()), nonzero and masked_select (their output's size is

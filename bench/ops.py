@@ -1,7 +1,7 @@
 """How many operations a training step issues: the count that decides a GPU step's host time.
 
-On a GPU each aten operation the step calls costs the host a launch (about 22 µs each on the H200's machine, BENCHMARKS.md
-section 11), whatever the tensors' sizes: a ViT-B/32 step of a few thousand operations is host-bound until it is
+On a GPU each aten operation the step calls costs the host a launch (about 22 µs each on the H200's machine,
+BENCHMARKS.md section 11), whatever the tensors' sizes: a ViT-B/32 step of a few thousand operations is host-bound until it is
 captured whole. The count depends on the model's structure (depth, which blocks train, the step's code) and on the
 precision (autocast adds casts), not on its width or batch, so it is counted here on the CPU on models of the full
 depth at a narrow width: the stage-1 pair encoder with ViT-B/32's 12 vision and 12 text blocks (9 intra-image), and

@@ -51,6 +51,9 @@ The map: each part, what it guarantees, and the test of test_all.py that shows i
                   test_the_image_cache_gives_the_decoded_pixels_and_is_rebuilt_when_a_file_changes, test_a_replaced_
                   image_gives_new_pixels_new_intra_tokens_and_new_pair_features, test_a_full_disk_while_the_pair_
                   features_or_the_intra_tokens_are_written_is_one_line_and_leaves_no_file
+  capture.py      A training step captured whole as one CUDA graph and replayed (--cuda_graphs): fixed shapes, the rate
+                  a tensor, no host sync; refused in one line off a GPU, with float16 or under DDP.
+                  test_a_captured_steps_batches_keep_one_shape_and_its_loss_whatever_the_caption_lengths
   clip_files.py   CLIP's weights and vocabulary: a checksummed download cache, OpenAI's archives read as data, load().
                   test_load_downloads_a_named_model_into_the_cache_once_its_checksum_matches
   release.py      The reference's released files: which stage, its names mapped to ours both ways.
@@ -60,6 +63,7 @@ Below: the names the scripts call, by part.
 """
 from plumbing.batches import batch_plan, training_loader
 from plumbing.caches import FeatureItems, IntraTokens, draw_synthetic, feature_paths, image_reader
+from plumbing.capture import CapturedStep, check_capture
 from plumbing.checkpoints import (Trained, check_resume, checkpoint_tokenizer, load_checkpoint, load_trained,
                                   read_encoder, rng_state, save_checkpoint, split_fingerprint, start_or_resume,
                                   vocabulary_hint, vocabulary_tensor)

@@ -9,9 +9,8 @@ replays them with a single launch. What that asks of the step, and how the scrip
     static=True: the same loss);
   - no host sync and no Python branch on data inside the step: the steps read nothing back (a test records
     every wait), the finiteness check runs outside, on log steps, as always;
-  - the learning rate a tensor the optimizer reads, filled before each replay (lr_tensors; the
-    loops fill it), and AdamW
-    capturable;
+  - the learning rate a tensor the captured optimizer reads, filled before each replay with the number the loop
+    set, and AdamW capturable;
   - a side stream for the warm-up steps, then one step captured, then replays that copy each batch into the
     captured inputs.
 Not captured: float16's loss scaler (its step reads whether a gradient overflowed back to the host), DDP (its
@@ -37,24 +36,17 @@ def check_capture(config, dist_, dtype: str) -> None:
         raise ConfigError(f"--cuda_graphs: {why}")
 
 
-def lr_tensors(optimizer, device) -> None:
-    """Every parameter group's learning rate as a tensor on the device, which a replayed step reads, and AdamW
-    capturable (its step counts kept on the device)."""
-    for group in optimizer.param_groups:
-        group["lr"] = torch.tensor(float(group["lr"]), device=device)
-        group["capturable"] = True
-
-
 class CapturedStep:
-    """step(micro_batches) -> (loss, grad_norm), the training step `step` captured once and replayed.
+    """step(micro_batches) -> (loss, grad_norm), a training step captured once as a CUDA graph and replayed.
 
-    The first WARMUP_STEPS calls run `step` eagerly on a side stream; the next captures one call into a CUDA
-    graph, whose input tensors are those of that call's batches, then replays it; every later call copies its
-    batches into those tensors (the same shapes: the collates' fixed shapes) and replays."""
+    The first WARMUP_STEPS calls run `step` eagerly on a side stream; the next captures one call, whose input
+    tensors are that call's batches, then replays it; every later call copies its batches into those tensors (the
+    collates' fixed shapes) and replays. The learning rate the loop sets in each group (a number) is written into a
+    tensor per group that the captured AdamW reads."""
 
-    def __init__(self, step):
-        self.step, self.calls, self.graph = step, 0, None
-        self.inputs = self.outputs = None
+    def __init__(self, step, optimizer):
+        self.step, self.optimizer, self.calls, self.graph = step, optimizer, 0, None
+        self.inputs = self.outputs = self.rates = None
 
     def __call__(self, micro_batches):
         self.calls += 1
@@ -65,12 +57,20 @@ class CapturedStep:
                 outputs = self.step(micro_batches)
             torch.cuda.current_stream().wait_stream(side)
             return outputs
+        groups = self.optimizer.param_groups
         if self.graph is None:
+            device = micro_batches[0][next(iter(micro_batches[0]))].device
+            self.rates = [torch.tensor(float(group["lr"]), device=device) for group in groups]
+            for group, rate in zip(groups, self.rates):
+                group["lr"], group["capturable"] = rate, True  # AdamW reads its rate and step count on the GPU
             self.inputs = [{k: v.clone() for k, v in batch.items()} for batch in micro_batches]
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
                 self.outputs = self.step(self.inputs)
         else:
+            for rate, group in zip(self.rates, groups):
+                rate.fill_(float(group["lr"]))  # the loop's number for this step
+                group["lr"] = rate
             for captured, batch in zip(self.inputs, micro_batches):
                 for key, tensor in captured.items():
                     if batch[key].shape != tensor.shape:
