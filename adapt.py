@@ -153,14 +153,15 @@ class Config:
 # freezes them, so that their tokens are computed once and a step costs a quarter. The reference's two rates, scaled:
 # the new joint parameters at 1e-2, the rest of CLIP (inter-image blocks, text tower) at 1e-3. The before and after
 # embeddings are the only thing that tells the two images apart, and at 1e-3 they grew too slowly: drops were
-# retrieved, and captioned, as additions (README, "The synthetic run").
+# retrieved, and captioned, as additions (README, "The synthetic run"). Every preset reads its pixels from the image
+# cache, decoded once: decoding a CLEVR-Change batch's PNGs takes longer than a GPU's step (BENCHMARKS.md section 7).
 PRESETS = {
-    "clevr": dict(epochs=12, batch_size=128, lr=1e-4, clip_lr_scale=1e-3),
-    "spot": dict(epochs=20, batch_size=128, lr=1e-4, clip_lr_scale=1e-3),
-    "ier": dict(epochs=20, batch_size=128, lr=1e-4, clip_lr_scale=1e-3),
+    "clevr": dict(epochs=12, batch_size=128, lr=1e-4, clip_lr_scale=1e-3, image_cache=True),
+    "spot": dict(epochs=20, batch_size=128, lr=1e-4, clip_lr_scale=1e-3, image_cache=True),
+    "ier": dict(epochs=20, batch_size=128, lr=1e-4, clip_lr_scale=1e-3, image_cache=True),
     # LEVIR-CC has no reference run: Spot-the-Diff's recipe, for as many samples per epoch (RECIPES.md, "LEVIR-CC")
-    "levir": dict(epochs=20, batch_size=128, lr=1e-4, clip_lr_scale=1e-3),
-    "pairs": dict(epochs=12, batch_size=64, lr=1e-4, clip_lr_scale=1e-3),
+    "levir": dict(epochs=20, batch_size=128, lr=1e-4, clip_lr_scale=1e-3, image_cache=True),
+    "pairs": dict(epochs=12, batch_size=64, lr=1e-4, clip_lr_scale=1e-3, image_cache=True),
     "synth": dict(clip_model="synth-ViT/32", intra_layers=4, freeze_intra=True, synth_pairs=6000, epochs=6,
                   batch_size=128, lr=1e-2, clip_lr_scale=0.1, num_workers=0, image_cache=True, log_every=20),
 }

@@ -583,8 +583,10 @@ def predict(decoder: CaptionDecoder, features: np.ndarray, pairs, tokenizer, con
     progress = plumbing.Progress(batches)
     for b, start in enumerate(range(0, len(pairs), config.eval_batch_size), 1):
         visual = torch.from_numpy(np.asarray(features[start:start + config.eval_batch_size], dtype=np.float32))
+        # --cuda_graphs: the same tokens at fixed shapes, a loop a GPU can replay as one graph (decoder.py)
+        decode = decoder.greedy_decode_static if config.cuda_graphs else decoder.greedy_decode
         with ctx:
-            ids = decoder.greedy_decode(visual.to(device), tokenizer.sot_id, tokenizer.eot_id, config.max_len)
+            ids = decode(visual.to(device), tokenizer.sot_id, tokenizer.eot_id, config.max_len)
         for pair, row in zip(pairs[start:start + config.eval_batch_size], ids.tolist()):
             predictions[pair.id] = ids_to_text(row, tokenizer.decode, tokenizer.eot_id)
         if what and (b % 20 == 0 or b == batches):

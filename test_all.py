@@ -5827,8 +5827,9 @@ def test_bench_gpu_tiny_runs_every_part_of_the_gpu_run_in_its_order_and_folders_
     stage1 = [f"stage1 float32 {n} per GPU" for n in bench.STAGE1_PER_GPU]
     stage2 = [f"{stage} {dtype}" for stage in ("stage2_cached", "stage2_finetune")
               for dtype in ("bfloat16", "float16", "float32")]
-    parts = ["card commands", "torchrun", "checkpoint save", "loader image cache", "loader PNG", "decoding", *stage2, *stage1,
-             "stage1 float16", "stage1 float32", "stage1 compiled"]
+    parts = ["card commands", "torchrun", "checkpoint save", "loader image cache", "loader PNG", "decoding",
+             "decoding static", *stage2, *stage1, "stage1 float16", "stage1 float32", "stage1 float32 captured",
+             "stage2_cached float32 captured", "stage1 compiled"]
     assert [name for name in result if name in parts or name.startswith("stage")] == parts  # the GPU run's order
     card, torchrun = result["card commands"], result["torchrun"]
     assert all(card[c]["exit_status"] == 0 for c in ("adapt", "caption")) and "runs/caption_synth/ckpt_best.pt" in card["files"]
@@ -5836,6 +5837,10 @@ def test_bench_gpu_tiny_runs_every_part_of_the_gpu_run_in_its_order_and_folders_
     assert sorted(p.name for p in (out / "parts").iterdir()) == ["card", "loader", "save", "torchrun"]
     assert all(result[name]["ms_per_step"] > 0 and result[name]["flops_per_step"] > 0 for name in stage1 + stage2)
     assert result["loader image cache"]["pairs_per_s"] > 0 and result["decoding"]["captions_per_s"] > 0
+    assert result["decoding static"]["captions_per_s"] > 0
+    # each step's operations and its host issue time (on a GPU also the GPU's time beside it)
+    assert all(result[name]["ops_per_step"] > 100 and result[name]["host_issue_ms"] > 0 for name in stage1 + stage2)
+    assert result["stage1 float32 captured"] == {"not_run": "a CUDA graph needs a GPU"}
 
 
 def test_a_failed_gpu_part_is_recorded_with_its_whole_output_and_the_later_parts_still_run(tmp_path, monkeypatch):

@@ -116,6 +116,7 @@ from plumbing.caches import image_reader
 from plumbing.checkpoints import BackgroundWriter, read_encoder, save_checkpoint
 from plumbing.files import save_json
 from plumbing.processes import Distributed, keep_freed_memory, loader_workers, resolve_dtype, set_tf32
+from bench import ops
 from scoring import meteor
 
 CLEVR_TEST_PAIRS = 7970    # CLEVR-Change's test split: 3,985 change pairs + 3,985 distractor pairs
@@ -1079,8 +1080,10 @@ def cost_step(stage: str, batch_size: int, sizes: CostSizes, captions_per_pair: 
         batch = {"before": pixels(), "after": pixels(), "caption": torch.cat([column(sot), words()], 1)}  # (B, T)
         batch["caption"][:, -1] = eot  # every caption T tokens long: the collate cuts none
         batch = data.to_device(batch, device)
-        return encoder, lambda: adapt.train_step(encoder, optimizer, scaler, [batch], ctx, config, False,
-                                                 encoder.clip.logit_scale)
+        run = lambda: adapt.train_step(encoder, optimizer, scaler, [batch], ctx, config, False,  # noqa: E731
+                                       encoder.clip.logit_scale)
+        run.optimizer = optimizer
+        return encoder, run
     config = caption.Config(**{**caption.PRESETS["clevr"], **sizes.decoder, "max_words": length,
                                "finetune_encoder": stage == "stage2_finetune",
                                "use_no_change_pair": captions_per_pair == 2})
@@ -1097,7 +1100,9 @@ def cost_step(stage: str, batch_size: int, sizes: CostSizes, captions_per_pair: 
         tokens = lambda: torch.randn(batch_size, 2 * (encoder.n_patches + 1), sizes.clip_config.embed_dim)
         batch.update(visual=tokens(), **({"no_change_visual": tokens()} if captions_per_pair == 2 else {}))
     batch = data.to_device(collated(batch), device)
-    return captioner, lambda: caption.train_step(captioner, optimizer, scaler, [batch], ctx, config, False)
+    run = lambda: caption.train_step(captioner, optimizer, scaler, [batch], ctx, config, False)  # noqa: E731
+    run.optimizer = optimizer
+    return captioner, run
 
 
 class SavedForBackward(torch.autograd.graph.saved_tensors_hooks):
@@ -1321,7 +1326,7 @@ GPU_PEAKS = {  # dense tensor-core TFLOPS in the vendors' data sheets (no sparsi
 GPU_STEP_BATCH = {"stage1": 128, "stage2_cached": 16, "stage2_finetune": 16}  # the clevr presets' global batches
 STAGE1_PER_GPU = (16, 32, 64, 128)  # stage 1's pairs per GPU: 128 on 8, 4, 2 and 1 GPUs
 # `python -m bench cost`'s float32 estimate at those batches (BENCHMARKS.md section 8): activations, weights, gradients, AdamW
-COST_ESTIMATE_GB = {"stage1": 11.0, "stage2_cached": 1.4, "stage2_finetune": 5.0}
+COST_ESTIMATE_GB = {"stage1": 10.9, "stage2_cached": 1.4, "stage2_finetune": 5.0}
 # Each script run's time limit, in seconds: the runs in turn, then the in-process parts (about 2 minutes on one H100,
 # the compiled step the longest), fit in GPU_RUN_BUDGET_S, this command's estimate of its own length on one H100
 SCRIPT_TIMEOUT_S = 45
@@ -1354,7 +1359,10 @@ def device_steps(stage: str, batch_size: int, sizes: CostSizes, device: torch.de
     synchronize(device)
     step_s = (time.perf_counter() - start) / steps
     flops = counter.get_total_flops()
+    with ops.OperationCount() as counted:
+        run()
     result = {"batch_size": batch_size, "dtype": dtype, "ms_per_step": round(step_s * 1000, 2),
+              "ops_per_step": sum(counted.counts.values()), **host_and_gpu_ms(run, device),
               "pairs_per_s": round(batch_size / step_s, 1), "flops_per_step": flops,
               "tflop_per_s": round(flops / step_s / 1e12, 2),
               "mfu": round(flops / step_s / (peak * 1e12), 3) if peak else None}
@@ -1363,14 +1371,82 @@ def device_steps(stage: str, batch_size: int, sizes: CostSizes, device: torch.de
     return result
 
 
+def host_and_gpu_ms(run, device: torch.device, repeats: int = 5) -> dict:
+    """A step's two clocks apart (the medians of `repeats` steps): the host's issue time, from the call to its
+    return, and the GPU's time for the step's kernels (CUDA events). The GPU is first kept busy (a sleep kernel) so
+    that the host issues the whole step before its kernels start: the events then time the kernels alone. On the
+    CPU: the host's time only. host_bound: the host takes longer to issue the step than the GPU to compute it."""
+    host, gpu = [], []
+    for _ in range(repeats):
+        synchronize(device)
+        if device.type == "cuda":
+            torch.cuda._sleep(int(5e8))  # about a quarter of a second: longer than any step's issue
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        began = time.perf_counter()
+        run()
+        host.append((time.perf_counter() - began) * 1000)
+        if device.type == "cuda":
+            end.record()
+            synchronize(device)
+            gpu.append(start.elapsed_time(end))
+    result = {"host_issue_ms": round(statistics.median(host), 2)}
+    if gpu:
+        result.update(gpu_ms=round(statistics.median(gpu), 2), host_bound=statistics.median(host) > statistics.median(gpu))
+    return result
+
+
+def captured_step(stage: str, batch_size: int, sizes: "CostSizes", device: torch.device, dtype: str,
+                  steps: int = 20) -> dict:
+    """The step captured as one CUDA graph (as plumbing.CapturedStep captures it) against the same step eager, from
+    the same weights over `steps` steps: how far their losses and weights are apart (0: bitwise equal), and the
+    captured step's ms, host and GPU apart. On the CPU nothing is captured: it says so."""
+    if device.type != "cuda":
+        return {"not_run": "a CUDA graph needs a GPU"}
+    losses, weights = {}, {}
+    for mode in ("eager", "captured"):
+        model, run = cost_step(stage, batch_size, sizes, device=device, dtype=dtype)
+        if mode == "captured":
+            run = graphed(run)
+        losses[mode] = torch.stack([run()[0].float() for _ in range(steps)]).cpu()
+        weights[mode] = [p.detach().float().cpu() for p in model.parameters()]
+    timing = host_and_gpu_ms(run, device)
+    return {"steps": steps, "loss_max_diff": float((losses["eager"] - losses["captured"]).abs().max()),
+            "weight_max_diff": max(float((a - b).abs().max()) for a, b in zip(weights["eager"], weights["captured"])),
+            **timing}
+
+
+def graphed(run):
+    """run() captured as a CUDA graph: three warm-up steps on a side stream, then one captured; each call replays it
+    (the rate is a tensor and AdamW capturable, as plumbing.CapturedStep sets them)."""
+    for group in run.optimizer.param_groups:
+        group["lr"], group["capturable"] = torch.tensor(float(group["lr"]), device="cuda"), True
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = run()
+
+    def replay():
+        graph.replay()
+        return tuple(tensor.clone() for tensor in outputs)
+    return replay
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def decoding_rate(sizes: CostSizes, device: torch.device, dtype: str, batch: int, max_len: int) -> dict:
+def decoding_rate(sizes: CostSizes, device: torch.device, dtype: str, batch: int, max_len: int,
+                  static: bool = False) -> dict:
     """Greedy decoding with the key/value cache, the reference's decoder sizes, random weights (which never write
-    EOT early: every caption max_len tokens, the worst case), in captions per second."""
+    EOT early: every caption max_len tokens, the worst case), in captions per second. static: the fixed-shape
+    decoding (decoder.greedy_decode_static), on a GPU compiled to CUDA graphs (mode reduce-overhead)."""
     config = caption.Config(**{**caption.PRESETS["clevr"], **sizes.decoder})
     encoder = PairEncoder(clip.CLIP(sizes.clip_config), EncoderConfig(sizes.intra_layers))
     captioner = caption.build_captioner(config, encoder, dataclasses.asdict(sizes.clip_config), clip.PAD_ID)
@@ -1378,11 +1454,16 @@ def decoding_rate(sizes: CostSizes, device: torch.device, dtype: str, batch: int
     visual = torch.randn(batch, decoder.config.visual_tokens, decoder.config.hidden, device=device)  # (B, M, E)
     ctx = contextlib.nullcontext() if dtype == "float32" else torch.autocast(device.type, dtype=getattr(torch, dtype))
     vocab = sizes.clip_config.vocab_size
+    decode = decoder.greedy_decode
+    if static:
+        decode = torch.compile(decoder.greedy_decode_static, mode="reduce-overhead") if device.type == "cuda" \
+            else decoder.greedy_decode_static
     with torch.no_grad(), ctx:
-        decoder.greedy_decode(visual, vocab - 2, vocab - 1, 2)  # warm-up
+        for _ in range(3 if static else 1):  # warm-up (and, static on a GPU, compiling and capturing)
+            decode(visual, vocab - 2, vocab - 1, max_len if static else 2)
         synchronize(device)
         start = time.perf_counter()
-        tokens = decoder.greedy_decode(visual, vocab - 2, vocab - 1, max_len)
+        tokens = decode(visual, vocab - 2, vocab - 1, max_len)
         synchronize(device)
     seconds = time.perf_counter() - start
     return {"batch": batch, "tokens_per_caption": tokens.shape[1], "captions_per_s": round(batch / seconds, 1)}
@@ -1497,6 +1578,8 @@ def gpu_figures(out: str, tiny: bool = False, steps: int = 10) -> dict:
             loader_samples(parts / "loader" / "synth", 40 if tiny else 200, cached), 8 if tiny else 128, workers,
             device, 1 if tiny else 10))
     record("decoding", lambda: decoding_rate(sizes, device, auto, 4 if tiny else 256, 4 if tiny else 32))
+    record("decoding static", lambda: decoding_rate(sizes, device, auto, 4 if tiny else 256, 4 if tiny else 32,
+                                                    static=True))
     dtypes = ["bfloat16", "float16", "float32"] if auto != "float16" else ["float16", "float32"]
     for stage, batch in GPU_STEP_BATCH.items():
         for dtype in dtypes if stage != "stage1" else []:
@@ -1510,6 +1593,9 @@ def gpu_figures(out: str, tiny: bool = False, steps: int = 10) -> dict:
         record(f"stage1 {dtype}", lambda: {
             **device_steps("stage1", 2 if tiny else GPU_STEP_BATCH["stage1"], sizes, device, dtype, 2 if tiny else steps,
                            peak_of[dtype]), "estimate_float32_gb": None if tiny else COST_ESTIMATE_GB["stage1"]})
+    for stage, batch in GPU_STEP_BATCH.items():  # --cuda_graphs: the whole step one launch (plumbing/capture.py)
+        if stage != "stage2_finetune":
+            record(f"{stage} {auto} captured", lambda: captured_step(stage, 2 if tiny else batch, sizes, device, auto))
     record("stage1 compiled", lambda: compiled_step(sizes, device, auto, 2 if tiny else steps,
                                                     2 if tiny else GPU_STEP_BATCH["stage1"], "eager" if tiny else "inductor"))
     result["seconds"] = round(time.perf_counter() - begun, 1)

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 import clip
 from data import IMAGE_SIZE, CaptionItems, DataError, ImagePair, ImageReader, preprocess_uint8, usable_cpus
 from plumbing.files import (NO_SPACE, NOT_WRITABLE, DiskFull, no_space, out_of_space, process_alive,
-                            remove_partial_files, reserve_space, unwritable)
+                            remove_partial_files, reserve_space, size_text, unwritable)
 from plumbing.processes import by_master
 from plumbing.progress import Progress
 
@@ -131,6 +131,8 @@ def image_cache(pairs: list[ImagePair], cache_dir: str | os.PathLike, name: str,
         workers = usable_cpus() if workers is None else workers
         loader = DataLoader(_Preprocess(paths, image_size), batch_size=64, num_workers=workers,
                             generator=torch.Generator())
+        print(f"image cache {array_path}: {len(paths):,} images, {size_text(cache_bytes(len(paths), image_size))} on "
+              f"disk, built once (--no-image_cache decodes the image files at every step instead)", file=sys.stderr)
         progress = Progress(len(paths), what=f"image cache {array_path}")
         row = 0
         for batch in loader:
