@@ -986,6 +986,12 @@ def first_quality(retrieval_file: Path, predictions_file: Path) -> dict:
     table = json.loads(scores.read_text()) if scores.is_file() else {}
     if "scores" in table:
         quality["cider"] = {name.replace(" ", "_"): round(value["CIDEr"], 4) for name, value in table["scores"].items()}
+    if "semantic change" in table.get("localisation", {}):  # the pointing game over every change pair (%)
+        quality["pointing_game"] = {view: table["localisation"]["semantic change"][view]
+                                    for view in ("intra", "inter", "decoder", "chance")}
+    page = predictions_file.parent / "results.html"
+    if page.is_file():
+        quality["results_page_bytes"] = page.stat().st_size
     return quality
 
 
