@@ -8,8 +8,9 @@ Each file bench/records/NAME.json holds
     "files"    {path: sha256} of those files as they were at "commit"
     "values"   the figures, nested as the command wrote them
     "stale"    only when the files above have changed since: what changed, and whether that moves the figures
+    "shown"    optionally, the keys BENCHMARKS.md's block shows (the file keeps everything the command wrote)
 A README figure carries a marker naming its record and key, `42.7%<!--first_x:retrieval.t2p_r1-->` (a dotted key
-into "values"; a last word `min`, `%` or `GB` converts seconds, fractions and bytes), and a test checks the figure
+into "values"; a last word `min`, `%`, `MB` or `GB` converts seconds, fractions and bytes), and a test checks the figure
 equals the value at the README's precision. BENCHMARKS.md shows each record as a block rendered from it (`python -m
 bench records --write`), which a test checks too.
 
@@ -28,12 +29,13 @@ import json
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 FOLDER = Path(__file__).resolve().parent / "records"
-CONVERSIONS = {"min": lambda s: s / 60, "%": lambda f: 100 * f, "GB": lambda b: b / 1e9}
-MARKER = re.compile(r"<!--(\w+):([\w.]+)(?: (min|%|GB))?-->")
+CONVERSIONS = {"min": lambda s: s / 60, "%": lambda f: 100 * f, "MB": lambda b: b / 1e6, "GB": lambda b: b / 1e9}
+MARKER = re.compile(r"<!--(\w+):([\w.]+)(?: (min|%|MB|GB))?-->")
 BLOCK = re.compile(r"<!-- record (\w+) -->\n.*?<!-- /record -->", re.S)
 
 
@@ -75,12 +77,14 @@ def value(record: dict, key: str, conversion: str | None = None) -> float:
 
 
 def render(name: str, record: dict) -> str:
-    """The block BENCHMARKS.md shows for a record: where it comes from, then its values as a table."""
-    rows = [f"| {key} | {number} |" for key, number in flatten(record["values"])]
-    stale = f"\n**Stale:** {record['stale']}\n" if record.get("stale") else ""
-    return (f"<!-- record {name} -->\n*Record `bench/records/{name}.json`: {record['title']}. "
-            f"`{record['command']}`, {record['machine']}, {record['date']}, commit {record['commit'][:7]}.*\n{stale}\n"
-            "| value | figure |\n|---|---:|\n" + "\n".join(rows) + "\n<!-- /record -->")
+    """The block BENCHMARKS.md shows for a record: where it comes from, whether it is stale, then its values."""
+    shown = record.get("shown")  # the keys the block shows, where the command wrote more than a reader needs
+    values = "; ".join(f"`{key}` {number}" for key, number in flatten(record["values"]) if shown is None or key in shown)
+    stale = f" **Stale:** {record['stale']}." if record.get("stale") else ""
+    text = (f"*Record `bench/records/{name}.json`: {record['title']}; `{record['command']}`, {record['machine']}, "
+            f"{record['date']}, commit {record['commit'][:7]}.*{stale} Values: {values}.")
+    return f"<!-- record {name} -->\n" + "\n".join(textwrap.wrap(text, 120, break_on_hyphens=False, break_long_words=False)) \
+        + "\n<!-- /record -->"
 
 
 def flatten(values: dict, prefix: str = ""):
@@ -120,7 +124,8 @@ def report() -> int:
     return 1 if unsaid else 0
 
 
-def make(name: str, title: str, command: str, measures: list[str], values_file: str, machine: str) -> Path:
+def make(name: str, title: str, command: str, measures: list[str], values_file: str, machine: str,
+         shown: list[str] | None = None) -> Path:
     """A new record at this checkout (whose code must be committed: the record names its commit)."""
     dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", *measures], capture_output=True,
                            text=True).stdout.strip()
@@ -129,7 +134,7 @@ def make(name: str, title: str, command: str, measures: list[str], values_file: 
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
     record = {"title": title, "command": command, "commit": commit.strip(), "date": str(datetime.date.today()),
               "machine": machine, "measures": measures, "files": file_hashes(measures),
-              "values": json.loads(Path(values_file).read_text())}
+              "values": json.loads(Path(values_file).read_text()), **({"shown": shown} if shown else {})}
     path = FOLDER / f"{name}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path
@@ -144,9 +149,10 @@ def main(argv=None) -> int:
     parser.add_argument("--machine", default="")
     parser.add_argument("--files", nargs="*", default=[], help="the code the record measures (files, folder/)")
     parser.add_argument("--values", help="the JSON file the measuring command wrote")
+    parser.add_argument("--shown", nargs="*", help="the keys BENCHMARKS.md's block shows (default: all)")
     args = parser.parse_args(argv)
     if args.make:
-        print(make(args.make, args.title, args.command, args.files, args.values, args.machine))
+        print(make(args.make, args.title, args.command, args.files, args.values, args.machine, args.shown))
         return 0
     if args.write:
         write_blocks()
