@@ -98,6 +98,10 @@ def flatten(values: dict, prefix: str = ""):
 def write_blocks(path: Path = REPO / "BENCHMARKS.md") -> None:
     """Each record's block in BENCHMARKS.md rendered again from its file."""
     records = all_records()
+    missing = sorted(set(BLOCK.findall(path.read_text())) - set(records))
+    if missing:
+        raise SystemExit(f"records: {path.name} has blocks for {missing}, which bench/records/ does not hold: make "
+                         f"them (--make) or remove their blocks")
     text = BLOCK.sub(lambda m: render(m.group(1), records[m.group(1)]), path.read_text())
     path.write_text(text)
 
