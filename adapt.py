@@ -321,7 +321,7 @@ def train(run: plumbing.Run, raw_model: nn.Module, optimizer, train_set, validat
     Stage 0 (pretrain.py) trains CLIP itself through it. Returns the last step."""
     config, dist_, out_dir = run.config, run.dist_, run.out_dir
     device, master = dist_.device, dist_.master
-    model = wrap(raw_model, config, dist_)  # what the step calls: under torchrun DDP's, with --compile compiled
+    model = wrap(raw_model, config, dist_, run.dtype)  # what the step calls: DDP's under torchrun, compiled, ...
     step, best, best_epoch, history = 0, -1.0, -1, []
     if state is not None:
         step, best, best_epoch, history = state["step"], state["best_metric"], state["best_epoch"], state["history"]
@@ -545,11 +545,13 @@ def evaluate_checkpoint(run: plumbing.Run) -> None:
 # The model a step calls: DDP, torch.compile
 
 
-def wrap(model: nn.Module, config: Config, dist_) -> nn.Module:
-    """The model the training step calls: under torchrun wrapped in DDP, which all-reduces the gradients in
+def wrap(model: nn.Module, config: Config, dist_, dtype: str = "float32") -> nn.Module:
+    """The model the training step calls: under bf16 or fp16 autocast (dtype) its matrix weights cast once a step
+    (plumbing.cast_once, the same numbers); under torchrun wrapped in DDP, which all-reduces the gradients in
     buckets while the backward runs; with --compile, compiled after the wrap, so that the compiled backward keeps
     DDP's overlap (compiled first, DDP would see one opaque backward and all-reduce after it). The unwrapped
     model is still the one saved, evaluated and whose logit_scale is clamped."""
+    model = plumbing.cast_once(model, dtype, config.compile)
     if dist_.ddp:
         if config.compile and torch_version() < COMPILED_DDP_TORCH:
             raise ConfigError(f"--compile under torchrun needs torch {'.'.join(map(str, COMPILED_DDP_TORCH))} "

@@ -438,8 +438,9 @@ def train(run: plumbing.Run, root: Path, stage1: Stage1, captioner: Captioner, t
     train_split = plumbing.split_fingerprint(splits["train"])  # what a resumed run checks it trains on
     state = resume(run, stage1, captioner, optimizer, train_split)
     step, best_cider, best_epoch, bad_epochs, history = (state[k] for k in PROGRESS)
-    model = DDP(captioner, device_ids=[dist_.local_rank] if device.type == "cuda" else None,
-                gradient_as_bucket_view=True) if dist_.ddp else captioner  # gradients in the all-reduce buckets
+    model = plumbing.cast_once(captioner, run.dtype)  # bf16 or fp16: the matrix weights cast once a step
+    model = DDP(model, device_ids=[dist_.local_rank] if device.type == "cuda" else None,
+                gradient_as_bucket_view=True) if dist_.ddp else model  # gradients in the all-reduce buckets
     # the global batch as micro-batches per process and accumulation step; the sampler deals the pairs out
     micro, sampler, steps_per_epoch = plumbing.batch_plan(train_set, config.batch_size, config.grad_accum, dist_,
                                                           config.seed, what="training pairs")

@@ -119,19 +119,28 @@ class SelfAttention(nn.Module):
         nn.init.xavier_uniform_(self.in_proj_weight)
         nn.init.zeros_(self.out_proj.bias)
 
-    def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
-        """x (B, L, D) -> (B, L, D): every position asks (its query) and answers (its key and value)."""
-        q, k, v = F.linear(x, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)  # 3 x (B, L, D)
-        return self.attend(q, k, v, causal)
+    def forward(self, x: torch.Tensor, batch: int, causal: bool = False) -> torch.Tensor:
+        """x (B*L, D), the rows of B sequences -> (B*L, D): every position asks (its query) and answers (its key
+        and value)."""
+        D = x.shape[-1]
+        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias).view(batch, -1, 3, self.n_head, D // self.n_head)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, L, D/H), the heads split in one view
+        return self.heads(q, k, v, causal)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
-        """The heads' attention of queries q (B, Q, D) over keys k and values v (B, L, D), then out_proj: (B, Q, D)."""
-        B, D = q.shape[0], q.shape[-1]
-        q, k, v = (t.view(B, -1, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, *, D/H)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int,
+               causal: bool = False) -> torch.Tensor:
+        """The attention of the queries q (B*Q, D) over the keys k and values v (B*L, D) of B sequences, then
+        out_proj: (B*Q, D). (B, Q, D) and (B, L, D) work too."""
+        D = q.shape[-1]
+        q, k, v = (t.view(batch, -1, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, *, D/H)
+        return self.heads(q, k, v, causal)
+
+    def heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        """Each head's attention, the heads joined, then out_proj: q (B, H, Q, D/H), k and v (B, H, L, D/H) -> (B*Q, D)."""
         # differs from reference: fused scaled_dot_product_attention instead of nn.MultiheadAttention; with
         # causal, position i sees positions <= i only: the -inf mask OpenAI's text tower builds by hand
         x = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # (B, H, Q, D/H)
-        x = x.transpose(1, 2).reshape(B, -1, D)                         # (B, Q, D)
+        x = x.transpose(1, 2).reshape(-1, x.shape[1] * x.shape[3])       # (B*Q, D)
         return self.out_proj(x)
 
 
@@ -151,9 +160,13 @@ class ResidualAttentionBlock(nn.Module):
         self.ln_2 = LayerNorm(d_model)
 
     def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), causal=causal)  # (B, L, D)
-        x = x + self.mlp(self.ln_2(x))                   # (B, L, D)
-        return x
+        B, L, D = x.shape
+        # the block on the B*L rows: the LayerNorms, the products and the sums treat every position alike, and a
+        # product on rows is the one torch makes of (B, L, D) anyway, without the reshapes around each of them
+        x = x.reshape(B * L, D)                                 # (B*L, D)
+        x = x + self.attn(self.ln_1(x), B, causal=causal)  # (B*L, D)
+        x = x + self.mlp(self.ln_2(x))                     # (B*L, D)
+        return x.view(B, L, D)
 
 
 class Transformer(nn.Module):

@@ -84,16 +84,21 @@ class DecoderConfig:
 # Building blocks
 
 
-def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """(B, S, E) -> (B, H, S, E/H)."""
-    batch, length, width = x.shape
-    return x.view(batch, length, heads, width // heads).transpose(1, 2)  # (B, H, S, E/H)
+def split_heads(x: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
+    """The rows of B sequences (B*S, E) -> (B, H, S, E/H)."""
+    return x.view(batch, -1, heads, x.shape[-1] // heads).transpose(1, 2)  # (B, H, S, E/H)
 
 
 def merge_heads(x: torch.Tensor) -> torch.Tensor:
-    """(B, H, S, E/H) -> (B, S, E)."""
+    """(B, H, S, E/H) -> the rows (B*S, E)."""
     batch, heads, length, head_width = x.shape
-    return x.transpose(1, 2).reshape(batch, length, heads * head_width)  # (B, S, E)
+    return x.transpose(1, 2).reshape(batch * length, heads * head_width)  # (B*S, E)
+
+
+def rows(x: torch.Tensor) -> torch.Tensor:
+    """(B, S, E) -> (B*S, E): a product computed on the rows, as torch computes one on (B, S, E) anyway, without
+    the reshape of its output back to (B, S, E) where the next step reshapes it again."""
+    return x.reshape(-1, x.shape[-1])  # (B*S, E)
 
 
 class Attention(nn.Module):
@@ -116,18 +121,20 @@ class Attention(nn.Module):
 
     def keys_values(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values of the tokens `source` (B, S, E), each (B, H, S, E/H)."""
-        return split_heads(self.key(source), self.heads), split_heads(self.value(source), self.heads)
+        batch = source.shape[0]
+        return (split_heads(self.key(rows(source)), batch, self.heads),
+                split_heads(self.value(rows(source)), batch, self.heads))
 
     def forward(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 mask: Optional[torch.Tensor] = None, causal: bool = False) -> torch.Tensor:
         # x (B, T, E) queries; keys, values (B, H, S, E/H); mask (B, 1, T, S) bool, True = may attend
-        query = split_heads(self.query(x), self.heads)  # (B, H, T, E/H)
+        query = split_heads(self.query(rows(x)), x.shape[0], self.heads)  # (B, H, T, E/H)
         # differs from reference: a boolean mask (-inf) instead of adding -10000; every query keeps at least
         # one key, so the softmax is the same up to float rounding (exp(-10000) is 0 in float32).
         attended = F.scaled_dot_product_attention(
             query, keys, values, attn_mask=mask, is_causal=causal,
             dropout_p=self.attention_dropout if self.training else 0.0)  # (B, H, T, E/H)
-        return self.norm(x + self.dropout(self.out(merge_heads(attended))))  # (B, T, E)
+        return self.norm(x + self.dropout(self.out(merge_heads(attended)).view(x.shape)))  # (B, T, E)
 
 
 class FeedForward(nn.Module):
@@ -141,8 +148,8 @@ class FeedForward(nn.Module):
         self.norm = nn.LayerNorm(config.hidden, eps=config.layer_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = F.gelu(self.up(x))  # (B, T, ffn); the exact erf GELU, as the reference's "gelu"
-        return self.norm(x + self.dropout(self.down(hidden)))  # (B, T, E)
+        hidden = F.gelu(self.up(rows(x)))  # (B*T, ffn); the exact erf GELU, as the reference's "gelu"
+        return self.norm(x + self.dropout(self.down(hidden).view(x.shape)))  # (B, T, E)
 
 
 class VisualLayer(nn.Module):

@@ -275,7 +275,7 @@ def block_at_rows(block: clip.ResidualAttentionBlock, x: torch.Tensor, rows: sli
     h = block.ln_1(x)                                                                      # (B, L, D)
     q = F.linear(h[:, rows], attn.in_proj_weight[:D], attn.in_proj_bias[:D])              # (B, Q, D): the rows ask
     k, v = F.linear(h, attn.in_proj_weight[D:], attn.in_proj_bias[D:]).chunk(2, dim=-1)  # 2 x (B, L, D): all answer
-    x = x[:, rows] + attn.attend(q, k, v)                                                 # (B, Q, D)
+    x = x[:, rows] + attn.attend(q, k, v, x.shape[0]).view(q.shape)                       # (B, Q, D)
     x = x + block.mlp(block.ln_2(x))                                                      # (B, Q, D)
     return x
 

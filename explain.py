@@ -105,9 +105,11 @@ def encoder_attention(encoder: PairEncoder, before: torch.Tensor, after: torch.T
     split, after_cls = encoder.config.intra_layers, encoder.n_patches + 1
     seen = {}
 
-    def record(attn, args):  # attn is clip.SelfAttention; args[0] its input ln_1(x), (B', T, D)
-        with torch.autocast(args[0].device.type, enabled=False), ieee_float32():  # float32 queries and keys
-            q, k, _ = F.linear(args[0].float(), attn.in_proj_weight, attn.in_proj_bias).chunk(3, dim=-1)
+    def record(attn, args):  # attn is clip.SelfAttention; args: its input ln_1(x) as rows (B'*T, D), and B'
+        rows, batch = args[0], args[1]
+        with torch.autocast(rows.device.type, enabled=False), ieee_float32():  # float32 queries and keys
+            q, k, _ = F.linear(rows.float().view(batch, -1, rows.shape[-1]), attn.in_proj_weight,
+                               attn.in_proj_bias).chunk(3, dim=-1)  # 3 x (B', T, D)
         weights = attention_weights(split_heads(q, attn.n_head), split_heads(k, attn.n_head)).mean(dim=1)  # (B', T, T)
         seen.setdefault(attn, []).append(weights)
 

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
+import torch.nn.functional as F
 from PIL import Image
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -3768,6 +3769,73 @@ def test_a_captioner_step_and_greedy_decoding_make_every_tensor_on_the_models_de
                                       cpu_precision(dtype))
     assert loss.device.type == "cpu" and torch.isfinite(loss)
     assert list(predictions) == ["pair0", "pair1", "pair2"]
+
+
+# --- the operators a step issues: blocks on rows, the matrix weights cast once a step, a ceiling (bench/gpu.py) ---
+
+
+def test_a_clip_block_on_rows_gives_the_numbers_and_gradients_of_the_block_on_sequences_bit_for_bit():
+    torch.manual_seed(0)
+    block = clip.ResidualAttentionBlock(64, 4)
+    x = torch.randn(3, 10, 64, requires_grad=True)  # (B, L, D)
+
+    def on_sequences(x):  # the block as written before it computed on rows: every product on (B, L, D)
+        attn, (B, L, D) = block.attn, x.shape
+        q, k, v = F.linear(block.ln_1(x), attn.in_proj_weight, attn.in_proj_bias).chunk(3, dim=-1)
+        q, k, v = (t.view(B, L, attn.n_head, D // attn.n_head).transpose(1, 2) for t in (q, k, v))
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, L, D)
+        x = x + attn.out_proj(h)
+        return x + block.mlp(block.ln_2(x))
+
+    for forward in (on_sequences, lambda x: block(x, causal=True)):
+        out = forward(x)
+        out.square().sum().backward()
+        grads = [x.grad.clone()] + [p.grad.clone() for p in block.parameters()]
+        x.grad = None
+        block.zero_grad(set_to_none=True)
+        if forward is on_sequences:
+            expected = (out, grads)
+    assert torch.equal(out, expected[0]) and all(torch.equal(g, e) for g, e in zip(grads, expected[1]))
+
+
+@pytest.mark.parametrize("stage", ["stage1", "stage2_cached", "stage2_finetune"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_casting_the_matrix_weights_once_a_step_gives_autocasts_steps_bit_for_bit_with_fewer_operators(stage, dtype):
+    runs = {}
+    for cast_weights in (False, True):  # autocast's casts at each use, then plumbing.cast_once's, as the scripts
+        torch.manual_seed(0)
+        model, step = bench.cost_step(stage, 2, bench.TINY_COST_SIZES, dtype=dtype, cast_weights=cast_weights)
+        losses = [step()[0] for _ in range(2)]
+        with bench_ops.OperationCount() as operators:
+            losses.append(step()[0])
+        runs[cast_weights] = losses, model.state_dict(), operators.counts["_to_copy"]
+    (plain_losses, plain, plain_casts), (losses, weights, casts) = runs[False], runs[True]
+    assert torch.equal(torch.stack(losses), torch.stack(plain_losses))
+    assert all(torch.equal(weights[name], plain[name]) for name in plain)
+    trained = sum(isinstance(m, (nn.Linear, nn.Conv2d)) for m in model.modules())  # at least a weight each, twice
+    assert casts <= plain_casts - trained
+
+
+def test_the_matrix_weights_cast_once_are_every_parameter_only_products_read():
+    torch.manual_seed(0)
+    encoder = PairEncoder(clip.CLIP(tiny_config()), EncoderConfig(1))
+    names = plumbing.casts.matrix_weights(encoder)
+    assert "clip.visual.transformer.resblocks.0.attn.in_proj_weight" in names and "clip.visual.proj" in names
+    assert "clip.visual.conv1.weight" in names and "clip.text_projection" in names
+    assert not [n for n in names if "ln_" in n or "embedding" in n or n.endswith("logit_scale")]  # read by others
+    casted = set()
+
+    class Casts(TorchDispatchMode):  # the parameters autocast casts, and the products' other inputs
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name == "aten::_to_copy" and isinstance(args[0], nn.Parameter):
+                casted.add(id(args[0]))
+            return func(*args, **(kwargs or {}))
+
+    tokens = torch.tensor([[598, 5, 599]])
+    with Casts(), torch.autocast("cpu", dtype=torch.bfloat16):
+        encoder(torch.randn(2, 3, 32, 32), torch.randn(2, 3, 32, 32), tokens.expand(2, 3))
+    by_id = {id(p): n for n, p in encoder.named_parameters()}
+    assert {by_id[i] for i in casted} == set(names)
 
 
 def test_adaptation_on_tiny_synth_writes_checkpoints_that_load_without_code(synth40_root, tiny_adapt, tmp_path):

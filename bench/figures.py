@@ -113,6 +113,7 @@ from encoder import EncoderConfig, PairEncoder, from_checkpoint
 from plumbing.batches import training_loader
 from plumbing import clip_files
 from plumbing.caches import image_reader
+from plumbing.casts import cast_once
 from plumbing.checkpoints import BackgroundWriter, read_encoder, save_checkpoint
 from plumbing.files import save_json
 from plumbing.processes import Distributed, keep_freed_memory, loader_workers, resolve_dtype, set_tf32
@@ -1062,11 +1063,12 @@ TINY_COST_SIZES = CostSizes(clip.CLIPConfig(embed_dim=32, image_resolution=64, v
 
 
 def cost_step(stage: str, batch_size: int, sizes: CostSizes, captions_per_pair: int = 2,
-              device: torch.device = torch.device("cpu"), dtype: str = "float32"):
+              device: torch.device = torch.device("cpu"), dtype: str = "float32", cast_weights: bool = True):
     """(the model, a function running one training step of `stage` on one random batch of batch_size pairs).
 
     Random weights and inputs, on `device`, in `dtype` (float32, or autocast in bfloat16 or float16 with a
-    GradScaler); the frozen sets, optimizers and steps of adapt.py and caption.py (train_step).
+    GradScaler); the frozen sets, optimizers and steps of adapt.py and caption.py (train_step), the matrix weights
+    cast once a step under autocast as the scripts cast them (plumbing.cast_once; cast_weights=False: at each use).
     captions_per_pair 2: CLEVR-Change's change and no-change caption (in stage 2 also the distractor pair); 1:
     Spot-the-Diff's and IER's one caption."""
     torch.manual_seed(0)
@@ -1086,7 +1088,8 @@ def cost_step(stage: str, batch_size: int, sizes: CostSizes, captions_per_pair: 
         batch = {"before": pixels(), "after": pixels(), "caption": torch.cat([column(sot), words()], 1)}  # (B, T)
         batch["caption"][:, -1] = eot  # every caption T tokens long: the collate cuts none
         batch = data.to_device(batch, device)
-        run = lambda: adapt.train_step(encoder, optimizer, scaler, [batch], ctx, config, False,  # noqa: E731
+        stepped = cast_once(encoder, dtype if cast_weights else "float32")  # as adapt.wrap
+        run = lambda: adapt.train_step(stepped, optimizer, scaler, [batch], ctx, config, False,  # noqa: E731
                                        encoder.clip.logit_scale)
         run.optimizer = optimizer
         return encoder, run
@@ -1106,7 +1109,8 @@ def cost_step(stage: str, batch_size: int, sizes: CostSizes, captions_per_pair: 
         tokens = lambda: torch.randn(batch_size, 2 * (encoder.n_patches + 1), sizes.clip_config.embed_dim)
         batch.update(visual=tokens(), **({"no_change_visual": tokens()} if captions_per_pair == 2 else {}))
     batch = data.to_device(collated(batch), device)
-    run = lambda: caption.train_step(captioner, optimizer, scaler, [batch], ctx, config, False)  # noqa: E731
+    stepped = cast_once(captioner, dtype if cast_weights else "float32")  # as caption.train
+    run = lambda: caption.train_step(stepped, optimizer, scaler, [batch], ctx, config, False)  # noqa: E731
     run.optimizer = optimizer
     return captioner, run
 

@@ -20,6 +20,7 @@ import adapt
 import caption
 import clip
 import data
+import plumbing
 from decoder import CaptionDecoder, DecoderConfig
 from encoder import EncoderConfig, PairEncoder
 
@@ -55,8 +56,8 @@ def stage1_step(dtype: str, pairs: int = 2):
     text = torch.zeros(pairs, 16, dtype=torch.long)
     text[:, :4] = torch.tensor([NARROW["vocab_size"] - 2, 5, 7, NARROW["vocab_size"] - 1])  # SOT, words, EOT
     batch = {"before": torch.randn(pairs, 3, 224, 224), "after": torch.randn(pairs, 3, 224, 224), "caption": text}
-    ctx = precision(dtype)
-    return lambda: adapt.train_step(model, optimizer, scaler, [batch], ctx, config, False, model.clip.logit_scale)
+    ctx, stepped = precision(dtype), plumbing.cast_once(model, dtype)  # as adapt.wrap
+    return lambda: adapt.train_step(stepped, optimizer, scaler, [batch], ctx, config, False, model.clip.logit_scale)
 
 
 def stage2_step(dtype: str, pairs: int = 2):
@@ -76,8 +77,8 @@ def stage2_step(dtype: str, pairs: int = 2):
               "caption_in": i, "caption_out": o, "no_change_caption_in": i, "no_change_caption_out": o}
              for i, o in zip(caption_in, caption_out)]
     batch = data.to_device(data.collate_captions(items), torch.device("cpu"))
-    ctx = precision(dtype)
-    return lambda: caption.train_step(captioner, optimizer, scaler, [batch], ctx, config, False)
+    ctx, stepped = precision(dtype), plumbing.cast_once(captioner, dtype)  # as caption.train
+    return lambda: caption.train_step(stepped, optimizer, scaler, [batch], ctx, config, False)
 
 
 def step_operations(stage: str, dtype: str) -> Counter:

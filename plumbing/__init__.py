@@ -45,6 +45,9 @@ The map: each part, what it guarantees, and the test of test_all.py that shows i
                   signal, test_sigterm_saves_stage_2_at_the_step_boundary_exits_143_and_the_resumed_run_is_the_
                   uninterrupted_one, test_an_image_unreadable_during_validation_saves_the_epoch_first_and_the_
                   resumed_run_is_the_uninterrupted_one
+  casts.py        Under bf16 or fp16 autocast the matrix weights cast once a step, in one operator, the same numbers
+                  as autocast's casts at each use.  test_casting_the_matrix_weights_once_a_step_gives_autocasts_
+                  steps_bit_for_bit_with_fewer_operators
   caches.py       What is computed once and kept on disk, named by what it depends on: the synthetic set (synth.py
                   draws it on first use), preprocessed pixels (the image cache), frozen intra-image tokens, stage 2's
                   pair features; each reserves its disk space first.
@@ -62,6 +65,7 @@ The map: each part, what it guarantees, and the test of test_all.py that shows i
 Below: the names the scripts call, by part.
 """
 from plumbing.batches import batch_plan, training_loader
+from plumbing.casts import cast_once
 from plumbing.caches import FeatureItems, IntraTokens, draw_synthetic, feature_paths, image_reader
 from plumbing.capture import CapturedStep, check_capture
 from plumbing.checkpoints import (Trained, check_resume, checkpoint_tokenizer, load_checkpoint, load_trained,
