@@ -78,6 +78,9 @@ class Config:
     synth_pairs: int = flag(2000, "synth only: scenes drawn on first use")
     max_words: int = flag(32, "caption length in tokens, start and end tokens included")
     image_cache: bool = flag(False, "keep preprocessed 224x224 pixels in .npy files (skips PNG decoding)")
+    resident_pixels: str = flag("auto", "hold the training images' cached pixels in the GPU's memory, no loader "
+                                        "between them and the step: on, off, or auto (on a GPU, with --image_cache, "
+                                        "when they take at most half its free memory)")
     num_workers: int = flag(-1, "DataLoader processes per training process that read the images and hand over their "
                                 "uint8 pixels; 0: the training process reads them between steps. -1 (auto): on a GPU "
                                 "every CPU this process may use but one (shared by torchrun's processes on a machine), "
@@ -301,6 +304,10 @@ def train_and_test(run: plumbing.Run) -> None:
                                       dist_.device, run.ctx, pairs.images.cache_dir or run.out_dir, dist_)
         plumbing.say(run, f"intra-image tokens of {len(images.row)} training images {images.origin}: the "
                           f"intra-image blocks are frozen")
+    elif plumbing.resident_pixels(config.resident_pixels, pairs.images, pairs.splits["train"], dist_.device):
+        images = plumbing.ResidentPixels(pairs.images, pairs.splits["train"], dist_.device)
+        plumbing.say(run, f"the pixels of {len(images.row)} training images in {dist_.device.type} memory "
+                          f"({plumbing.size_text(images.bytes)}): no loader reads them")
     # one sample per (pair, change caption); half the time the before image is the distractor view (data.py)
     train_set = data.AdaptationSamples(pairs.splits["train"], pairs.tokenizer, train=True, images=images,
                                        max_words=config.max_words)
@@ -337,6 +344,7 @@ def train(run: plumbing.Run, raw_model: nn.Module, optimizer, train_set, validat
     loader = plumbing.training_loader(train_set, sampler, micro, config.num_workers, device,
                                       functools.partial(data.collate_text, cut=not (config.compile or
                                                                                     config.cuda_graphs)))
+    resident = getattr(train_set.images, "table", None)  # the training pixels on the device: plumbing.ResidentPixels
     step_once = functools.partial(train_step, model, optimizer, run.scaler, ctx=run.ctx, config=config, ddp=dist_.ddp,
                                   logit_scale=raw_model.clip.logit_scale, inputs=inputs)
     if config.cuda_graphs:  # the step captured once as a CUDA graph, then replayed (plumbing/capture.py)
@@ -353,7 +361,8 @@ def train(run: plumbing.Run, raw_model: nn.Module, optimizer, train_set, validat
                 for group in optimizer.param_groups:
                     group["lr"] = lr * group["lr_scale"]
                 try:
-                    micro_batches = [data.to_device(next(batches), device, inputs) for _ in range(config.grad_accum)]
+                    micro_batches = [data.to_device(next(batches), device, inputs, resident)
+                                     for _ in range(config.grad_accum)]
                 except data.DataError as error:  # a damaged image: ckpt_last.pt at the last step, then one line
                     raise boundary.damaged(error, step) from None
                 loss, grad_norm = step_once(micro_batches)  # train_step: forward, backward, clipping, AdamW

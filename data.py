@@ -329,9 +329,11 @@ def collate_captions(items: list[dict], static: bool = False) -> dict:
     return batch
 
 
-def to_device(batch: dict, device: torch.device, keys=None) -> dict:
+def to_device(batch: dict, device: torch.device, keys=None, resident: torch.Tensor | None = None) -> dict:
     """The tensors of a batch (those named in keys, default all) on the device, widened there: uint8 pixels
-    (B, R, R, 3) normalised to float32 (B, 3, R, R) by clip.normalize, float16 pair tokens to float32.
+    (B, R, R, 3) normalised to float32 (B, 3, R, R) by clip.normalize, float16 pair tokens to float32. resident:
+    the training images' pixels on the device (n, R, R, 3) uint8 (plumbing.ResidentPixels), whose rows the
+    batch's "before" and "after" (B,) name: looked up there, then normalised.
 
     The DataLoader pins its batches when training on CUDA, so each copy is asynchronous: the host goes on to
     queue the step while the pixels travel.
@@ -341,6 +343,8 @@ def to_device(batch: dict, device: torch.device, keys=None) -> dict:
     for key, value in batch.items():
         if torch.is_tensor(value) and (keys is None or key in keys):
             value = value.to(device, non_blocking=True)
+            if resident is not None and key in ("before", "after"):
+                value = resident[value]  # (B, R, R, 3) uint8
             out[key] = clip.normalize(value) if value.dtype == torch.uint8 else \
                 value.float() if value.dtype == torch.float16 else value
     return out

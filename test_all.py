@@ -2167,6 +2167,48 @@ def test_building_the_image_cache_draws_nothing_from_the_global_generator(synth_
 
 
 
+def test_pixels_resident_on_the_device_give_the_batches_of_the_png_files_to_the_byte(clevr_root, synth_tokenizer,
+                                                                                     tmp_path):
+    pairs = data.read_clevr_change(clevr_root, "train")
+    cache = caches.image_cache(pairs, tmp_path / "cache", "train", image_size=32)
+    resident = caches.ResidentPixels(data.ImageReader(32, cache), pairs, torch.device("cpu"))
+    assert len(resident.row) == len({str(p) for pair in pairs for p in caches.pair_paths(pair)})
+    batches = []
+    for images, table in ((data.ImageReader(32), None), (resident, resident.table)):
+        samples = data.AdaptationSamples(pairs, synth_tokenizer, train=True, images=images)
+        torch.manual_seed(0)  # the same distractor swaps
+        collated = data.collate_text([samples[i % len(samples)] for i in range(24)])
+        batches.append(data.to_device(collated, torch.device("cpu"), ("before", "after", "caption"), table))
+    assert batches[1]["before"].shape == (24, 3, 32, 32) and batches[0].keys() == batches[1].keys()
+    assert all(torch.equal(batches[0][k], batches[1][k]) for k in batches[0])
+    assert collated["swapped"].any() and not collated["swapped"].all()  # distractor views among the rows
+
+
+def test_resident_pixels_are_chosen_on_a_gpu_with_the_cache_and_refused_in_one_line_without_it(clevr_root, tmp_path):
+    pairs = data.read_clevr_change(clevr_root, "train")
+    cached = data.ImageReader(32, caches.image_cache(pairs, tmp_path / "cache", "train", image_size=32))
+    cpu = torch.device("cpu")
+    assert not caches.resident_pixels("auto", cached, pairs, cpu)  # auto: on a GPU only
+    assert caches.resident_pixels("on", cached, pairs, cpu) and not caches.resident_pixels("off", cached, pairs, cpu)
+    with pytest.raises(ConfigError, match="add --image_cache"):
+        caches.resident_pixels("on", data.ImageReader(32), pairs, cpu)
+    with pytest.raises(ConfigError, match="auto, on or off"):
+        caches.resident_pixels("yes", cached, pairs, cpu)
+
+
+def test_stage_1_from_resident_pixels_trains_as_from_the_loader(synth40_root, tiny_adapt, tmp_path):
+    outputs = {}
+    for choice in ("on", "off"):
+        out = tmp_path / choice
+        result = run_adapt(tiny_adapt, "--data_root", synth40_root, "--out_dir", out, "--epochs", "1",
+                           "--no-freeze_intra", "--resident_pixels", choice)
+        assert result.returncode == 0, result.stderr
+        assert ("no loader reads them" in result.stdout) == (choice == "on")
+        losses = [r["loss"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in r]
+        outputs[choice] = losses, (out / "test_retrieval.json").read_bytes()
+    assert outputs["on"] == outputs["off"] and outputs["on"][0]
+
+
 def ctrl_c_as_in_a_terminal():
     """A child's SIGINT handling as in a terminal: a shell's background job starts with SIGINT ignored, and Python
     then never raises KeyboardInterrupt, so a CI runner that starts the suite in the background would not test it."""
@@ -5896,7 +5938,8 @@ def test_bench_gpu_tiny_runs_every_part_of_the_gpu_run_in_its_order_and_folders_
     stage1 = [f"stage1 float32 {n} per GPU" for n in bench.STAGE1_PER_GPU]
     stage2 = [f"{stage} {dtype}" for stage in ("stage2_cached", "stage2_finetune")
               for dtype in ("bfloat16", "float16", "float32")]
-    parts = ["card commands", "torchrun", "checkpoint save", "loader image cache", "loader PNG", "decoding",
+    parts = ["card commands", "torchrun", "checkpoint save", "loader image cache", "loader PNG", "loader resident",
+             "decoding",
              "decoding static", *stage2, *stage1, "stage1 float16", "stage1 float32", "stage1 float32 captured",
              "stage2_cached float32 captured", "stage1 compiled"]
     assert [name for name in result if name in parts or name.startswith("stage")] == parts  # the GPU run's order
@@ -5906,7 +5949,10 @@ def test_bench_gpu_tiny_runs_every_part_of_the_gpu_run_in_its_order_and_folders_
     assert sorted(p.name for p in (out / "parts").iterdir()) == ["card", "loader", "save", "torchrun"]
     assert all(result[name]["ms_per_step"] > 0 and result[name]["flops_per_step"] > 0 for name in stage1 + stage2)
     assert result["loader image cache"]["pairs_per_s"] > 0 and result["decoding"]["captions_per_s"] > 0
-    assert result["decoding static"]["captions_per_s"] > 0
+    assert result["decoding static"]["captions_per_s"] > 0 and result["loader resident"]["pairs_per_s"] > 0
+    margins = result["loaders over the step's demand"]  # each source's pairs/s over the step's (the eager one here)
+    step_demand = 2 * 1000 / result["stage1 float32 128 per GPU"]["ms_per_step"]  # --tiny: 2 pairs a step
+    assert margins["resident"] == round(result["loader resident"]["pairs_per_s"] / step_demand, 2)
     # each step's operations and its host issue time (on a GPU also the GPU's time beside it)
     assert all(result[name]["ops_per_step"] > 100 and result[name]["host_issue_ms"] > 0 for name in stage1 + stage2)
     assert result["stage1 float32 captured"] == {"not_run": "a CUDA graph needs a GPU"}

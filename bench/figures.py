@@ -112,7 +112,7 @@ from decoder import CaptionDecoder, DecoderConfig
 from encoder import EncoderConfig, PairEncoder, from_checkpoint
 from plumbing.batches import training_loader
 from plumbing import clip_files
-from plumbing.caches import image_reader
+from plumbing.caches import ResidentPixels, image_reader
 from plumbing.casts import cast_once
 from plumbing.checkpoints import BackgroundWriter, read_encoder, save_checkpoint
 from plumbing.files import save_json
@@ -557,12 +557,19 @@ def caption_costs(threads: int = 2, pairs: int = 64, batch: int = 32, steps: int
 # data.py and synth.py: loading stage-1 batches, drawing the synthetic dataset (section 7)
 
 
-def loader_rate(samples, batch_size: int, workers: int, device: torch.device, seconds: float) -> dict:
+def loader_rate(samples, batch_size: int, workers: int, device: torch.device, seconds: float,
+                resident: bool = False) -> dict:
     """Pairs per second that `workers` DataLoader processes deliver to this process, as training gets them: the
     DataLoader of batches.training_loader (persistent workers, pinned on CUDA), for about `seconds` after a
     warm-up batch; on a GPU each batch is also copied there and normalised (data.to_device), which on the CPU
-    would be the training process's own work, not the loader's. Also the CPU milliseconds per pair of this
-    process and of its workers (read from /proc)."""
+    would be the training process's own work, not the loader's. resident: the samples' pixels held on the device
+    (plumbing.ResidentPixels, made from their image cache first): the workers hand over rows and captions, and
+    each batch's pixels are looked up and normalised there. Also the CPU milliseconds per pair of this process and
+    of its workers (read from /proc)."""
+    table = None
+    if resident:
+        samples.images = ResidentPixels(samples.images, samples.pairs, device)
+        table = samples.images.table
     torch.manual_seed(0)
     sampler = torch.utils.data.RandomSampler(samples, replacement=True, num_samples=10 ** 9)
     loader = training_loader(samples, sampler, batch_size, workers, device, data.collate_text)
@@ -572,8 +579,8 @@ def loader_rate(samples, batch_size: int, workers: int, device: torch.device, se
     workers_cpu_start = worker_cpu_seconds()
     while time.perf_counter() - start < seconds:
         batch = next(batches)
-        if device.type == "cuda":
-            batch = data.to_device(batch, device, ("before", "after", "caption"))
+        if device.type == "cuda" or resident:
+            batch = data.to_device(batch, device, ("before", "after", "caption"), table)
         pairs += batch["before"].shape[0]
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -1583,10 +1590,10 @@ def gpu_figures(out: str, tiny: bool = False, steps: int = 10) -> dict:
     record("torchrun", lambda: torchrun_tiny(ScriptRuns(parts / "torchrun", failures, timeout), device))
     record("checkpoint save", lambda: checkpoint_save(sizes, device, parts / "save"))
     workers = 1 if tiny else loader_workers(-1, device)
-    for source, cached in (("image cache", True), ("PNG", False)):
+    for source, cached, resident in (("image cache", True, False), ("PNG", False, False), ("resident", True, True)):
         record(f"loader {source}", lambda: loader_rate(
             loader_samples(parts / "loader" / "synth", 40 if tiny else 200, cached), 8 if tiny else 128, workers,
-            device, 1 if tiny else 10))
+            device, 1 if tiny else 10, resident))
     record("decoding", lambda: decoding_rate(sizes, device, auto, 4 if tiny else 256, 4 if tiny else 32))
     record("decoding static", lambda: decoding_rate(sizes, device, auto, 4 if tiny else 256, 4 if tiny else 32,
                                                     static=True))
@@ -1608,10 +1615,28 @@ def gpu_figures(out: str, tiny: bool = False, steps: int = 10) -> dict:
             record(f"{stage} {auto} captured", lambda: captured_step(stage, 2 if tiny else batch, sizes, device, auto))
     record("stage1 compiled", lambda: compiled_step(sizes, device, auto, 2 if tiny else steps,
                                                     2 if tiny else GPU_STEP_BATCH["stage1"], "eager" if tiny else "inductor"))
+    result["loaders over the step's demand"] = loader_margins(result, auto, 2 if tiny else GPU_STEP_BATCH["stage1"])
     result["seconds"] = round(time.perf_counter() - begun, 1)
     result["failed"] = sorted(name for name, value in result.items() if failed(value))
     save_json(result, path)
     return result
+
+
+def loader_margins(result: dict, dtype: str, batch_size: int) -> dict:
+    """Each pixel source's pairs/s over the pairs/s stage 1's captured step takes (else its eager step) at
+    batch_size pairs: at least 1.5 and the step never waits for its pixels."""
+    captured = result.get(f"stage1 {dtype} captured")
+    eager = result.get(f"stage1 {dtype} {GPU_STEP_BATCH['stage1']} per GPU")  # (--tiny: batch_size 2 under that name)
+    if isinstance(captured, dict) and captured.get("gpu_ms"):
+        step_ms = max(captured["gpu_ms"], captured["host_issue_ms"])  # a replay: the longer of its two clocks
+    elif isinstance(eager, dict) and eager.get("ms_per_step"):
+        step_ms = eager["ms_per_step"]
+    else:
+        return {}
+    demand = batch_size * 1000 / step_ms  # pairs/s the step takes
+    return {source: round(result[f"loader {source}"]["pairs_per_s"] / demand, 2)
+            for source in ("image cache", "PNG", "resident")
+            if isinstance(result.get(f"loader {source}"), dict) and "pairs_per_s" in result[f"loader {source}"]}
 
 
 def checkpoint_save(sizes: CostSizes, device: torch.device, folder: Path) -> dict:

@@ -50,10 +50,12 @@ The map: each part, what it guarantees, and the test of test_all.py that shows i
                   steps_bit_for_bit_with_fewer_operators
   caches.py       What is computed once and kept on disk, named by what it depends on: the synthetic set (synth.py
                   draws it on first use), preprocessed pixels (the image cache), frozen intra-image tokens, stage 2's
-                  pair features; each reserves its disk space first.
+                  pair features; each reserves its disk space first. On a GPU, the training images' cached pixels
+                  held in its memory (--resident_pixels).
                   test_the_image_cache_gives_the_decoded_pixels_and_is_rebuilt_when_a_file_changes, test_a_replaced_
                   image_gives_new_pixels_new_intra_tokens_and_new_pair_features, test_a_full_disk_while_the_pair_
-                  features_or_the_intra_tokens_are_written_is_one_line_and_leaves_no_file
+                  features_or_the_intra_tokens_are_written_is_one_line_and_leaves_no_file, test_pixels_resident_on_
+                  the_device_give_the_batches_of_the_png_files_to_the_byte
   capture.py      A training step captured whole as one CUDA graph and replayed (--cuda_graphs): fixed shapes, the rate
                   a tensor, no host sync; refused in one line off a GPU, with float16 or under DDP.
                   test_a_captured_steps_batches_keep_one_shape_and_its_loss_whatever_the_caption_lengths
@@ -66,14 +68,15 @@ Below: the names the scripts call, by part.
 """
 from plumbing.batches import batch_plan, training_loader
 from plumbing.casts import cast_once
-from plumbing.caches import FeatureItems, IntraTokens, draw_synthetic, feature_paths, image_reader
+from plumbing.caches import (FeatureItems, IntraTokens, ResidentPixels, draw_synthetic, feature_paths, image_reader,
+                             resident_pixels)
 from plumbing.capture import CapturedStep, check_capture
 from plumbing.checkpoints import (Trained, check_resume, checkpoint_tokenizer, load_checkpoint, load_trained,
                                   read_encoder, rng_state, save_checkpoint, split_fingerprint, start_or_resume,
                                   vocabulary_hint, vocabulary_tensor)
 from plumbing.clip_files import load as load_clip
 from plumbing.clip_files import sha256_of
-from plumbing.files import check_out_dir, save_json
+from plumbing.files import check_out_dir, save_json, size_text
 from plumbing.flags import ConfigError, check_image_path, check_length, check_settings, flag, parse_config
 from plumbing.loop import Run, StepBoundary, announce, say, started
 from plumbing.processes import by_master, dataset_tokenizer, from_master, one_download_per_machine

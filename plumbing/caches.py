@@ -2,7 +2,8 @@
 
 - The image cache (`image_cache`, `ImageCache`, opt-in with --image_cache): every image of a dataset decoded and
   resized once, kept as uint8 pixels in one .npy read memory-mapped; `image_reader` gives a dataset's
-  data.ImageReader, with the cache or without it.
+  data.ImageReader, with the cache or without it; `ResidentPixels`, the training images' pixels from the cache
+  held in the GPU's memory (--resident_pixels).
 - `IntraTokens`: each image's intra-image tokens, when the intra-image blocks are frozen (adapt.py --freeze_intra,
   and stage 2 finetuning on such an encoder), computed once per weights and images and shared by both stages.
 - Stage 2's feature cache (`cached_features`, `feature_paths`, `FeatureItems`): every pair's tokens from a stage-1
@@ -30,6 +31,7 @@ import clip
 from data import IMAGE_SIZE, CaptionItems, DataError, ImagePair, ImageReader, preprocess_uint8, usable_cpus
 from plumbing.files import (NO_SPACE, NOT_WRITABLE, DiskFull, no_space, out_of_space, process_alive,
                             remove_partial_files, reserve_space, size_text, unwritable)
+from plumbing.flags import ConfigError
 from plumbing.processes import by_master
 from plumbing.progress import Progress
 
@@ -223,6 +225,68 @@ def image_reader(splits: dict, root: Path, resolution: int, cached: bool, dist_)
     if dist_.ddp:
         dist.barrier()
     return ImageReader(resolution, image_cache(every_pair, Path(root) / ".cache", "all", resolution))
+
+
+# The image cache resident on the training device: no loader between the pixels and the step
+
+RESIDENT_SHARE = 0.5  # --resident_pixels auto: the training images' pixels take at most this share of free memory
+
+
+class ResidentPixels:
+    """The uint8 pixels of the training images held in the training device's memory, read from the image cache.
+
+    The loader then hands over no pixels: a sample carries its image's row in `table` (path -> a 0-dim int64
+    tensor), and data.to_device looks a batch's rows up on the device and normalises them there. On a GPU this
+    frees stage 1 from the loader, which decoding PNGs or reading the cache feeds more slowly than the step takes
+    pairs (BENCHMARKS.md sections 7 and 11); the pixels are the cache's, so the batches are the same to the byte.
+    CLEVR-Change's training images (before, after and distractor views) are about 15 GB.
+    """
+
+    def __init__(self, reader: ImageReader, pairs: list, device: torch.device):
+        paths = sorted({str(path) for pair in pairs for path in pair_paths(pair)})
+        self.row = {path: i for i, path in enumerate(paths)}
+        R = reader.image_size
+        self.table = torch.empty((len(paths), R, R, 3), dtype=torch.uint8, device=device)  # (n, R, R, 3)
+        progress = Progress(len(paths), what=f"training pixels into {device.type} memory ({size_text(self.bytes)})")
+        for start in range(0, len(paths), 1024):  # a chunk at a time: the host never holds the whole table
+            chunk = np.stack([reader.cache[path] for path in paths[start:start + 1024]])  # (c, R, R, 3)
+            self.table[start:start + len(chunk)].copy_(torch.from_numpy(chunk))
+            progress.show(start + len(chunk))
+
+    @property
+    def bytes(self) -> int:
+        return self.table.numel()
+
+    @property
+    def cache_dir(self) -> Path | None:
+        return None
+
+    def __call__(self, path) -> torch.Tensor:
+        return torch.tensor(self.row[str(path)])  # the row the sample carries in place of its pixels
+
+    def __getstate__(self):  # a loader worker hands over rows: it needs no pixels
+        return {**self.__dict__, "table": None}
+
+
+def pair_paths(pair: ImagePair) -> list:
+    """A training pair's image files: before, after and the distractor view where there is one."""
+    return [pair.before, pair.after] + ([pair.distractor] if pair.distractor is not None else [])
+
+
+def resident_pixels(choice: str, reader: ImageReader, pairs: list, device: torch.device) -> bool:
+    """Whether stage 1 trains from ResidentPixels: --resident_pixels on, off, or auto: on a GPU, with the image
+    cache, when the training images' pixels take at most RESIDENT_SHARE of the GPU's free memory."""
+    if choice not in ("auto", "on", "off"):
+        raise ConfigError(f"--resident_pixels {choice}: it must be auto, on or off")
+    if choice == "off" or (choice == "auto" and (device.type != "cuda" or reader.cache is None)):
+        return False
+    if reader.cache is None:
+        raise ConfigError("--resident_pixels on reads the image cache: add --image_cache")
+    if choice == "on":
+        return True
+    R = reader.image_size
+    needed = len({str(path) for pair in pairs for path in pair_paths(pair)}) * R * R * 3
+    return needed <= RESIDENT_SHARE * torch.cuda.mem_get_info(device)[0]
 
 
 def draw_synthetic(config, root: Path, dist_) -> None:
