@@ -2190,9 +2190,9 @@ def test_resident_pixels_are_chosen_on_a_gpu_with_the_cache_and_refused_in_one_l
     cpu = torch.device("cpu")
     assert not caches.resident_pixels("auto", cached, pairs, cpu)  # auto: on a GPU only
     assert caches.resident_pixels("on", cached, pairs, cpu) and not caches.resident_pixels("off", cached, pairs, cpu)
-    with pytest.raises(ConfigError, match="add --image_cache"):
+    with pytest.raises(flags.ConfigError, match="add --image_cache"):
         caches.resident_pixels("on", data.ImageReader(32), pairs, cpu)
-    with pytest.raises(ConfigError, match="auto, on or off"):
+    with pytest.raises(flags.ConfigError, match="auto, on or off"):
         caches.resident_pixels("yes", cached, pairs, cpu)
 
 
