@@ -344,7 +344,8 @@ def train(run: plumbing.Run, raw_model: nn.Module, optimizer, train_set, validat
     loader = plumbing.training_loader(train_set, sampler, micro, config.num_workers, device,
                                       functools.partial(data.collate_text, cut=not (config.compile or
                                                                                     config.cuda_graphs)))
-    resident = getattr(train_set.images, "table", None)  # the training pixels on the device: plumbing.ResidentPixels
+    pixels = getattr(train_set, "images", None)  # (stage 0's scenes draw theirs)
+    resident = pixels.table if isinstance(pixels, plumbing.ResidentPixels) else None  # the training pixels on the device
     step_once = functools.partial(train_step, model, optimizer, run.scaler, ctx=run.ctx, config=config, ddp=dist_.ddp,
                                   logit_scale=raw_model.clip.logit_scale, inputs=inputs)
     if config.cuda_graphs:  # the step captured once as a CUDA graph, then replayed (plumbing/capture.py)
