@@ -744,8 +744,9 @@ def metrics_scoring(corpus: str | os.PathLike = TIMING_CORPUS, runs: int = 3, va
         table.append(f"{'Java toolkit':<30} {median['Java toolkit']:9.2f} {'':9} {'':7}  {walls['Java toolkit']}"
                      f"  -> metrics.py is {ratio:.1f}x faster (median of the turns' ratios)")
     table.append(f"every variant gives the same corpus scores: {same}; load average {os.getloadavg()}")
-    print("\n".join(table))
-    return {"walls": walls, "median_s": median, "same_scores": same, "cpus": os.cpu_count()}
+    print("\n".join(table), file=sys.stderr)
+    return {"walls": walls, "median_s": median, "same_scores": same, "cpus": os.cpu_count(),
+            "ratio": round(ratio, 2) if toolkit else None}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1790,7 +1791,7 @@ def main(argv=None):
     p.add_argument("--variants", default="all", help=f"comma-separated, from {list(METRICS_VARIANTS)[1:]}; "
                                                       "none: all on, beside the toolkit")
     p.add_argument("--no-toolkit", dest="toolkit", action="store_false", help="leave the Java toolkit out")
-    p.set_defaults(run=lambda a: metrics_scoring(a.corpus, a.runs, a.variants, a.toolkit))
+    p.set_defaults(run=lambda a: print(json.dumps(metrics_scoring(a.corpus, a.runs, a.variants, a.toolkit), indent=2)))
 
     p = figure("kinds", "the kind of change each test caption of a caption.py run says (by keywords), per true kind; "
                         "and the pointing game where the run's test_scores.json holds it")
