@@ -66,7 +66,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scoring import field
+from scoring import fast, field
 from scoring.fast import PARALLEL_MIN_ITEMS, FastMeteor, MeteorWorker, collector_paused
 from scoring.meteor import (METEOR_DATA_ENV, METEOR_MODULES, CaptionInputError, Meteor, MeteorConfig,
                             load_meteor_resources)
@@ -249,6 +249,7 @@ class CaptionScorer:
     """
     # The plain steps. FastCaptionScorer (section 6) puts faster ones with the same results in their place.
     meteor_class = Meteor
+    rouge_l = staticmethod(rouge_l)       # ROUGE-L of a candidate (section 2)
 
     def tokenizer(self, text):
         """The text every coco-caption scorer sees: the Penn Treebank tokens of ptb_tokenize (scoring/ptb.py)."""
@@ -289,7 +290,7 @@ class CaptionScorer:
                     self.items[i][f"BLEU_{k + 1}"] = value
         if "ROUGE_L" in self.metrics:
             for i in self.ids:
-                self.items[i]["ROUGE_L"] = rouge_l(self.candidates[i], self.references[i], self.config.rouge_beta)
+                self.items[i]["ROUGE_L"] = self.rouge_l(self.candidates[i], self.references[i], self.config.rouge_beta)
         if "METEOR" in self.metrics:
             self.meteor_stats = dict(zip(self.ids, meteor_stats()))
             self.meteor.forget()                              # the per-item statistics are all we keep
@@ -548,6 +549,7 @@ class FastCaptionScorer(CaptionScorer):
     """
     tokenizer = staticmethod(ptb_tokenize_fast)
     meteor_class = FastMeteor
+    rouge_l = staticmethod(fast.rouge_l)
     whole_set_cider = None    # CIDEr-D of all the items, computed while a METEOR worker runs
 
     def __init__(self, *args, processes=1, **kwargs):

@@ -2550,6 +2550,17 @@ def test_lcs_is_the_longest_common_subsequence():
         assert metrics.lcs_length(a, b) == table[-1, -1]
 
 
+def test_bit_parallel_rouge_l_equals_the_plain_one():
+    # scoring/fast.py's rouge_l (bit-parallel LCS), FastCaptionScorer's, against metrics.rouge_l, bit for bit.
+    assert scoring_fast.rouge_l("a b", ["a b c d", "a"]) == metrics.rouge_l("a b", ["a b c d", "a"])
+    assert scoring_fast.rouge_l("", ["", "the cube moved"]) == 1.0
+    rng = np.random.default_rng(1)
+    for _ in range(500):
+        words = [" ".join(map(str, rng.integers(0, 6, rng.integers(0, 70)))) for _ in range(rng.integers(1, 4))]
+        assert scoring_fast.rouge_l(words[0], words) == metrics.rouge_l(words[0], words)
+        assert scoring_fast.rouge_l(words[-1], words[:1]) == metrics.rouge_l(words[-1], words[:1])
+
+
 def test_cider_is_ten_for_a_perfect_match_and_zero_for_a_one_item_corpus():
     result = metrics.score_captions({1: "the red cube moved", 2: "a ball appeared"},
                                     {1: ["the red cube moved"] * 3, 2: ["the blue sphere is gone"]}, metrics=("CIDEr",))
