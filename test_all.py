@@ -2806,6 +2806,9 @@ def test_a_forked_meteor_worker_gives_the_same_numbers():
     one = metrics.FastCaptionScorer(*tokenized(coco), tokenize=False, processes=1).score()
     two = metrics.FastCaptionScorer(*tokenized(coco), tokenize=False, processes=2).score()
     assert one == two
+    predictions, references = tokenized(coco)                  # the worker is forked first, then the scorer fails
+    with pytest.raises(metrics.CaptionInputError, match="unknown metrics"):
+        metrics.FastCaptionScorer(predictions, references, ("METEOR", "SPICE"), processes=2)
 
 
 def test_the_normalisers_shortcut_for_plain_lines_gives_its_words():

@@ -519,38 +519,50 @@ METEOR_CHUNK_ITEMS = (250, 50)   # METEOR's items are shared between the process
 _FORKED = {}                  # the worker process's copy of the parent's FastMeteor (set by its initializer)
 
 
-def _meteor_chunk(items):
-    """METEOR statistics of a chunk of (candidate, references) items, in the worker process."""
-    return _FORKED["meteor"].item_stats_many(items)
+def _prepare_forked(meteor, items):
+    """The worker's initializer: METEOR's items (items() tokenizes them) and the meteor that scores them."""
+    _FORKED["items"] = items = items()
+    meteor.prepare_items(items)     # every word registered at once: the worker never prepares again
+    _FORKED["meteor"] = meteor
+
+
+def _meteor_chunk(first, end):
+    """METEOR statistics of the items first to end - 1, in the worker process."""
+    return _FORKED["meteor"].item_stats_many(_FORKED["items"][first:end])
 
 
 class MeteorWorker:
     """meteor.item_stats_many(items), shared with a forked process, which starts on the items chunk by chunk while
     this process computes BLEU and ROUGE-L; finish() then computes here, from the last chunk back, those the worker
-    has not begun, so that both end together whatever the machine's load. The worker is forked, so it has the
-    parent's METEOR tables without pickling them. What it buys: BENCHMARKS.md section 6 (`python -m bench
+    has not begun, so that both end together whatever the machine's load. The worker is forked before the captions
+    are tokenized: it makes the items itself (items(), the same as this process's) and prepares its copy of the
+    meteor, so that little is done before it starts. What it buys: BENCHMARKS.md section 6 (`python -m bench
     metrics`); the command line uses it, the training scripts do not (they may hold CUDA)."""
 
-    def __init__(self, meteor, items):
-        meteor.prepare_items(items)     # every word registered before the fork: the worker never prepares again
-        self.meteor = meteor
+    def __init__(self, meteor, n_items, items):
         large, small = METEOR_CHUNK_ITEMS
-        cut = len(items) * 3 // 4
-        self.chunks = [items[k:min(k + large, cut)] for k in range(0, cut, large)] + \
-                      [items[k:k + small] for k in range(cut, len(items), small)]
+        cut = n_items * 3 // 4
+        self.chunks = [(k, min(k + large, cut)) for k in range(0, cut, large)] + \
+                      [(k, min(k + small, n_items)) for k in range(cut, n_items, small)]
         self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"),
-                                                           initializer=_FORKED.update, initargs=({"meteor": meteor},))
-        self.futures = [self.pool.submit(_meteor_chunk, chunk) for chunk in self.chunks]
+                                                           initializer=_prepare_forked, initargs=(meteor, items))
+        self.futures = [self.pool.submit(_meteor_chunk, *chunk) for chunk in self.chunks]
 
-    def finish(self):
-        """The statistics of every item, in order."""
+    def finish(self, meteor, items):
+        """The statistics of every item, in order: meteor and items are this process's."""
+        meteor.prepare_items(items)
         per_chunk = [None] * len(self.chunks)
         for k in reversed(range(len(self.chunks))):          # from the last chunk back, those the worker has not
             if self.futures[k].cancel():                      # begun (cancel() fails once it has)
-                per_chunk[k] = self.meteor.item_stats_many(self.chunks[k])
+                first, end = self.chunks[k]
+                per_chunk[k] = meteor.item_stats_many(items[first:end])
         per_chunk = [stats if stats is not None else future.result() for stats, future in zip(per_chunk, self.futures)]
         self.pool.shutdown()
         return [stats for chunk in per_chunk for stats in chunk]
+
+    def abandon(self):
+        """Stop the worker (the scorer failed before it needed it)."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 # 5. ROUGE-L, for metrics.FastCaptionScorer: metrics.rouge_l (section 2) with less Python per word; the same
