@@ -66,7 +66,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scoring import field
+from scoring import fast, field
 from scoring.fast import PARALLEL_MIN_ITEMS, FastMeteor, MeteorWorker, collector_paused
 from scoring.meteor import (METEOR_DATA_ENV, METEOR_MODULES, CaptionInputError, Meteor, MeteorConfig,
                             load_meteor_resources)
@@ -249,6 +249,7 @@ class CaptionScorer:
     """
     # The plain steps. FastCaptionScorer (section 6) puts faster ones with the same results in their place.
     meteor_class = Meteor
+    rouge_l = staticmethod(rouge_l)       # ROUGE-L of a candidate (section 2)
 
     def tokenizer(self, text):
         """The text every coco-caption scorer sees: the Penn Treebank tokens of ptb_tokenize (scoring/ptb.py)."""
@@ -260,10 +261,7 @@ class CaptionScorer:
         if unknown:
             raise CaptionInputError(f"unknown metrics {unknown}; choose from {METRICS}")
         self.config, self.metrics = config or MetricsConfig(), tuple(metrics)
-        tokens = {}
-        for text in [*predictions.values(), *(r for i in predictions for r in references[i])]:
-            if text not in tokens:
-                tokens[text] = self.tokenizer(text) if tokenize else text
+        tokens = self.tokens(predictions, references, tokenize)
         self.ids = list(predictions)
         self.candidates = {i: tokens[predictions[i]] for i in self.ids}
         self.references = {i: [tokens[r] for r in references[i]] for i in self.ids}
@@ -289,12 +287,20 @@ class CaptionScorer:
                     self.items[i][f"BLEU_{k + 1}"] = value
         if "ROUGE_L" in self.metrics:
             for i in self.ids:
-                self.items[i]["ROUGE_L"] = rouge_l(self.candidates[i], self.references[i], self.config.rouge_beta)
+                self.items[i]["ROUGE_L"] = self.rouge_l(self.candidates[i], self.references[i], self.config.rouge_beta)
         if "METEOR" in self.metrics:
             self.meteor_stats = dict(zip(self.ids, meteor_stats()))
             self.meteor.forget()                              # the per-item statistics are all we keep
             for i, stats in self.meteor_stats.items():
                 self.items[i]["METEOR"] = self.meteor.score(stats)
+
+    def tokens(self, predictions, references, tokenize=True):
+        """{caption: its tokens} of every caption, each distinct one tokenized once."""
+        tokens = {}
+        for text in [*predictions.values(), *(r for i in predictions for r in references[i])]:
+            if text not in tokens:
+                tokens[text] = self.tokenizer(text) if tokenize else text
+        return tokens
 
     def start_meteor(self, items):
         """A function that returns METEOR's statistics of each (candidate, references) item. Here they are
@@ -548,22 +554,46 @@ class FastCaptionScorer(CaptionScorer):
     """
     tokenizer = staticmethod(ptb_tokenize_fast)
     meteor_class = FastMeteor
+    rouge_l = staticmethod(fast.rouge_l)
     whole_set_cider = None    # CIDEr-D of all the items, computed while a METEOR worker runs
 
     def __init__(self, *args, processes=1, **kwargs):
-        self.processes = processes
+        self.processes, self.worker = processes, None
         with collector_paused():
-            super().__init__(*args, **kwargs)
+            self.worker = self._early_worker(*args, **kwargs)
+            try:
+                super().__init__(*args, **kwargs)
+            except BaseException:
+                if self.worker is not None:
+                    self.worker.abandon()
+                raise
+
+    def _early_worker(self, predictions, references, metrics=METRICS, tokenize=True, meteor_modules=None,
+                      config=None):
+        """A MeteorWorker forked before anything is tokenized: it tokenizes the captions and prepares METEOR
+        itself while this process does the same for BLEU and ROUGE-L (less done before the fork: BENCHMARKS.md
+        section 6). None where METEOR runs in this process alone."""
+        if self.processes < 2 or "METEOR" not in metrics or not isinstance(predictions, dict) or \
+                len(predictions) < PARALLEL_MIN_ITEMS or "fork" not in multiprocessing.get_all_start_methods():
+            return None
+        _check_inputs(predictions, references)
+        resources = load_meteor_resources()
+        if meteor_modules is None:
+            meteor_modules = METEOR_MODULES if resources is not None else ("exact", "stem")
+        meteor = self.meteor_class((config or MetricsConfig()).meteor, tuple(meteor_modules), resources)
+
+        def items():                                        # run in the worker: what __init__ gives start_meteor
+            tokens = self.tokens(predictions, references, tokenize)
+            return [(tokens[predictions[i]], [tokens[r] for r in references[i]]) for i in predictions]
+        return MeteorWorker(meteor, len(predictions), items)
 
     def start_meteor(self, items):
-        if self.processes < 2 or len(items) < PARALLEL_MIN_ITEMS or \
-                "fork" not in multiprocessing.get_all_start_methods():
+        if self.worker is None:
             return super().start_meteor(items)
-        worker = MeteorWorker(self.meteor, items)
 
         def finish():
             self.whole_set_cider = self._cider(self.ids)    # while the worker is still on METEOR
-            return worker.finish()
+            return self.worker.finish(self.meteor, items)
         return finish
 
     def _cider(self, ids):

@@ -2550,6 +2550,17 @@ def test_lcs_is_the_longest_common_subsequence():
         assert metrics.lcs_length(a, b) == table[-1, -1]
 
 
+def test_bit_parallel_rouge_l_equals_the_plain_one():
+    # scoring/fast.py's rouge_l (bit-parallel LCS), FastCaptionScorer's, against metrics.rouge_l, bit for bit.
+    assert scoring_fast.rouge_l("a b", ["a b c d", "a"]) == metrics.rouge_l("a b", ["a b c d", "a"])
+    assert scoring_fast.rouge_l("", ["", "the cube moved"]) == 1.0
+    rng = np.random.default_rng(1)
+    for _ in range(500):
+        words = [" ".join(map(str, rng.integers(0, 6, rng.integers(0, 70)))) for _ in range(rng.integers(1, 4))]
+        assert scoring_fast.rouge_l(words[0], words) == metrics.rouge_l(words[0], words)
+        assert scoring_fast.rouge_l(words[-1], words[:1]) == metrics.rouge_l(words[-1], words[:1])
+
+
 def test_cider_is_ten_for_a_perfect_match_and_zero_for_a_one_item_corpus():
     result = metrics.score_captions({1: "the red cube moved", 2: "a ball appeared"},
                                     {1: ["the red cube moved"] * 3, 2: ["the blue sphere is gone"]}, metrics=("CIDEr",))
@@ -2795,6 +2806,9 @@ def test_a_forked_meteor_worker_gives_the_same_numbers():
     one = metrics.FastCaptionScorer(*tokenized(coco), tokenize=False, processes=1).score()
     two = metrics.FastCaptionScorer(*tokenized(coco), tokenize=False, processes=2).score()
     assert one == two
+    predictions, references = tokenized(coco)                  # the worker is forked first, then the scorer fails
+    with pytest.raises(metrics.CaptionInputError, match="unknown metrics"):
+        metrics.FastCaptionScorer(predictions, references, ("METEOR", "SPICE"), processes=2)
 
 
 def test_the_normalisers_shortcut_for_plain_lines_gives_its_words():
@@ -3173,6 +3187,23 @@ def test_batched_beam_search_chooses_the_same_alignments_as_the_readable_one():
             fast._structures.clear()
     assert len(problems) > 100
     assert fast._resolve_batch(problems) == readable
+
+
+def test_fast_alignment_statistics_equal_the_readable_ones():
+    # FastMeteor._stats walks the chosen matches; Meteor._stats every reference position: the same MeteorStats.
+    needs_meteor_data()
+    items, _ = load_corpus("spot_public")
+    fast = scoring_fast.FastMeteor(resources=meteor.load_meteor_resources())
+    pairs = [(ptb.ptb_tokenize_fast(it["candidate"]), ptb.ptb_tokenize_fast(r)) for it in items[:300]
+             for r in it["references"]]
+    fast.prepare([text for pair in pairs for text in pair])
+    for hypothesis, reference in pairs:
+        hyp, ref = fast.sentence(hypothesis), fast.sentence(reference)
+        chosen = fast._resolve(*fast._candidates(hyp, ref), len(ref.words))
+        assert fast._stats(hyp, ref, chosen) == meteor.Meteor._stats(fast, hyp, ref, chosen)
+    hyp, ref = fast.sentence("a b c d e"), fast.sentence("a x c y")      # gaps, a phrase, the last word matched
+    for chosen in ({}, {0: (0, 1, 0, 1, 0)}, {0: (0, 1, 0, 1, 0), 2: (2, 2, 2, 3, 3)}, {3: (3, 1, 4, 1, 1)}):
+        assert fast._stats(hyp, ref, chosen) == meteor.Meteor._stats(fast, hyp, ref, chosen)
 
 
 def test_paraphrase_index_is_built_once_and_keeps_the_tables_order(tmp_path, monkeypatch):

@@ -9,7 +9,8 @@ scripts score with it (caption.SCORER). It holds, top to bottom:
        meteor.read_paraphrases;
     2. FastMeteor: many items at once (a batched beam search), from per-word records;
     3. the garbage collector paused around scoring;
-    4. MeteorWorker: METEOR's items shared with a forked process while this one computes BLEU and ROUGE-L.
+    4. MeteorWorker: METEOR's items shared with a forked process while this one computes BLEU and ROUGE-L;
+    5. ROUGE-L's longest common subsequence, bit-parallel.
 
 This file imports scoring/meteor.py alone.
 """
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scoring.meteor import (METEOR_CACHE_ENV, METEOR_FUNCTION_WORDS, PARAPHRASE_INDEX_VERSION, Meteor,
+from scoring.meteor import (METEOR_CACHE_ENV, METEOR_FUNCTION_WORDS, PARAPHRASE_INDEX_VERSION, Meteor, MeteorStats,
                             _fixed_matches, _MeteorSentence, _positions)
 
 # 1. The paraphrase index, for meteor.read_paraphrases. Unzipping the table alone takes seconds, so it is turned
@@ -279,6 +280,41 @@ class FastMeteor(Meteor):
                                         paths, node)
         return record
 
+    def _stats(self, hyp, ref, chosen):
+        """Meteor._stats: the same statistics, walking the chosen matches in order instead of every reference
+        position (a gap closes an open chunk, as an unmatched position does there)."""
+        n_stages = len(self.modules)
+        content1, content2, function1, function2 = [0] * n_stages, [0] * n_stages, [0] * n_stages, [0] * n_stages
+        hyp_functional, ref_functional = hyp.functional, ref.functional
+        chunks, matched1, matched2, last_end, idx = 0, 0, 0, -1, 0
+        for key in sorted(chosen):
+            start, length, m_start, m_length, stage = chosen[key]
+            if start < idx:                               # inside the previous match: Meteor._stats never sees it
+                continue
+            if start > idx and last_end != -1:
+                chunks += 1
+                last_end = -1
+            for k in range(m_start, m_start + m_length):
+                if hyp_functional[k]:
+                    function1[stage] += 1
+                else:
+                    content1[stage] += 1
+            for k in range(start, start + length):
+                if ref_functional[k]:
+                    function2[stage] += 1
+                else:
+                    content2[stage] += 1
+            matched1 += m_length
+            matched2 += length
+            if last_end != -1 and m_start != last_end:
+                chunks += 1
+            idx, last_end = start + length, m_start + m_length
+        if last_end != -1:
+            chunks += 1
+        return MeteorStats(len(hyp.words), len(ref.words), sum(hyp_functional), sum(ref_functional),
+                           tuple(content1), tuple(content2), tuple(function1), tuple(function2), chunks, matched1,
+                           matched2)
+
     def item_stats_many(self, items):
         """item_stats for many (hypothesis, references) at once: the alignments that need a search are solved
         together by _resolve_batch (same result as _resolve, much faster)."""
@@ -483,35 +519,75 @@ METEOR_CHUNK_ITEMS = (250, 50)   # METEOR's items are shared between the process
 _FORKED = {}                  # the worker process's copy of the parent's FastMeteor (set by its initializer)
 
 
-def _meteor_chunk(items):
-    """METEOR statistics of a chunk of (candidate, references) items, in the worker process."""
-    return _FORKED["meteor"].item_stats_many(items)
+def _prepare_forked(meteor, items):
+    """The worker's initializer: METEOR's items (items() tokenizes them) and the meteor that scores them."""
+    _FORKED["items"] = items = items()
+    meteor.prepare_items(items)     # every word registered at once: the worker never prepares again
+    _FORKED["meteor"] = meteor
+
+
+def _meteor_chunk(first, end):
+    """METEOR statistics of the items first to end - 1, in the worker process."""
+    return _FORKED["meteor"].item_stats_many(_FORKED["items"][first:end])
 
 
 class MeteorWorker:
     """meteor.item_stats_many(items), shared with a forked process, which starts on the items chunk by chunk while
     this process computes BLEU and ROUGE-L; finish() then computes here, from the last chunk back, those the worker
-    has not begun, so that both end together whatever the machine's load. The worker is forked, so it has the
-    parent's METEOR tables without pickling them. What it buys: BENCHMARKS.md section 6 (`python -m bench
+    has not begun, so that both end together whatever the machine's load. The worker is forked before the captions
+    are tokenized: it makes the items itself (items(), the same as this process's) and prepares its copy of the
+    meteor, so that little is done before it starts. What it buys: BENCHMARKS.md section 6 (`python -m bench
     metrics`); the command line uses it, the training scripts do not (they may hold CUDA)."""
 
-    def __init__(self, meteor, items):
-        meteor.prepare_items(items)     # every word registered before the fork: the worker never prepares again
-        self.meteor = meteor
+    def __init__(self, meteor, n_items, items):
         large, small = METEOR_CHUNK_ITEMS
-        cut = len(items) * 3 // 4
-        self.chunks = [items[k:min(k + large, cut)] for k in range(0, cut, large)] + \
-                      [items[k:k + small] for k in range(cut, len(items), small)]
+        cut = n_items * 3 // 4
+        self.chunks = [(k, min(k + large, cut)) for k in range(0, cut, large)] + \
+                      [(k, min(k + small, n_items)) for k in range(cut, n_items, small)]
         self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"),
-                                                           initializer=_FORKED.update, initargs=({"meteor": meteor},))
-        self.futures = [self.pool.submit(_meteor_chunk, chunk) for chunk in self.chunks]
+                                                           initializer=_prepare_forked, initargs=(meteor, items))
+        self.futures = [self.pool.submit(_meteor_chunk, *chunk) for chunk in self.chunks]
 
-    def finish(self):
-        """The statistics of every item, in order."""
+    def finish(self, meteor, items):
+        """The statistics of every item, in order: meteor and items are this process's."""
+        meteor.prepare_items(items)
         per_chunk = [None] * len(self.chunks)
         for k in reversed(range(len(self.chunks))):          # from the last chunk back, those the worker has not
             if self.futures[k].cancel():                      # begun (cancel() fails once it has)
-                per_chunk[k] = self.meteor.item_stats_many(self.chunks[k])
+                first, end = self.chunks[k]
+                per_chunk[k] = meteor.item_stats_many(items[first:end])
         per_chunk = [stats if stats is not None else future.result() for stats, future in zip(per_chunk, self.futures)]
         self.pool.shutdown()
         return [stats for chunk in per_chunk for stats in chunk]
+
+    def abandon(self):
+        """Stop the worker (the scorer failed before it needed it)."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+# 5. ROUGE-L, for metrics.FastCaptionScorer: metrics.rouge_l (section 2) with less Python per word; the same
+# numbers, bit for bit (a test compares them). What it buys of the whole scoring process: BENCHMARKS.md section 6
+# (`python -m bench metrics`).
+def rouge_l(candidate, references, beta=1.2):
+    """metrics.rouge_l with the LCS computed bit-parallel (Allison and Dix 1986, Hyyrö 2004): a bit per candidate
+    word, one reference word at a time, V = (V + U) | (V - U) with U = V & (the word's positions); the LCS is the
+    number of 0 bits. The same integers, so the same scores."""
+    cand = candidate.split(" ")
+    positions = {}
+    for k, word in enumerate(cand):
+        positions[word] = positions.get(word, 0) | (1 << k)
+    full, precision, recall = (1 << len(cand)) - 1, 0.0, 0.0
+    for reference in references:
+        ref = reference.split(" ")
+        v = full
+        for word in ref:
+            mask = positions.get(word)
+            if mask is not None:
+                u = v & mask
+                v = (v + u) | (v - u)
+        common = len(cand) - (v & full).bit_count()
+        precision = max(precision, common / float(len(cand)))
+        recall = max(recall, common / float(len(ref)))
+    if precision != 0 and recall != 0:
+        return ((1 + beta ** 2) * precision * recall) / float(recall + beta ** 2 * precision)
+    return 0.0
