@@ -269,11 +269,8 @@ class CaptionScorer:
         self._counts = {}
         self.meteor_modules = None
         if "METEOR" in self.metrics:
-            resources = load_meteor_resources()
-            if meteor_modules is None:
-                meteor_modules = METEOR_MODULES if resources is not None else ("exact", "stem")
-            self.meteor_modules = tuple(meteor_modules)
-            self.meteor = self.meteor_class(self.config.meteor, self.meteor_modules, resources)
+            self.meteor = self.new_meteor(meteor_modules, self.config)
+            self.meteor_modules = self.meteor.modules
             meteor_stats = self.start_meteor([(self.candidates[i], self.references[i]) for i in self.ids])
         if "BLEU" in self.metrics:
             self.bleu_stats = {}
@@ -293,6 +290,14 @@ class CaptionScorer:
             self.meteor.forget()                              # the per-item statistics are all we keep
             for i, stats in self.meteor_stats.items():
                 self.items[i]["METEOR"] = self.meteor.score(stats)
+
+    def new_meteor(self, meteor_modules, config):
+        """The Meteor that scores the items: all four stages where the METEOR 1.5 data is found, else exact and stem
+        (or the stages asked for)."""
+        resources = load_meteor_resources()
+        if meteor_modules is None:
+            meteor_modules = METEOR_MODULES if resources is not None else ("exact", "stem")
+        return self.meteor_class(config.meteor, tuple(meteor_modules), resources)
 
     def tokens(self, predictions, references, tokenize=True):
         """{caption: its tokens} of every caption, each distinct one tokenized once."""
@@ -576,11 +581,8 @@ class FastCaptionScorer(CaptionScorer):
         if self.processes < 2 or "METEOR" not in metrics or not isinstance(predictions, dict) or \
                 len(predictions) < PARALLEL_MIN_ITEMS or "fork" not in multiprocessing.get_all_start_methods():
             return None
-        _check_inputs(predictions, references)
-        resources = load_meteor_resources()
-        if meteor_modules is None:
-            meteor_modules = METEOR_MODULES if resources is not None else ("exact", "stem")
-        meteor = self.meteor_class((config or MetricsConfig()).meteor, tuple(meteor_modules), resources)
+        _check_inputs(predictions, references)   # before the fork, not in the worker (__init__ checks again: 10 ms)
+        meteor = self.new_meteor(meteor_modules, config or MetricsConfig())
 
         def items():                                        # run in the worker: what __init__ gives start_meteor
             tokens = self.tokens(predictions, references, tokenize)

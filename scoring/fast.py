@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scoring.meteor import (METEOR_CACHE_ENV, METEOR_FUNCTION_WORDS, PARAPHRASE_INDEX_VERSION, Meteor, MeteorStats,
+from scoring.meteor import (METEOR_CACHE_ENV, METEOR_FUNCTION_WORDS, PARAPHRASE_INDEX_VERSION, Meteor,
                             _fixed_matches, _MeteorSentence, _positions)
 
 # 1. The paraphrase index, for meteor.read_paraphrases. Unzipping the table alone takes seconds, so it is turned
@@ -279,41 +279,6 @@ class FastMeteor(Meteor):
                                         else None, self.synonyms(word) if "synonym" in self.modules else None,
                                         paths, node)
         return record
-
-    def _stats(self, hyp, ref, chosen):
-        """Meteor._stats: the same statistics, walking the chosen matches in order instead of every reference
-        position (a gap closes an open chunk, as an unmatched position does there)."""
-        n_stages = len(self.modules)
-        content1, content2, function1, function2 = [0] * n_stages, [0] * n_stages, [0] * n_stages, [0] * n_stages
-        hyp_functional, ref_functional = hyp.functional, ref.functional
-        chunks, matched1, matched2, last_end, idx = 0, 0, 0, -1, 0
-        for key in sorted(chosen):
-            start, length, m_start, m_length, stage = chosen[key]
-            if start < idx:                               # inside the previous match: Meteor._stats never sees it
-                continue
-            if start > idx and last_end != -1:
-                chunks += 1
-                last_end = -1
-            for k in range(m_start, m_start + m_length):
-                if hyp_functional[k]:
-                    function1[stage] += 1
-                else:
-                    content1[stage] += 1
-            for k in range(start, start + length):
-                if ref_functional[k]:
-                    function2[stage] += 1
-                else:
-                    content2[stage] += 1
-            matched1 += m_length
-            matched2 += length
-            if last_end != -1 and m_start != last_end:
-                chunks += 1
-            idx, last_end = start + length, m_start + m_length
-        if last_end != -1:
-            chunks += 1
-        return MeteorStats(len(hyp.words), len(ref.words), sum(hyp_functional), sum(ref_functional),
-                           tuple(content1), tuple(content2), tuple(function1), tuple(function2), chunks, matched1,
-                           matched2)
 
     def item_stats_many(self, items):
         """item_stats for many (hypothesis, references) at once: the alignments that need a search are solved
