@@ -273,13 +273,8 @@ class CaptionScorer:
             self.meteor_modules = self.meteor.modules
             meteor_stats = self.start_meteor([(self.candidates[i], self.references[i]) for i in self.ids])
         if "BLEU" in self.metrics:
-            self.bleu_stats = {}
-            for i in self.ids:
-                cand, cand_len = self._ngrams(self.candidates[i])
-                refs = [self._ngrams(r) for r in self.references[i]]
-                stats = bleu_item_stats(cand, cand_len, [c for c, _ in refs], [length for _, length in refs],
-                                        self.config.bleu_n)
-                self.bleu_stats[i] = stats
+            self.bleu_stats = self._bleu_stats()
+            for i, stats in self.bleu_stats.items():
                 for k, value in enumerate(bleu_from_stats(**stats)):
                     self.items[i][f"BLEU_{k + 1}"] = value
         if "ROUGE_L" in self.metrics:
@@ -311,6 +306,16 @@ class CaptionScorer:
         """A function that returns METEOR's statistics of each (candidate, references) item. Here they are
         computed when it is called; FastCaptionScorer starts on them at once, in a second process."""
         return lambda: self.meteor.item_stats_many(items)
+
+    def _bleu_stats(self):
+        """{id: BLEU statistics} of every item (bleu_item_stats)."""
+        stats = {}
+        for i in self.ids:
+            cand, cand_len = self._ngrams(self.candidates[i])
+            refs = [self._ngrams(r) for r in self.references[i]]
+            stats[i] = bleu_item_stats(cand, cand_len, [c for c, _ in refs], [length for _, length in refs],
+                                       self.config.bleu_n)
+        return stats
 
     def _cider(self, ids):
         """CIDEr-D of these items, with document frequencies over their references only."""
@@ -561,6 +566,7 @@ class FastCaptionScorer(CaptionScorer):
     meteor_class = FastMeteor
     rouge_l = staticmethod(fast.rouge_l)
     whole_set_cider = None    # CIDEr-D of all the items, computed while a METEOR worker runs
+    ngram_table = None        # (fast.NgramTable, {id: item number}): BLEU's and CIDEr-D's n-grams as arrays
 
     def __init__(self, *args, processes=1, **kwargs):
         self.processes, self.worker = processes, None
@@ -601,7 +607,28 @@ class FastCaptionScorer(CaptionScorer):
     def _cider(self, ids):
         if ids == self.ids and self.whole_set_cider is not None:
             return self.whole_set_cider
-        return super()._cider(ids)
+        return self._cider_of(ids)
+
+    def _cider_of(self, ids):
+        """CaptionScorer._cider from the n-gram arrays (fast.NgramTable): the same scores."""
+        table, number = self._ngram_table()
+        return table.cider([number[i] for i in ids], self.config.cider_n, self.config.cider_sigma,
+                           self.config.cider_log_n_of_one)
+
+    def _bleu_stats(self):
+        """CaptionScorer._bleu_stats from the n-gram arrays (fast.NgramTable): the same statistics."""
+        table, _ = self._ngram_table()
+        return dict(zip(self.ids, table.bleu_stats(self.config.bleu_n)))
+
+    def _ngram_table(self):
+        """(fast.NgramTable of every item, {id: its item number}), made once (again if the config asks for longer
+        n-grams)."""
+        n = max(self.config.bleu_n, self.config.cider_n)
+        if self.ngram_table is None or self.ngram_table[0].n < n:
+            self.ngram_table = (fast.NgramTable([self.candidates[i] for i in self.ids],
+                                                [self.references[i] for i in self.ids], n),
+                                {i: k for k, i in enumerate(self.ids)})
+        return self.ngram_table
 
     def score(self, ids=None):
         with collector_paused():

@@ -676,6 +676,8 @@ METRICS_VARIANTS = {
     "PTB plain captions": "metrics.FastCaptionScorer.tokenizer = staticmethod(ptb.ptb_tokenize)",
     "METEOR's second process": "metrics.FastCaptionScorer.start_meteor = metrics.CaptionScorer.start_meteor",
     "normaliser's plain lines": "fast.FastMeteor.words = meteor.Meteor.words",
+    "n-grams as arrays": "metrics.FastCaptionScorer._bleu_stats = metrics.CaptionScorer._bleu_stats; "
+                         "metrics.FastCaptionScorer._cider_of = metrics.CaptionScorer._cider",
 }
 
 

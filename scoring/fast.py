@@ -556,3 +556,201 @@ def rouge_l(candidate, references, beta=1.2):
     if precision != 0 and recall != 0:
         return ((1 + beta ** 2) * precision * recall) / float(recall + beta ** 2 * precision)
     return 0.0
+
+
+# 6. BLEU's and CIDEr-D's n-grams as arrays, for metrics.FastCaptionScorer: metrics.bleu_item_stats and
+# metrics.cider_scores over every item at once with numpy, in place of a dict of n-gram strings per caption and
+# Python loops over them; the same integers, and the same floats bit for bit (every float is made by the same
+# operation on the same operands, and every sum adds the same terms in the same order). What it buys of the whole
+# scoring process: BENCHMARKS.md section 6 (`python -m bench metrics`).
+# Shape letters: S distinct captions, W their words, E entries (a distinct n-gram of a caption, with its count),
+# I items, P (item, reference) pairs, X (item, candidate entry, reference) triples, G distinct n-grams.
+def _stable_sort(keys):
+    """(np.argsort(keys, kind="stable"), keys in that order) of non-negative int64 keys: where a key and its index
+    fit in 63 bits together, one np.sort of key * 2^bits + index (several times faster than a stable argsort)."""
+    bits = max(1, (len(keys) - 1).bit_length())
+    if len(keys) == 0 or int(keys.max()) >= 1 << (63 - bits):
+        order = np.argsort(keys, kind="stable")
+        return order, keys[order]
+    packed = np.sort((keys << bits) | np.arange(len(keys)))
+    return packed & ((1 << bits) - 1), packed >> bits
+
+
+def _runs(sorted_keys):
+    """The start of each run of equal values in a sorted array (R), and each value's run (the array's size)."""
+    new = np.empty(len(sorted_keys), bool)
+    new[:1] = True
+    np.not_equal(sorted_keys[1:], sorted_keys[:-1], out=new[1:])
+    return np.flatnonzero(new), np.cumsum(new) - 1
+
+
+def _sums(bins, weights, size):
+    """np.bincount(bins, weights, size): each bin's weights added one after the other in input order (the order of
+    a Python loop's sum), as float64 even when there are none (bincount then gives int64)."""
+    return np.bincount(bins, weights=weights, minlength=size).astype(np.float64, copy=False)
+
+
+def _ranges(starts, ends):
+    """The indices start..end - 1 of each range, one range after the other."""
+    sizes = ends - starts
+    return np.repeat(starts - np.cumsum(sizes) + sizes, sizes) + np.arange(sizes.sum())
+
+
+class NgramTable:
+    """The n-grams (orders 1..n) of every item's candidate and references, numbered: what metrics.bleu_item_stats
+    and metrics.cider_scores read of the per-caption dicts of metrics._ngram_counts, as arrays.
+
+    An n-gram is numbered from its (n-1)-gram prefix's number and its last word's. A caption's entries are its
+    distinct n-grams, order by order, each in order of first occurrence (the dicts' order), with their counts. The
+    candidate's entries are matched once against each of its item's references (the triples X); BLEU's clipped
+    counts follow, and CIDEr-D of any subset of the items reads the same matches with that subset's weights.
+    """
+
+    def __init__(self, candidates, references, n):
+        """candidates: [tokenized caption] per item; references: [[tokenized caption]] per item."""
+        index = {}                                           # distinct caption -> its number
+        self.cand = np.array([index.setdefault(t, len(index)) for t in candidates], np.int64)               # I
+        ref = [index.setdefault(t, len(index)) for refs in references for t in refs]
+        self.ref = np.array(ref, np.int64)                                                                   # P
+        self.pair_start = np.cumsum([0] + [len(refs) for refs in references])                              # I + 1
+        self.n = n
+        words = [text.split() for text in index]             # str.split(), as metrics._ngram_counts
+        self.length = np.fromiter(map(len, words), np.int64, len(words))                                    # S
+        self._entries(words)
+        self._match()
+        self._item_grams()
+
+    def _entries(self, words):
+        """The entries of every caption, order after order; within an order caption after caption, each caption's
+        in order of first occurrence: e_sent, e_gram, e_count, e_order (E); e_first and e_end (S x n): where each
+        caption's entries of each order lie."""
+        vocabulary = dict(zip(dict.fromkeys(itertools.chain.from_iterable(words)), itertools.count()))
+        word = np.fromiter(map(vocabulary.__getitem__, itertools.chain.from_iterable(words)), np.int64,
+                           int(self.length.sum()))                                                          # W
+        n_sent = len(self.length)
+        sent = np.repeat(np.arange(n_sent), self.length)                                                   # W
+        room = np.repeat(np.cumsum(self.length), self.length) - np.arange(len(word))   # words left, this one too
+        gram, parts, bounds = word.copy(), [], []            # gram: the number of the n-gram starting at a word
+        offset, placed, prefixes = 0, 0, 1                   # n-grams and entries of the orders before; prefixes
+        for order in range(self.n):
+            at = np.flatnonzero(room > order)                # where an n-gram of this order starts
+            assert prefixes * len(vocabulary) * n_sent < 1 << 63, "too many n-grams to number in int64"
+            name = gram[at] * len(vocabulary) + word[at + order] if order else word   # (prefix's number, word)
+            # One stable sort by (n-gram, caption): its runs of equal n-grams number them; its runs of equal
+            # (n-gram, caption) are a caption's repeats of one n-gram, the first occurrence first.
+            rank, key = _stable_sort(name * n_sent + sent[at])
+            repeats, _ = _runs(key)
+            named, number = _runs(key // n_sent)
+            gram[at[rank]] = number
+            count = np.zeros(len(at), np.int64)
+            count[rank[repeats]] = np.diff(np.r_[repeats, len(key)])
+            first = np.flatnonzero(count)                    # caption after caption, each in its words' order
+            parts.append((sent[at[first]], offset + gram[at[first]], count[first]))
+            bounds.append(placed + np.searchsorted(parts[-1][0], np.arange(n_sent + 1)))
+            offset, placed, prefixes = offset + len(named), placed + len(first), len(named)
+        self.n_grams = offset
+        self.e_sent, self.e_gram, self.e_count = (np.concatenate(c) for c in zip(*parts))                 # E
+        self.e_order = np.repeat(np.arange(self.n), [len(p[0]) for p in parts])                           # E
+        bounds = np.stack(bounds, axis=1)                                                                  # S+1 x n
+        self.e_first, self.e_end = bounds[:-1], bounds[1:]
+
+    def _match(self):
+        """Each candidate entry against each reference of its item: the triples X, in (item, candidate entry,
+        reference) order. Those whose reference holds the entry's n-gram: x_pair, x_entry, x_count (its count in
+        the reference), in that order, x_start (I + 1) each item's first; BLEU's clipped counts (correct: I x n)."""
+        refs = np.diff(self.pair_start)                                                                     # I
+        entries = (self.e_end - self.e_first)[self.cand].sum(axis=1)                                        # I
+        c_entry = _ranges(self.e_first[self.cand].ravel(), self.e_end[self.cand].ravel())                  # C
+        c_item = np.repeat(np.arange(len(self.cand)), entries)                                              # C
+        c_first = np.cumsum(refs[c_item]) - refs[c_item]     # each candidate entry's first triple           # C
+        pair = _ranges(self.pair_start[c_item], self.pair_start[c_item + 1])                                # X
+        # The entries of the candidates' n-grams and the triples sorted together by (caption, n-gram), entries
+        # first on a tie (the sort is stable): a run of equal keys starts with the reference's entry, if it has one.
+        wanted = np.zeros(self.n_grams, bool)
+        wanted[self.e_gram[c_entry]] = True
+        side = np.flatnonzero(wanted[self.e_gram])
+        rank, key = _stable_sort(np.concatenate((self.e_sent[side] * self.n_grams + self.e_gram[side],
+                                                 self.ref[pair] * self.n_grams +
+                                                 np.repeat(self.e_gram[c_entry], refs[c_item]))))
+        starts, run = _runs(key)
+        found = np.flatnonzero((rank[starts] < len(side))[run] & (rank >= len(side)))   # triples with an entry
+        by_triple, triple = _stable_sort(rank[found] - len(side))                        # back in triple order
+        head = side[rank[starts[run[found[by_triple]]]]]     # the reference's entry of each
+        group = np.searchsorted(c_first, triple, side="right") - 1                       # its candidate entry
+        self.x_pair, self.x_entry, self.x_count = pair[triple], c_entry[group], self.e_count[head]
+        self.x_start = np.searchsorted(c_item[group], np.arange(len(self.cand) + 1))
+        # BLEU: a candidate n-gram's count clipped to its largest count in any one reference, summed per order
+        # (integers: exact in any order).
+        groups, _ = _runs(group)
+        most = np.maximum.reduceat(self.x_count, groups) if len(groups) else groups
+        entry = c_entry[group[groups]]
+        correct = _sums(c_item[group[groups]] * self.n + self.e_order[entry], np.minimum(self.e_count[entry], most),
+                        len(self.cand) * self.n)
+        self.correct = correct.astype(np.int64).reshape(len(self.cand), self.n)
+
+    def _item_grams(self):
+        """The distinct n-grams of each item's references (document frequencies count them): ig_gram, item after
+        item, and ig_start (I + 1)."""
+        per_pair = (self.e_end - self.e_first)[self.ref].sum(axis=1)                                        # P
+        item = np.repeat(np.arange(len(self.cand)), np.diff(self.pair_start))                             # P
+        grams = self.e_gram[_ranges(self.e_first[self.ref].ravel(), self.e_end[self.ref].ravel())]
+        key = np.sort(np.repeat(item, per_pair) * self.n_grams + grams)
+        key = key[_runs(key)[0]]
+        self.ig_gram = key % self.n_grams
+        self.ig_start = np.searchsorted(key, np.arange(len(self.cand) + 1) * self.n_grams)
+
+    def bleu_stats(self, n):
+        """metrics.bleu_item_stats of every item, in order: testlen, reflen (the closest reference length, the
+        shorter on a tie), guess and correct, as Python ints."""
+        testlen = self.length[self.cand]                                                                    # I
+        ref_len = self.length[self.ref]                                                                     # P
+        item = np.repeat(np.arange(len(self.cand)), np.diff(self.pair_start))                             # P
+        wide = int(self.length.max(initial=0)) + 1           # the least (distance, length), as one number
+        closest = np.abs(ref_len - testlen[item]) * wide + ref_len
+        reflen = np.minimum.reduceat(closest, self.pair_start[:-1]) % wide if len(testlen) else testlen
+        guess = np.maximum(0, testlen[:, None] - np.arange(n))
+        return [{"testlen": t, "reflen": r, "guess": g, "correct": c} for t, r, g, c in
+                zip(testlen.tolist(), reflen.tolist(), guess.tolist(), self.correct[:, :n].tolist())]
+
+    def cider(self, items, n=4, sigma=6.0, log_n_of_one=None):
+        """metrics.cider_scores of these items (their numbers, in order; a repeat counts twice, as there), with
+        document frequencies over them alone. Returns [score] per item."""
+        items = np.asarray(items, np.int64)
+        refs = np.diff(self.pair_start)[items]                                                              # I
+        # Weights tf * (log N - log df): the logarithm of each distinct df by math.log, as the plain code.
+        df = np.bincount(self.ig_gram[_ranges(self.ig_start[items], self.ig_start[items + 1])],
+                         minlength=self.n_grams)                                                            # G
+        log_n = log_n_of_one if len(items) == 1 and log_n_of_one is not None else math.log(float(len(items)))
+        values, which = np.unique(df, return_inverse=True)
+        idf = np.array([log_n - math.log(float(d)) if d else log_n for d in values.tolist()])[which]    # G
+        weight = self.e_count * idf[self.e_gram]             # E: int * float, as the plain code
+        used = self.e_order < n
+        # Each caption's norm per order: the squares summed in the dicts' order (bincount adds in input order).
+        norm = np.sqrt(_sums(self.e_sent[used] * n + self.e_order[used], (weight * weight)[used],
+                             len(self.length) * n)).reshape(-1, n)                                          # S x n
+        # Each pair's numerator per order: min(w, r) * r over the candidate's n-grams that the reference holds,
+        # summed in the candidate's order; divided by the norms where both are non-zero.
+        x = _ranges(self.x_start[items], self.x_start[items + 1])
+        shift = np.repeat(np.cumsum(refs) - refs - self.pair_start[items], np.diff(self.x_start)[items])
+        keep = used[self.x_entry[x]]
+        x, pair = x[keep], (self.x_pair[x] + shift)[keep]    # pairs numbered among these items' pairs
+        entry, count = self.x_entry[x], self.x_count[x]
+        cand_w, ref_w = weight[entry], count * idf[self.e_gram[entry]]
+        value = _sums(pair * n + self.e_order[entry], np.minimum(cand_w, ref_w) * ref_w,
+                      refs.sum() * n).reshape(-1, n)                                                        # P x n
+        pairs = _ranges(self.pair_start[items], self.pair_start[items + 1])
+        cand, ref = np.repeat(self.cand[items], refs), self.ref[pairs]                                      # P
+        np.divide(value, norm[cand] * norm[ref], out=value, where=(norm[cand] != 0) & (norm[ref] != 0))
+        # The Gaussian length penalty of each pair, lengths in bigrams (as the toolkit), each distinct difference's
+        # by Python's float power, as the plain code.
+        bigrams = np.maximum(self.length - 1, 0) if n > 1 else np.zeros_like(self.length)
+        values, which = np.unique(bigrams[cand] - bigrams[ref], return_inverse=True)
+        penalty = np.array([math.e ** (-(float(d) ** 2) / (2 * sigma ** 2)) for d in values.tolist()])[which]
+        # Summed over the item's references in order, per order (bincount adds in input order), then over the
+        # orders in order; averaged.
+        bins = np.repeat(np.arange(len(items)), refs)[:, None] * n + np.arange(n)                         # P x n
+        total = _sums(bins.ravel(), (value * penalty[:, None]).ravel(), len(items) * n).reshape(-1, n)      # I x n
+        mean = np.zeros(len(items))
+        for k in range(n):
+            mean = mean + total[:, k]
+        return (mean / n / refs * 10.0).tolist()
