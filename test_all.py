@@ -2561,6 +2561,58 @@ def test_bit_parallel_rouge_l_equals_the_plain_one():
         assert scoring_fast.rouge_l(words[-1], words[:1]) == metrics.rouge_l(words[-1], words[:1])
 
 
+def test_ngram_arrays_give_the_plain_bleu_statistics_and_cider_of_every_corpus_and_subset():
+    # scoring/fast.py's NgramTable, FastCaptionScorer's BLEU statistics and CIDEr-D, against the plain per-caption
+    # dicts (CaptionScorer), bit for bit: the whole set, subsets (CIDEr's document frequencies change with them), one
+    # item, repeated ids; the edge cases' empty and duplicate references and unicode; the field's id strings.
+    corpora = [tokenized(load_corpus(name)[1]) for name in CORPORA]
+    toolkit = levir_field_vectors()[1]["items"]
+    corpora.append(({it["id"]: it["candidate_ids"] for it in toolkit},
+                    {it["id"]: it["references_ids"] for it in toolkit}))
+    for predictions, references in corpora:
+        plain = metrics.CaptionScorer(predictions, references, ("BLEU", "CIDEr"), tokenize=False)
+        fast = metrics.FastCaptionScorer(predictions, references, ("BLEU", "CIDEr"), tokenize=False)
+        assert fast.bleu_stats == plain.bleu_stats and fast.items == plain.items
+        ids = list(predictions)
+        for subset in (None, ids[:100], ids[-1:], ids[::3], ids[:20] + ids[5:10]):
+            assert fast.score(subset) == plain.score(subset)
+        for config in (dataclasses.replace(plain.config, cider_log_n_of_one=1.0), metrics.MetricsConfig(bleu_n=2,
+                       cider_n=3, cider_sigma=2.5)):          # as scoring/field.py sets it; other orders and width
+            plain.config = fast.config = config
+            assert fast.score(ids[-1:]) == plain.score(ids[-1:]) and fast.score(ids[::2]) == plain.score(ids[::2])
+
+
+def test_ngram_arrays_give_the_plain_numbers_on_random_captions():
+    # Few words, so that n-grams repeat within a caption and across references; any whitespace (str.split()), empty
+    # captions and references, a reference equal to the candidate or repeated; 1- to 5-grams.
+    rng = np.random.default_rng(2)
+    words = ["a", "b", "c", "cube", "é", "日本", "x.y"]
+    def caption():                                                                                  # noqa: E306
+        picked = rng.choice(words[:rng.integers(1, len(words) + 1)], rng.integers(0, 16))
+        return "".join(w + rng.choice([" ", " ", "  ", "\t", "\u3000"]) for w in picked)
+    for trial in range(40):
+        n_items = int(rng.integers(1, 30))
+        predictions = {i: caption() for i in range(n_items)}
+        references = {i: [caption() for _ in range(rng.integers(1, 6))] for i in range(n_items)}
+        references[0] += [references[0][0], predictions[0]]
+        config = metrics.MetricsConfig(bleu_n=int(rng.integers(1, 6)), cider_n=int(rng.integers(1, 6)),
+                                       cider_log_n_of_one=[None, 1.0][trial % 2])
+        plain = metrics.CaptionScorer(predictions, references, ("BLEU", "CIDEr"), tokenize=False, config=config)
+        fast = metrics.FastCaptionScorer(predictions, references, ("BLEU", "CIDEr"), tokenize=False, config=config)
+        assert fast.score() == plain.score()
+        for _ in range(3):
+            subset = rng.integers(0, n_items, rng.integers(1, n_items + 1)).tolist()
+            assert fast.score(subset) == plain.score(subset)
+    every_reference_empty = ({1: "a b", 2: "c"}, {1: [""], 2: ["", ""]}, ("BLEU", "CIDEr"), False)
+    assert metrics.FastCaptionScorer(*every_reference_empty).score() == \
+        metrics.CaptionScorer(*every_reference_empty).score()
+    # The packed sort under the n-gram arrays is a stable argsort, also where keys are too large to pack.
+    for high in (3, 1 << 20, 1 << 62):
+        keys = rng.integers(0, high, 200)
+        order, in_order = scoring_fast._stable_sort(keys)
+        assert (order == np.argsort(keys, kind="stable")).all() and (in_order == np.sort(keys)).all()
+
+
 def test_cider_is_ten_for_a_perfect_match_and_zero_for_a_one_item_corpus():
     result = metrics.score_captions({1: "the red cube moved", 2: "a ball appeared"},
                                     {1: ["the red cube moved"] * 3, 2: ["the blue sphere is gone"]}, metrics=("CIDEr",))
