@@ -10,7 +10,8 @@ scripts score with it (caption.SCORER). It holds, top to bottom:
     2. FastMeteor: many items at once (a batched beam search), from per-word records;
     3. the garbage collector paused around scoring;
     4. MeteorWorker: METEOR's items shared with a forked process while this one computes BLEU and ROUGE-L;
-    5. ROUGE-L's longest common subsequence, bit-parallel.
+    5. ROUGE-L's longest common subsequence, bit-parallel;
+    6. NgramTable: BLEU's statistics and CIDEr-D of every item (or any subset) at once, from numbered n-grams.
 
 This file imports scoring/meteor.py alone.
 """
