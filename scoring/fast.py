@@ -631,7 +631,7 @@ class NgramTable:
         n_sent = len(self.length)
         sent = np.repeat(np.arange(n_sent), self.length)                                                   # W
         room = np.repeat(np.cumsum(self.length), self.length) - np.arange(len(word))   # words left, this one too
-        gram, parts, bounds = word.copy(), [], []            # gram: the number of the n-gram starting at a word
+        gram, parts, bounds = np.empty_like(word), [], []    # gram: the number of the n-gram starting at a word
         offset, placed, prefixes = 0, 0, 1                   # n-grams and entries of the orders before; prefixes
         for order in range(self.n):
             at = np.flatnonzero(room > order)                # where an n-gram of this order starts
