@@ -3204,22 +3204,20 @@ def test_many_items_at_once_give_the_statistics_of_one_item_at_a_time():
     assert plain.item_stats_many(items) == fast.item_stats_many(items)
 
 
-def test_fast_sentences_hold_what_readable_sentences_hold_and_match_the_same_paraphrases():
+def test_many_items_at_once_give_the_same_statistics_with_any_stages_a_chunk_at_a_time_and_past_64_words():
     needs_meteor_data()
-    texts = []
-    for name in CORPORA:
-        _, coco = load_corpus(name)
-        texts += [text for e in coco["items"][:100] for text in [e["candidate_tok"], *e["references_tok"]]]
-    fast = scoring_fast.FastMeteor(resources=meteor.load_meteor_resources())
-    fast.prepare(texts)
-    plain = [meteor._MeteorSentence(fast.words(text), fast) for text in texts]
-    quick = [fast.sentence(text) for text in texts]
-    assert all(type(s) is scoring_fast._FastSentence for s in quick)
-    fields = ("words", "positions", "functional", "stems", "stem_positions", "synonyms")
-    assert [[getattr(s, f) for f in fields] for s in plain] == [[getattr(s, f) for f in fields] for s in quick]
-    found = [a.paraphrase_matches(b) for a, b in zip(plain, plain[1:] + plain[:1])]
-    assert sum(any(n > 1 or m > 1 for _, n, _, _, m in f) for f in found) > 10    # phrases of several words too
-    assert found == [a.paraphrase_matches(b) for a, b in zip(quick, quick[1:] + quick[:1])]
+    _, coco = load_corpus("spot_public")
+    items = [(e["candidate_tok"], e["references_tok"]) for e in coco["items"][:150]]
+    long = " ".join(["the red cube and the blue ball"] * 12)     # 84 words: past the batched search's 64-bit masks
+    items += [("", ["a cube"]), ("a cube", [""]), ("a  cube", ["a cube"]), ("the cube moved", []),   # the same words
+              (long, [long + " moved", long.replace("red", "green")])]
+    for modules in [("exact",), ("exact", "stem"), ("exact", "synonym"), ("exact", "paraphrase")]:
+        plain = meteor.Meteor(modules=modules, resources=meteor.load_meteor_resources())
+        plain.read_paraphrases = scoring_fast.load_paraphrases    # the same table (a test below), read faster
+        fast = scoring_fast.FastMeteor(modules=modules, resources=meteor.load_meteor_resources())
+        expected = plain.item_stats_many(items)
+        assert [s for k in range(0, len(items), 40) for s in fast.item_stats_many(items[k:k + 40])] == expected
+        assert fast.item_stats_many(items) == expected            # again: the alignments searched before, reused
 
 
 def test_batched_beam_search_chooses_the_same_alignments_as_the_readable_one():

@@ -670,8 +670,7 @@ for scorer in (Bleu(4), Meteor(), Rouge(), Cider()):
 METRICS_VARIANTS = {
     "none (all speed variants on)": "",
     "paraphrase index": "fast.FastMeteor.read_paraphrases = staticmethod(meteor.read_paraphrases)",
-    "batched beam search": "fast.FastMeteor.item_stats_many = meteor.Meteor.item_stats_many; "
-                           "fast.FastMeteor.sentence_type = meteor._MeteorSentence",
+    "METEOR's pairs as arrays": "fast.FastMeteor.item_stats_many = meteor.Meteor.item_stats_many",
     "garbage collector paused": "import contextlib; metrics.collector_paused = contextlib.nullcontext",
     "PTB plain captions": "metrics.FastCaptionScorer.tokenizer = staticmethod(ptb.ptb_tokenize)",
     "METEOR's second process": "metrics.FastCaptionScorer.start_meteor = metrics.CaptionScorer.start_meteor",

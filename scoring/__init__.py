@@ -9,8 +9,9 @@ tests/metrics_vectors:
              test_ptb_tokenizer_gives_the_toolkits_tokens_for_every_raw_caption
   meteor.py  METEOR 1.5: exact, stem, synonym and paraphrase matching, the alignment, the score; its resources,
              normaliser and stemmer.  test_meteor_with_its_data_equals_the_toolkit
-  fast.py    the speed variants metrics.FastCaptionScorer selects: METEOR's paraphrase index and batched beam search,
-             the paused garbage collector, a forked METEOR worker; each gives the plain code's numbers.
+  fast.py    the speed variants metrics.FastCaptionScorer selects: METEOR's paraphrase index, its pairs as arrays and
+             batched beam search, the paused garbage collector, a forked METEOR worker; each gives the plain code's
+             numbers.
              test_batched_beam_search_chooses_the_same_alignments_as_the_readable_one
   field.py   how the LEVIR-CC papers score: each paper's evaluation (RSICC, RSCaMa, Chg2Cap) exactly, its vocabulary
              rule and id order, its unchanged pairs, its one-item CIDEr-D, its printout; caption.py's table of both

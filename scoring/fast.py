@@ -7,7 +7,7 @@ scripts score with it (caption.SCORER). It holds, top to bottom:
 
     1. the paraphrase index: METEOR's paraphrase table turned once into a word-id index cached on disk, for
        meteor.read_paraphrases;
-    2. FastMeteor: many items at once (a batched beam search), from per-word records;
+    2. FastMeteor: many items at once, every pair's steps as numpy arrays over word ids, and a batched beam search;
     3. the garbage collector paused around scoring;
     4. MeteorWorker: METEOR's items shared with a forked process while this one computes BLEU and ROUGE-L;
     5. ROUGE-L's longest common subsequence, bit-parallel;
@@ -29,11 +29,11 @@ import sys
 import tempfile
 import zlib
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
-from scoring.meteor import (METEOR_CACHE_ENV, METEOR_FUNCTION_WORDS, PARAPHRASE_INDEX_VERSION, Meteor,
-                            _fixed_matches, _MeteorSentence, _positions)
+from scoring.meteor import METEOR_CACHE_ENV, METEOR_FUNCTION_WORDS, PARAPHRASE_INDEX_VERSION, Meteor, MeteorStats
 
 # 1. The paraphrase index, for meteor.read_paraphrases. Unzipping the table alone takes seconds, so it is turned
 # once into a word-id index cached on disk. The index files each pair under its rarest word: a run reads only the
@@ -169,68 +169,271 @@ def _read_paraphrase_index(out, vocabulary):
     return table
 
 
-# 2. Many items at once, for meteor.Meteor.item_stats_many. The beam search of Meteor._resolve, one alignment
-# at a time in Python, is about half of METEOR's time. FastMeteor.item_stats_many collects the alignments of many
-# items that need a search (each distinct one once) and runs that same search on all of them together with numpy,
-# step for step, so that every tie is broken the same way. What it buys of the whole scoring process: BENCHMARKS.md
-# section 6 (`python -m bench metrics`).
-# Its sentences (_FastSentence) are built from per-word records, computed once per word, and hold each phrase's
-# paraphrases grouped by first word as lists made once per phrase (a pair's paraphrase matches then need no set),
-# the longer phrases found down a trie of the table's phrases.
+# 2. Many items at once, for meteor.Meteor.item_stats_many. Meteor scores each (hypothesis, reference) pair in
+# Python, word by word and match by match. FastMeteor.item_stats_many takes each of its steps for all the pairs of
+# many items at once, with numpy over word ids, and gives that step's exact numbers: each pair's candidate matches
+# in the order Meteor._candidates lists them and their coverage, the fixed matches (_fixed_matches), the statistics
+# (Meteor._stats), the scores (Meteor.score) and each item's best reference. The alignments left with an open
+# choice go to the beam search, each distinct one once, and that search too runs on all of them together
+# (_resolve_batch), step for step, so that every tie is broken the same way. What it buys of the whole scoring
+# process: BENCHMARKS.md section 6 (`python -m bench metrics`).
+# Shape letters: V words of the run's vocabulary, S distinct sentences of one call, T their words one after the
+# other, P distinct (hypothesis, reference) pairs, Q the pairs' reference positions, C candidate matches, M the
+# chosen matches, K the stages (Meteor.modules).
 _PLAIN_LINE = re.compile(r"[a-z0-9 ]*")     # lower-case words and spaces: no normaliser rule changes them
+_WORD_MASK_BITS = 64                        # _resolve_batch's used-word masks: a word a bit
+_DENSE_KEYS = 1 << 22                       # the vocabulary's trie is an array up to this many (node, word) keys
 
 
-class _FastSentence(_MeteorSentence):
-    """_MeteorSentence built from per-word records (FastMeteor._word_record). Its paths hold each phrase's
-    paraphrases as FastMeteor._by_first lists them, found by walking the table's phrases as a trie
-    (FastMeteor._trie), one word at a time, as ParaphraseTransducer does."""
-    __slots__ = ()
+class _Vocabulary(NamedTuple):
+    """The run's words as ids, and what each matching stage needs of them as arrays (FastMeteor._vocabulary)."""
+    ids: dict                   # word -> id, 0..V-1
+    functional: np.ndarray      # (V,) bool: in METEOR_FUNCTION_WORDS
+    stem: np.ndarray            # (V,) the id of the word's Snowball stem
+    stem_shared: np.ndarray     # (V,) bool: another word of the vocabulary has the same stem
+    synonym_lo: np.ndarray      # (V,) where the word's synonyms (Meteor.synonyms) start in `synonym`
+    synonym_count: np.ndarray   # (V,)
+    synonym: np.ndarray         # the synonyms' word ids, word after word
+    edges: "_Index"             # the paraphrase table's phrases as a trie: parent node * V + word -> child node
+    node_phrase: np.ndarray     # per trie node, the phrase that ends there, or -1
+    phrase_length: np.ndarray   # (phrases,) words of each phrase: the table's phrases and paraphrases
+    target_lo: np.ndarray       # (phrases,) where the phrase's paraphrases start in `target`: its rank-th is
+    target_count: np.ndarray    # target[target_lo + rank], in the table's order
+    target: np.ndarray          # the paraphrases' phrase ids
 
-    def __init__(self, words, meteor):
-        records = meteor._records
-        rows = [records.get(word) or meteor._word_record(word) for word in words]
-        self.words = words = tuple(words)
-        self.positions = _positions(words)
-        functional, stems, synonyms, paths, nodes = zip(*rows) if rows else ((),) * 5
-        self.functional, self.stems, self.synonyms = functional, stems, synonyms
-        self.stem_positions = self.paths = None
-        if "stem" in meteor.modules:
-            self.stem_positions = _positions(stems)
+
+class _Sentences(NamedTuple):
+    """The distinct sentences of one call, their words one after the other."""
+    word: np.ndarray            # (T,) word ids
+    lo: np.ndarray              # (S,) where each sentence starts in `word`
+    length: np.ndarray          # (S,)
+    of: np.ndarray              # (T,) the sentence of each word
+
+
+class _Matches(NamedTuple):
+    """Matches of many pairs, one entry each: Meteor's tuple (start, length, m_start, m_length, stage) and its pair."""
+    pair: np.ndarray
+    start: np.ndarray           # first reference word
+    length: np.ndarray          # reference words
+    m_start: np.ndarray         # first hypothesis word
+    m_length: np.ndarray        # hypothesis words
+    stage: np.ndarray           # index in Meteor.modules
+
+
+def _ranges(lo, count):
+    """Entries lo[r] to lo[r] + count[r] - 1 of every row r: (the row of each entry, the entry), both (sum(count),)."""
+    row = np.repeat(np.arange(len(count)), count)
+    return row, np.arange(len(row)) + np.repeat(lo - np.cumsum(count) + count, count)
+
+
+def _order(*columns):
+    """The order that sorts by the first column, then by the second, ... (np.lexsort's, primary first): one stable
+    argsort of their mixed-radix number where it fits in 63 bits, ten times faster. Columns >= 0."""
+    radix = [int(column.max(initial=0)) + 1 for column in columns]
+    if math.prod(radix) >= 1 << 63:
+        return np.lexsort(columns[::-1])
+    key = np.zeros(len(columns[0]), np.int64)
+    for column, r in zip(columns, radix):
+        key = key * r + column
+    return np.argsort(key, kind="stable")
+
+
+class _Index:
+    """Values grouped by key: lookup(queries) tells where each query's values lie in self.values, in their order.
+    Given `size`, the keys' range, it reads each key's run from arrays of that size: worth their making and memory
+    where the lookups are many (a search of the sorted keys, else, costs some 20 cache-missing steps a query)."""
+
+    def __init__(self, keys, values, size=None):
+        order = np.argsort(keys, kind="stable")
+        self.keys, self.values, self.size = keys[order], values[order], size
+        if size is not None:
+            self.count = np.bincount(keys, minlength=size)
+            self.first = np.cumsum(self.count) - self.count
         else:
-            self.stems = None
-        if "synonym" not in meteor.modules:
-            self.synonyms = None
-        if "paraphrase" in meteor.modules:
-            self.paths = list(paths)
-            for i, node in enumerate(nodes):              # as _MeteorSentence: longer phrases too, down the trie
-                if node is not None and node[1]:
-                    self.paths[i] = grown = list(paths[i])
-                    for n in range(2, len(words) - i + 1):
-                        node = node[1].get(words[i + n - 1])
-                        if node is None:
-                            break
-                        if node[0]:
-                            grown.append((n, node[0]))
+            last = np.flatnonzero(np.r_[self.keys[1:] != self.keys[:-1], True])   # the last entry of each key
+            self.end = np.repeat(last + 1, np.diff(np.r_[-1, last]))              # per entry, its key's run's end
 
-    def paraphrase_matches(self, other):
-        """_MeteorSentence.paraphrase_matches: the same list."""
-        found, other_words, other_positions = [], other.words, other.positions
-        for i, paths in enumerate(self.paths):
-            for n, firsts in paths:
-                for first, options in firsts:
-                    if first in other_positions:
-                        for rank, target, m in options:
-                            for j in other_positions[first]:
-                                if m == 1 or other_words[j:j + m] == target:
-                                    found.append((i, n, rank, j, m))
-        found.sort()
-        return found
+    def lookup(self, queries):
+        """(where each query's run of values starts, its length: 0 for a key not there)."""
+        if self.size is not None:
+            return self.first[queries], self.count[queries]
+        if len(self.keys) == 0:
+            return np.zeros(len(queries), np.int64), np.zeros(len(queries), np.int64)
+        lo = np.searchsorted(self.keys, queries)
+        at = np.minimum(lo, len(self.keys) - 1)
+        return lo, np.where(self.keys[at] == queries, self.end[at] - lo, 0)
+
+
+def _phrase_occurrences(vocab, sent):
+    """Where each phrase of the table occurs: (first word in sent.word, phrase id) of each occurrence, found by walking
+    the trie of the table's phrases from every word, one word deeper at a time (as ParaphraseTransducer walks it)."""
+    first = np.arange(len(sent.word))
+    node = np.zeros(len(first), np.int64)                       # the root
+    end = (sent.lo + sent.length)[sent.of]                      # (T,) end of each word's sentence
+    found_at, found_phrase = [], []
+    for depth in range(len(sent.word) + 1):
+        inside = first + depth < end[first]
+        first, node = first[inside], node[inside]
+        at, on = vocab.edges.lookup(node * len(vocab.ids) + sent.word[first + depth])
+        first, node = first[on == 1], vocab.edges.values[at[on == 1]]
+        if len(first) == 0:
+            break
+        phrase = vocab.node_phrase[node]
+        found_at.append(first[phrase >= 0])
+        found_phrase.append(phrase[phrase >= 0])
+    return np.concatenate(found_at or [first]), np.concatenate(found_phrase or [first])
+
+
+def _same_words(sent, pair_h, pair_r):
+    """(P,) whether a pair's hypothesis and reference have the same words (their texts may still differ)."""
+    same = sent.length[pair_h] == sent.length[pair_r]
+    check = np.flatnonzero(same)
+    row, at = _ranges(np.zeros(len(check), np.int64), sent.length[pair_r[check]])
+    differ = sent.word[sent.lo[pair_h[check]][row] + at] != sent.word[sent.lo[pair_r[check]][row] + at]
+    same[check[row[differ]]] = False
+    return same
+
+
+def _one_word_matches(vocab, sent, pair_h, pair_r, identical, stages):
+    """The exact, stem and synonym matches of every pair, as Meteor._candidates finds them: (matches, order within
+    their reference position: the stage's block, then the hypothesis position)."""
+    n_ref = sent.length[pair_r]
+    q_pair, q_pos = _ranges(np.zeros(len(pair_r), np.int64), n_ref)        # (Q,) every reference position
+    q_word = sent.word[sent.lo[pair_r][q_pair] + q_pos]
+    q_hyp = pair_h[q_pair]
+    hyps = np.unique(pair_h)
+    local = np.zeros(len(sent.lo), np.int64)
+    local[hyps] = np.arange(len(hyps))                                      # the hypotheses numbered 0..H-1
+    hyp_word = np.flatnonzero(np.isin(sent.of, hyps))                       # the words of the hypotheses
+    position = hyp_word - sent.lo[sent.of[hyp_word]]
+    size = len(hyps) * len(vocab.ids)                   # arrays of (hypothesis, word) where not larger than the lookups
+    by_word = _Index(local[sent.of[hyp_word]] * len(vocab.ids) + sent.word[hyp_word], position,
+                     size if size <= 4 * len(q_pair) else None)
+    q_local = local[q_hyp]
+    differ = ~identical[q_pair]                           # identical sentences need exact matches only
+    found = []                                            # (query, hypothesis position, stage) of each stage
+
+    def add(query, index, keys, stage, keep=None):
+        row, at = _ranges(*index.lookup(keys))
+        query, j = query[row], index.values[at]
+        if keep is not None:
+            kept = keep(query, j)
+            query, j = query[kept], j[kept]
+        found.append((query, j, np.full(len(j), stage)))
+
+    add(np.arange(len(q_pair)), by_word, q_local * len(vocab.ids) + q_word, 0)
+    if "stem" in stages:
+        n_stems = int(vocab.stem.max(initial=0)) + 1
+        by_stem = _Index(local[sent.of[hyp_word]] * n_stems + vocab.stem[sent.word[hyp_word]], position)
+        query = np.flatnonzero(differ & vocab.stem_shared[q_word])
+        add(query, by_stem, q_local[query] * n_stems + vocab.stem[q_word[query]], stages.index("stem"),
+            lambda q, j: sent.word[sent.lo[q_hyp[q]] + j] != q_word[q])     # the same stem, another word
+    if "synonym" in stages:
+        query = np.flatnonzero(differ & (vocab.synonym_count[q_word] > 0))
+        row, at = _ranges(vocab.synonym_lo[q_word[query]], vocab.synonym_count[q_word[query]])
+        add(query[row], by_word, q_local[query[row]] * len(vocab.ids) + vocab.synonym[at], stages.index("synonym"))
+    query, j, stage = (np.concatenate(column) for column in zip(*found))
+    ones = np.ones(len(j), np.int64)
+    return _Matches(q_pair[query], q_pos[query], ones, j, ones, stage), np.stack([stage, j], axis=1)
+
+
+def _paraphrase_matches(vocab, sent, pair_h, pair_r, identical, stage):
+    """The paraphrase matches of every pair, as Meteor._candidates finds them: reference phrases first, then
+    hypothesis phrases. (matches, order within their reference position, as (block, four keys) rows)."""
+    occurrence, phrase = _phrase_occurrences(vocab, sent)
+    where = sent.of[occurrence]
+    n_phrases = len(vocab.phrase_length)
+    found_in = _Index(where * n_phrases + phrase, occurrence - sent.lo[where])     # (sentence, phrase) -> position
+    where, phrase, position = found_in.keys // n_phrases, found_in.keys % n_phrases, found_in.values   # so sorted
+    # Per sentence, its phrases' paraphrases: (sentence, position, phrase length, rank, paraphrase), by sentence.
+    row, at = _ranges(vocab.target_lo[phrase], vocab.target_count[phrase])
+    wanted = np.stack([where[row], position[row], vocab.phrase_length[phrase[row]], at - vocab.target_lo[phrase[row]],
+                       vocab.target[at]], axis=1)
+    wanted_bounds = np.searchsorted(wanted[:, 0], np.arange(len(sent.lo) + 1))
+    wanted_lo, wanted_count = wanted_bounds[:-1], np.diff(wanted_bounds)
+    differ = ~identical                                   # identical sentences need exact matches only
+    found = []
+    for phrase_side, other_side, block in ((pair_r, pair_h, 3), (pair_h, pair_r, 4)):
+        by_other = np.argsort(other_side, kind="stable")  # pairs by the sentence searched: 3 times faster lookups
+        pair, at = _ranges(wanted_lo[phrase_side[by_other]], np.where(differ, wanted_count[phrase_side], 0)[by_other])
+        pair = by_other[pair]
+        _, i, n, rank, target = wanted[at].T
+        row, hit = _ranges(*found_in.lookup(other_side[pair] * n_phrases + target))
+        pair, i, n, rank, target, j = pair[row], i[row], n[row], rank[row], target[row], found_in.values[hit]
+        m = vocab.phrase_length[target]
+        if block == 3:                                    # the reference's phrase i:i+n, the hypothesis's j:j+m
+            found.append((_Matches(pair, i, n, j, m, np.full(len(j), stage)), np.stack([n, rank, j, m], axis=1)))
+        else:                                             # the hypothesis's phrase i:i+n, the reference's j:j+m
+            found.append((_Matches(pair, j, m, i, n, np.full(len(j), stage)), np.stack([i, n, rank, m], axis=1)))
+    return found
+
+
+def _candidates(vocab, sent, pair_h, pair_r, stages):
+    """Meteor._candidates of every pair: its candidate matches, in the order of its lists (by reference position,
+    within one as Meteor._candidates appends them)."""
+    identical = _same_words(sent, pair_h, pair_r)
+    one_word, order = _one_word_matches(vocab, sent, pair_h, pair_r, identical, stages)
+    parts = [(one_word, np.pad(order, ((0, 0), (0, 3))))]           # block (the stage), j, 0, 0, 0
+    if "paraphrase" in stages and len(vocab.phrase_length):
+        parts += [(matches, np.concatenate([np.full((len(keys), 1), block), keys], axis=1))
+                  for (matches, keys), block in zip(_paraphrase_matches(vocab, sent, pair_h, pair_r, identical,
+                                                                         stages.index("paraphrase")), (3, 4))]
+    matches = _Matches(*(np.concatenate(column) for column in zip(*(m for m, _ in parts))))
+    keys = np.concatenate([k for _, k in parts])                    # (C, 5): block, then four keys
+    order = _order(matches.pair, matches.start, *keys.T)
+    return _Matches(*(column[order] for column in matches))
+
+
+def _all_once(cover, first, length):
+    """(C,) whether cover is 1 at every one of the words first to first + length - 1 (flat word indices)."""
+    others = np.concatenate(([0], np.cumsum(cover != 1)))
+    return others[first + length] == others[first]
+
+
+def _fixed(cands, n_hyp, n_ref):
+    """_fixed_matches of every pair: (C,) whether a candidate is fixed, (P,) whether its pair has an open choice.
+    A candidate is fixed when it is the only one at its reference position and no other covers its words."""
+    hyp_first = (np.cumsum(n_hyp) - n_hyp)[cands.pair] + cands.m_start      # (C,) flat word indices
+    ref_first = (np.cumsum(n_ref) - n_ref)[cands.pair] + cands.start
+    covers = [np.bincount(_ranges(first, length)[1], minlength=int(n.sum()))     # cover1, cover2
+              for first, length, n in ((hyp_first, cands.m_length, n_hyp), (ref_first, cands.length, n_ref))]
+    fixed = (np.bincount(ref_first, minlength=int(n_ref.sum()))[ref_first] == 1) & \
+        _all_once(covers[0], hyp_first, cands.m_length) & _all_once(covers[1], ref_first, cands.length)
+    return fixed, np.bincount(cands.pair[~fixed], minlength=len(n_ref)) > 0, covers
+
+
+def _pair_stats(chosen, sent, functional, pair_h, pair_r, n_stages):
+    """Meteor._stats of every pair from its chosen matches (sorted by pair, then start) and whether each word is a
+    function word ((T,) bool): (P, 7 + 4 K) int64, a row per pair holding MeteorStats' fields in order, the
+    per-stage tuples spread out."""
+    n_pairs = len(pair_h)
+    functional = np.concatenate(([0], np.cumsum(functional)))                  # (T + 1,) function words before
+    out = [sent.length[pair_h], sent.length[pair_r]]
+    out += [functional[sent.lo[s] + sent.length[s]] - functional[sent.lo[s]] for s in (pair_h, pair_r)]
+    function_matched = [functional[sent.lo[s][chosen.pair] + first + length] - functional[sent.lo[s][chosen.pair]
+                                                                                         + first]
+                        for s, first, length in ((pair_h, chosen.m_start, chosen.m_length),
+                                                 (pair_r, chosen.start, chosen.length))]
+    per_stage = chosen.pair * n_stages + chosen.stage
+    for counts in (chosen.m_length - function_matched[0], chosen.length - function_matched[1], *function_matched):
+        out += list(np.bincount(per_stage, counts, n_pairs * n_stages).astype(np.int64).reshape(n_pairs, n_stages).T)
+    # Aligner.getCountAndChunks: a match starts a new chunk unless it follows the previous one in both sentences.
+    follows = (chosen.pair[1:] == chosen.pair[:-1]) & (chosen.start[1:] == chosen.start[:-1] + chosen.length[:-1]) \
+        & (chosen.m_start[1:] == chosen.m_start[:-1] + chosen.m_length[:-1])
+    out.append(np.bincount(chosen.pair, minlength=n_pairs) - np.bincount(chosen.pair[1:][follows], minlength=n_pairs))
+    out += [np.bincount(chosen.pair, chosen.m_length, n_pairs).astype(np.int64),
+            np.bincount(chosen.pair, chosen.length, n_pairs).astype(np.int64)]
+    return np.stack(out, axis=1)
 
 
 class FastMeteor(Meteor):
     """Meteor with every speed variant of this section in place of the plain step it stands in for."""
     read_paraphrases = staticmethod(load_paraphrases)
-    sentence_type = _FastSentence
+
+    def __init__(self, config=None, modules=None, resources=None):
+        super().__init__(config, modules, resources)
+        self._vocab = None              # _Vocabulary of self.vocabulary, made when first needed
+        self._prepared = set()          # the texts prepare() has seen
 
     def words(self, text):
         """Meteor.words, with a shortcut for lines of lower-case letters, digits and spaces (most PTB-tokenized
@@ -240,87 +443,204 @@ class FastMeteor(Meteor):
             self._words[text] = text.split()
         return super().words(text)
 
-    def __init__(self, config=None, modules=None, resources=None):
-        super().__init__(config, modules, resources)
-        self._records = {}              # word -> (functional, stem, synonyms, paths, trie node): see _word_record
-        self._firsts = {}               # phrase -> its paraphrases by first word: see _by_first
-        self._trie = {}                 # word -> [paraphrases by first word, {next word -> node}]: see prepare
-
     def prepare(self, texts):
+        """Meteor.prepare of the texts it has not seen: item_stats_many's items were mostly prepared before it
+        (MeteorWorker and FastCaptionScorer prepare all the items first, then score them a chunk at a time)."""
+        texts = [text for text in texts if text not in self._prepared]
         known = len(self.vocabulary)
         super().prepare(texts)
+        self._prepared.update(texts)
         if len(self.vocabulary) != known:
-            self._records.clear()       # paraphrase paths may grow
-            self._firsts.clear()
-            self._trie = {}             # every phrase of the table read, word by word
-            for phrase in self.paraphrase_index:
-                children = self._trie
-                for word in phrase:
-                    node = children.setdefault(word, [[], {}])
-                    children = node[1]
-                node[0] = self._by_first(phrase)
+            self._vocab = None          # new words: new synonyms and paraphrases
 
     def forget(self):
         super().forget()
-        self._records, self._firsts, self._trie = {}, {}, {}
+        self._vocab, self._prepared = None, set()
 
-    def _by_first(self, phrase):
-        """The phrase's paraphrases, [(first word, [(rank, paraphrase, its length)])], in paraphrase_index's
-        order; [] when it has none."""
-        if phrase not in self._firsts:
-            self._firsts[phrase] = [(first, [(rank, target, len(target)) for rank, target in targets])
-                                    for first, targets in self.paraphrase_index.get(phrase, {}).items()]
-        return self._firsts[phrase]
+    def _vocabulary(self):
+        """self.vocabulary as a _Vocabulary."""
+        if self._vocab is None:
+            words = sorted(self.vocabulary)
+            ids = {word: i for i, word in enumerate(words)}
+            stems = [self.stem(word) if "stem" in self.modules else word for word in words]
+            stem_ids = {stem: i for i, stem in enumerate(dict.fromkeys(stems))}
+            stem = np.array([stem_ids[s] for s in stems], np.int64)
+            synonyms = [sorted(ids[w] for w in self.synonyms(word)) if "synonym" in self.modules else []
+                        for word in words]
+            count = np.array([len(s) for s in synonyms], np.int64)
+            self._vocab = _Vocabulary(
+                ids, np.array([word in METEOR_FUNCTION_WORDS for word in words], bool), stem,
+                np.bincount(stem, minlength=len(words))[stem] > 1, np.cumsum(count) - count, count,
+                np.array([w for s in synonyms for w in s], np.int64), *self._phrase_trie(ids))
+        return self._vocab
 
-    def _word_record(self, word):
-        """What _MeteorSentence computes of one word, computed once per word."""
-        node = self._trie.get(word)
-        paths = [(1, node[0])] if node is not None and node[0] else []
-        self._records[word] = record = (word in METEOR_FUNCTION_WORDS, self.stem(word) if "stem" in self.modules
-                                        else None, self.synonyms(word) if "synonym" in self.modules else None,
-                                        paths, node)
-        return record
+    def _phrase_trie(self, ids):
+        """The paraphrase table over word ids (_Vocabulary's fields from edges on): its phrases and their
+        paraphrases numbered, in a trie."""
+        phrases = {}                                     # phrase -> id, phrases and paraphrases alike
+        for phrase, targets in self.paraphrases.items():
+            for p in (phrase, *targets):
+                phrases.setdefault(p, len(phrases))
+        nodes, edges, node_phrase = {(): 0}, [], [-1]
+        for phrase, pid in phrases.items():
+            for k in range(1, len(phrase) + 1):
+                if phrase[:k] not in nodes:
+                    nodes[phrase[:k]] = len(nodes)
+                    edges.append((nodes[phrase[:k - 1]] * len(ids) + ids[phrase[k - 1]], nodes[phrase[:k]]))
+                    node_phrase.append(-1)
+            node_phrase[nodes[phrase]] = pid
+        edges = np.array(edges, np.int64).reshape(-1, 2)
+        targets = [[phrases[t] for t in self.paraphrases.get(p, ())] for p in phrases]
+        count = np.array([len(t) for t in targets], np.int64)
+        size = len(nodes) * len(ids)                     # looked up about T times a call: an array if not too large
+        return (_Index(edges[:, 0], edges[:, 1], size if size <= _DENSE_KEYS else None),
+                np.array(node_phrase, np.int64),
+                np.array([len(p) for p in phrases], np.int64), np.cumsum(count) - count, count,
+                np.array([t for ts in targets for t in ts], np.int64))
 
     def item_stats_many(self, items):
-        """item_stats for many (hypothesis, references) at once: the alignments that need a search are solved
-        together by _resolve_batch (same result as _resolve, much faster)."""
+        """item_stats of many (hypothesis, references) items: the same statistics, each step taken for all their
+        pairs at once (see the section's comment)."""
         fields = self.prepare_items(items)
-        pending, problems = {}, {}
-        for hypothesis, references in fields:
-            hyp = self.sentence(hypothesis)
-            for reference in references:
-                key = (hypothesis, reference)             # texts: their hashes are kept, a tuple's are not
-                if key in self._pairs or key in pending:
-                    continue
-                ref = self.sentence(reference)
-                cands, cover1, cover2 = self._candidates(hyp, ref)
-                fixed, used1, used2, open_choice = _fixed_matches(cands, cover1, cover2)
-                if not open_choice:
-                    self._pairs[key] = self._stats(hyp, ref, fixed)
-                    continue
-                structure = (len(ref.words), tuple(map(tuple, cands)))
-                if structure in self._structures:
-                    self._pairs[key] = self._stats(hyp, ref, self._structures[structure])
-                elif len(hyp.words) > 64 or len(ref.words) > 64:    # beyond 64-bit word masks
-                    self._pairs[key] = self._stats(hyp, ref, self._resolve(cands, cover1, cover2, len(ref.words)))
-                else:
-                    pending[key] = (hyp, ref, structure)
-                    problems.setdefault(structure, (cands, fixed, used1, used2))
-        solved = dict(zip(problems, self._resolve_batch(list(problems.values())))) if problems else {}
-        self._structures.update(solved)
-        for key, (hyp, ref, structure) in pending.items():
-            self._pairs[key] = self._stats(hyp, ref, solved[structure])
-        out, scores = [], {}
-        for hypothesis, references in fields:           # the best single reference, the first on a tie
-            best, best_score = None, -1.0
-            for reference in references:
-                stats = self._pairs[(hypothesis, reference)]
-                if stats not in scores:
-                    scores[stats] = self.score(stats)
-                if scores[stats] > best_score:
-                    best, best_score = stats, scores[stats]
-            out.append(best)
+        vocab = self._vocabulary()
+        # Distinct texts (sentences) and distinct (hypothesis, reference) pairs.
+        texts = list(dict.fromkeys(itertools.chain((h for h, _ in fields), *(r for _, r in fields))))
+        of_text = dict(zip(texts, itertools.count()))
+        sentences = list(map(self._words.__getitem__, texts))      # prepared: every text's words are known
+        length = np.fromiter(map(len, sentences), np.int64, len(sentences))
+        word = np.fromiter(map(vocab.ids.__getitem__, itertools.chain.from_iterable(sentences)), np.int64,
+                           int(length.sum()))
+        sent = _Sentences(word, np.cumsum(length) - length, length, np.repeat(np.arange(len(length)), length))
+        n_refs = np.array([len(references) for _, references in fields], np.int64)          # per item
+        entry = np.repeat(np.array([of_text[h] for h, _ in fields], np.int64), n_refs) * len(length) + \
+            np.fromiter(map(of_text.__getitem__, itertools.chain.from_iterable(r for _, r in fields)), np.int64,
+                        int(n_refs.sum()))
+        pairs, entry_pair = np.unique(entry, return_inverse=True)
+        pair_h, pair_r = pairs // len(length), pairs % len(length)
+        # Candidates, fixed matches, the chosen alignment, the statistics and scores of every pair.
+        cands = _candidates(vocab, sent, pair_h, pair_r, self.modules)
+        n_hyp, n_ref = length[pair_h], length[pair_r]
+        fixed, open_choice, covers = _fixed(cands, n_hyp, n_ref)
+        chosen = self._chosen(cands, fixed, open_choice, covers, n_hyp, n_ref)
+        stats = _pair_stats(chosen, sent, vocab.functional[word], pair_h, pair_r, len(self.modules))
+        score = self._scores(stats)[entry_pair]
+        # The best single reference of each item, the first on a tie (its scores are >= 0: never NaN).
+        item_lo = np.cumsum(n_refs) - n_refs
+        has = n_refs > 0
+        best = np.repeat(np.maximum.reduceat(score, item_lo[has]), n_refs[has]) if has.any() else score
+        best_entry = np.minimum.reduceat(np.where(score == best, np.arange(len(score)), len(score)), item_lo[has])
+        out, k = [None] * len(fields), len(self.modules)
+        for item, row in zip(np.flatnonzero(has).tolist(), stats[entry_pair[best_entry]].tolist()):
+            out[item] = MeteorStats(*row[:4], *(tuple(row[4 + k * s:4 + k * (s + 1)]) for s in range(4)),
+                                    *row[4 + 4 * k:])
         return out
+
+    def _chosen(self, cands, fixed, open_choice, covers, n_hyp, n_ref):
+        """Meteor._resolve of every pair: its fixed matches where it has no open choice, else the beam search's
+        alignment, each distinct alignment searched once (the same (n_ref, cands) key as Meteor._resolve's) by
+        _resolve_batch, or by Meteor._resolve beyond 64 words a side. The chosen matches, sorted by pair and start."""
+        rows = np.stack(cands[1:], axis=1)                                       # (C, 5) Meteor's match tuples
+        bounds = np.searchsorted(cands.pair, np.arange(len(n_ref) + 1))         # a pair's candidates: its slice
+        searched = np.flatnonzero(open_choice)
+        packed = rows.astype(np.uint8).tobytes()          # within 64 words a side, each number fits a byte
+        keys = list(zip(n_ref[searched].tolist(), map(packed.__getitem__, map(
+            slice, (5 * bounds[searched]).tolist(), (5 * bounds[searched + 1]).tolist()))))
+        alignment = {}                                    # key -> the chosen matches {start: match}
+        for k in np.flatnonzero((n_hyp[searched] > _WORD_MASK_BITS) | (n_ref[searched] > _WORD_MASK_BITS)).tolist():
+            keys[k] = p = int(searched[k])                # beyond the 64-bit masks: this pair alone, in Python
+            alignment[p] = self._resolve_one(p, rows, bounds, covers, n_hyp, n_ref)
+        first = dict(zip(reversed(keys), reversed(searched.tolist())))          # key -> its first pair
+        new = [key for key in first if key not in alignment and key not in self._structures]
+        if new:
+            self._structures.update(zip(new, self._resolve_batch(self._problems(
+                np.array([first[key] for key in new], np.int64), rows, bounds, fixed, n_ref))))
+        alignment.update((key, self._structures[key]) for key in first if key not in alignment)
+        # Each distinct alignment's matches as rows, then each pair's.
+        distinct = list(first)
+        count = np.fromiter(map(len, map(alignment.__getitem__, distinct)), np.int64, len(distinct))
+        flat = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(
+            map(dict.values, map(alignment.__getitem__, distinct)))), np.int64, 5 * int(count.sum())).reshape(-1, 5)
+        which = np.fromiter(map(dict(zip(distinct, itertools.count())).__getitem__, keys), np.int64, len(keys))
+        row, at = _ranges((np.cumsum(count) - count)[which], count[which])
+        plain = ~open_choice[cands.pair]                  # a pair without an open choice: all its matches fixed
+        pair = np.concatenate([cands.pair[plain], searched[row]])
+        picked = np.concatenate([rows[plain], flat[at]])
+        order = _order(pair, picked[:, 0])
+        return _Matches(pair[order], *picked[order].T)
+
+    @staticmethod
+    def _problems(pairs, rows, bounds, fixed, n_ref):
+        """_resolve_batch's problems of these pairs: (cands, fixed, used1, used2) each, as Meteor._resolve makes them:
+        per reference position the list of its candidate tuples, {start: match} of the fixed ones, and the used-word
+        bit masks of the fixed ones."""
+        row, at = _ranges(bounds[pairs], bounds[pairs + 1] - bounds[pairs])    # these pairs' candidates
+        mine = rows[at]
+        # Their tuples, each distinct one made once (the same tuple object in every list that holds it).
+        code = np.zeros(len(at), np.int64)
+        for column in mine.T:
+            code = code * (int(column.max(initial=0)) + 1) + column
+        _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+        matches = list(map(list(map(tuple, mine[first].tolist())).__getitem__, inverse.tolist()))
+        n = n_ref[pairs]
+        base = np.cumsum(n) - n                                               # each pair's first position
+        slot_end = np.cumsum(np.bincount(base[row] + mine[:, 0], minlength=int(n.sum())))
+        lists = list(map(matches.__getitem__, map(slice, np.r_[0, slot_end[:-1]].tolist(), slot_end.tolist())))
+        cands = list(map(lists.__getitem__, map(slice, base.tolist(), (base + n).tolist())))
+        # The fixed matches: {start: match} and the words they use, a bit each (disjoint: their sum is their or).
+        f = np.flatnonzero(fixed[at])
+        per_pair = np.bincount(row[f], minlength=len(pairs))
+        starts_matches = zip(mine[f, 0].tolist(), map(matches.__getitem__, f.tolist()))
+        fixed_at = [dict(itertools.islice(starts_matches, k)) for k in per_pair.tolist()]
+        f_end = np.r_[0, np.cumsum(per_pair)]
+        start, length, m_start, m_length = mine[f, :4].astype(np.uint64).T
+        used = []
+        for lo, size in ((m_start, m_length), (start, length)):
+            mask = ((np.uint64(2) << (size - np.uint64(1))) - np.uint64(1)) << lo        # 2 << 63 wraps to 0: 64 ones
+            total = np.concatenate((np.zeros(1, np.uint64), np.cumsum(mask, dtype=np.uint64)))
+            used.append((total[f_end[1:]] - total[f_end[:-1]]).tolist())
+        return list(zip(cands, fixed_at, *used))
+
+    def _resolve_one(self, p, rows, bounds, covers, n_hyp, n_ref):
+        """Meteor._resolve of pair p, from the arrays."""
+        n = int(n_ref[p])
+        cands = [[] for _ in range(n)]
+        for match in map(tuple, rows[bounds[p]:bounds[p + 1]].tolist()):
+            cands[match[0]].append(match)
+        hyp_first, ref_first = int(np.sum(n_hyp[:p])), int(np.sum(n_ref[:p]))
+        return self._resolve(cands, covers[0][hyp_first:hyp_first + int(n_hyp[p])].tolist(),
+                             covers[1][ref_first:ref_first + n].tolist(), n)
+
+    def _scores(self, stats):
+        """Meteor.score of every row of _pair_stats, the same operations in the same order (float64 throughout,
+        as Python's floats); the power through Python, once per distinct value."""
+        alpha, beta, gamma, delta = (self.config.alpha, self.config.beta, self.config.gamma, self.config.delta)
+        k = len(self.modules)
+        hyp_len, ref_len, hyp_fun, ref_fun = stats[:, :4].T
+        hyp_content, ref_content, hyp_function, ref_function = (stats[:, 4 + k * s:4 + k * (s + 1)].T
+                                                                for s in range(4))
+        chunks, hyp_matched, ref_matched = stats[:, 4 + 4 * k:].T
+        with np.errstate(divide="ignore", invalid="ignore"):         # Java's x / 0: Infinity or NaN, as numpy's
+            hyp_weighted_len = delta * (hyp_len - hyp_fun) + (1.0 - delta) * hyp_fun
+            ref_weighted_len = delta * (ref_len - ref_fun) + (1.0 - delta) * ref_fun
+            hyp_matches = ref_matches = 0.0
+            for i, w in enumerate(self.weights):
+                hyp_matches = hyp_matches + hyp_content[i] * w * delta
+            for i, w in enumerate(self.weights):
+                ref_matches = ref_matches + ref_content[i] * w * delta
+            for i, w in enumerate(self.weights):
+                hyp_matches = hyp_matches + hyp_function[i] * w * (1.0 - delta)
+            for i, w in enumerate(self.weights):
+                ref_matches = ref_matches + ref_function[i] * w * (1.0 - delta)
+            precision = hyp_matches / hyp_weighted_len
+            recall = ref_matches / ref_weighted_len
+            f_mean = 1.0 / ((1.0 - alpha) / precision + alpha / recall)
+            perfect = (hyp_content.sum(0) + hyp_function.sum(0) == hyp_len) & \
+                (ref_content.sum(0) + ref_function.sum(0) == ref_len) & (chunks == 1)         # no penalty
+            fragmentation = np.where(perfect, 0.0, chunks / ((hyp_matched + ref_matched) / 2.0))
+            distinct, inverse = np.unique(fragmentation, return_inverse=True)
+            penalty = np.array([gamma * f ** beta for f in distinct.tolist()], np.float64)[inverse]
+            score = f_mean * (1.0 - penalty)
+        return np.where((score != score) | (0.0 > score), 0.0, score)   # max(score, 0.0), NaN as 0
 
     def _resolve_batch(self, problems, batch_size=1 << 15):
         """_resolve for many alignments at once, identical results: the same beam search, one reference position

@@ -159,9 +159,6 @@ METEOR_SEARCH_WEIGHTS = {"exact": 1.0, "stem": 0.5, "synonym": 0.5, "paraphrase"
 class Meteor:
     """METEOR 1.5 statistics and scores, with the toolkit's settings (-l en -norm, task rank)."""
 
-    # The plain steps. FastMeteor (scoring/fast.py) puts faster ones with the same results in their place.
-    sentence_type = _MeteorSentence       # what sentence() builds (FastMeteor's: _FastSentence)
-
     def __init__(self, config=None, modules=None, resources=None):
         self.config = config or MeteorConfig()
         self.modules = _checked_modules(modules, resources)    # the stages, in METEOR_MODULES' order
@@ -502,7 +499,7 @@ class Meteor:
         if text not in self._sentences:
             if not self.vocabulary.issuperset(self.words(text)):
                 self.prepare([text])
-            self._sentences[text] = self.sentence_type(self.words(text), self)
+            self._sentences[text] = _MeteorSentence(self.words(text), self)
         return self._sentences[text]
 
 
