@@ -226,16 +226,27 @@ def _ranges(lo, count):
     return row, np.arange(len(row)) + np.repeat(lo - np.cumsum(count) + count, count)
 
 
+def _stable_sort(keys):
+    """(np.argsort(keys, kind="stable"), keys in that order) of non-negative int64 keys: where a key and its index
+    fit in 63 bits together, one np.sort of key * 2^bits + index (several times faster than a stable argsort)."""
+    bits = max(1, (len(keys) - 1).bit_length())
+    if len(keys) == 0 or int(keys.max()) >= 1 << (63 - bits):
+        order = np.argsort(keys, kind="stable")
+        return order, keys[order]
+    packed = np.sort((keys << bits) | np.arange(len(keys)))
+    return packed & ((1 << bits) - 1), packed >> bits
+
+
 def _order(*columns):
     """The order that sorts by the first column, then by the second, ... (np.lexsort's, primary first): one stable
-    argsort of their mixed-radix number where it fits in 63 bits, ten times faster. Columns >= 0."""
+    sort of their mixed-radix number where it fits in 63 bits, ten times faster. Columns >= 0."""
     radix = [int(column.max(initial=0)) + 1 for column in columns]
     if math.prod(radix) >= 1 << 63:
         return np.lexsort(columns[::-1])
     key = np.zeros(len(columns[0]), np.int64)
     for column, r in zip(columns, radix):
         key = key * r + column
-    return np.argsort(key, kind="stable")
+    return _stable_sort(key)[0]
 
 
 class _Index:
@@ -886,17 +897,6 @@ def rouge_l(candidate, references, beta=1.2):
 # scoring process: BENCHMARKS.md section 6 (`python -m bench metrics`).
 # Shape letters: S distinct captions, W their words, E entries (a distinct n-gram of a caption, with its count),
 # I items, P (item, reference) pairs, X (item, candidate entry, reference) triples, G distinct n-grams.
-def _stable_sort(keys):
-    """(np.argsort(keys, kind="stable"), keys in that order) of non-negative int64 keys: where a key and its index
-    fit in 63 bits together, one np.sort of key * 2^bits + index (several times faster than a stable argsort)."""
-    bits = max(1, (len(keys) - 1).bit_length())
-    if len(keys) == 0 or int(keys.max()) >= 1 << (63 - bits):
-        order = np.argsort(keys, kind="stable")
-        return order, keys[order]
-    packed = np.sort((keys << bits) | np.arange(len(keys)))
-    return packed & ((1 << bits) - 1), packed >> bits
-
-
 def _runs(sorted_keys):
     """The start of each run of equal values in a sorted array (R), and each value's run (the array's size)."""
     new = np.empty(len(sorted_keys), bool)
@@ -911,10 +911,9 @@ def _sums(bins, weights, size):
     return np.bincount(bins, weights=weights, minlength=size).astype(np.float64, copy=False)
 
 
-def _ranges(starts, ends):
-    """The indices start..end - 1 of each range, one range after the other."""
-    sizes = ends - starts
-    return np.repeat(starts - np.cumsum(sizes) + sizes, sizes) + np.arange(sizes.sum())
+def _spans(starts, ends):
+    """The indices start..end - 1 of each range, one range after the other (section 2's _ranges)."""
+    return _ranges(starts, ends - starts)[1]
 
 
 class NgramTable:
@@ -981,10 +980,10 @@ class NgramTable:
         the reference), in that order, x_start (I + 1) each item's first; BLEU's clipped counts (correct: I x n)."""
         refs = np.diff(self.pair_start)                                                                     # I
         entries = (self.e_end - self.e_first)[self.cand].sum(axis=1)                                        # I
-        c_entry = _ranges(self.e_first[self.cand].ravel(), self.e_end[self.cand].ravel())                  # C
+        c_entry = _spans(self.e_first[self.cand].ravel(), self.e_end[self.cand].ravel())                  # C
         c_item = np.repeat(np.arange(len(self.cand)), entries)                                              # C
         c_first = np.cumsum(refs[c_item]) - refs[c_item]     # each candidate entry's first triple           # C
-        pair = _ranges(self.pair_start[c_item], self.pair_start[c_item + 1])                                # X
+        pair = _spans(self.pair_start[c_item], self.pair_start[c_item + 1])                                # X
         # The entries of the candidates' n-grams and the triples sorted together by (caption, n-gram), entries
         # first on a tie (the sort is stable): a run of equal keys starts with the reference's entry, if it has one.
         wanted = np.zeros(self.n_grams, bool)
@@ -1014,7 +1013,7 @@ class NgramTable:
         item, and ig_start (I + 1)."""
         per_pair = (self.e_end - self.e_first)[self.ref].sum(axis=1)                                        # P
         item = np.repeat(np.arange(len(self.cand)), np.diff(self.pair_start))                             # P
-        grams = self.e_gram[_ranges(self.e_first[self.ref].ravel(), self.e_end[self.ref].ravel())]
+        grams = self.e_gram[_spans(self.e_first[self.ref].ravel(), self.e_end[self.ref].ravel())]
         key = np.sort(np.repeat(item, per_pair) * self.n_grams + grams)
         key = key[_runs(key)[0]]
         self.ig_gram = key % self.n_grams
@@ -1039,7 +1038,7 @@ class NgramTable:
         items = np.asarray(items, np.int64)
         refs = np.diff(self.pair_start)[items]                                                              # I
         # Weights tf * (log N - log df): the logarithm of each distinct df by math.log, as the plain code.
-        df = np.bincount(self.ig_gram[_ranges(self.ig_start[items], self.ig_start[items + 1])],
+        df = np.bincount(self.ig_gram[_spans(self.ig_start[items], self.ig_start[items + 1])],
                          minlength=self.n_grams)                                                            # G
         log_n = log_n_of_one if len(items) == 1 and log_n_of_one is not None else math.log(float(len(items)))
         values, which = np.unique(df, return_inverse=True)
@@ -1051,7 +1050,7 @@ class NgramTable:
                              len(self.length) * n)).reshape(-1, n)                                          # S x n
         # Each pair's numerator per order: min(w, r) * r over the candidate's n-grams that the reference holds,
         # summed in the candidate's order; divided by the norms where both are non-zero.
-        x = _ranges(self.x_start[items], self.x_start[items + 1])
+        x = _spans(self.x_start[items], self.x_start[items + 1])
         shift = np.repeat(np.cumsum(refs) - refs - self.pair_start[items], np.diff(self.x_start)[items])
         keep = used[self.x_entry[x]]
         x, pair = x[keep], (self.x_pair[x] + shift)[keep]    # pairs numbered among these items' pairs
@@ -1059,7 +1058,7 @@ class NgramTable:
         cand_w, ref_w = weight[entry], count * idf[self.e_gram[entry]]
         value = _sums(pair * n + self.e_order[entry], np.minimum(cand_w, ref_w) * ref_w,
                       refs.sum() * n).reshape(-1, n)                                                        # P x n
-        pairs = _ranges(self.pair_start[items], self.pair_start[items + 1])
+        pairs = _spans(self.pair_start[items], self.pair_start[items + 1])
         cand, ref = np.repeat(self.cand[items], refs), self.ref[pairs]                                      # P
         np.divide(value, norm[cand] * norm[ref], out=value, where=(norm[cand] != 0) & (norm[ref] != 0))
         # The Gaussian length penalty of each pair, lengths in bigrams (as the toolkit), each distinct difference's
