@@ -335,9 +335,9 @@ class FastMeteor(Meteor):
     def _resolve_some(self, problems):
         beam, weights = self.config.beam, self.search_weights
         # Number problems by decreasing reference length: those that finish first are then the last rows.
-        by_length = sorted(range(len(problems)), key=lambda p: -len(problems[p][0]))
-        problems = [problems[p] for p in by_length]
         n_ref = np.fromiter((len(cands) for cands, _, _, _ in problems), np.int64, len(problems))
+        by_length = np.argsort(-n_ref, kind="stable").tolist()
+        problems, n_ref = [problems[p] for p in by_length], n_ref[by_length]
         base = np.concatenate(([0], np.cumsum(n_ref)))                   # (problem, position) -> base[p] + i
         ending = np.searchsorted(-n_ref, -np.arange(int(n_ref.max()) + 1))  # first problem that ends at i or before
         # Every position's candidate options in one table, a position's options at opt_lo:opt_hi. A fixed match is
@@ -407,13 +407,17 @@ class FastMeteor(Meteor):
         history_parent = np.concatenate(history_parent or [np.zeros(0, np.int64)])
         history_option = np.concatenate(history_option or [np.zeros(0, np.int64)])
         chosen = [dict(fixed) for _, fixed, _, _ in problems]
-        link, problem = best_hist, np.arange(len(problems))
+        link, problem, taken = best_hist, np.arange(len(problems)), []
         while len(link):
             keep = link != -1
             link, problem = link[keep], problem[keep]
-            for p, k in zip(problem.tolist(), history_option[link].tolist()):
-                chosen[p][options[k][0]] = options[k]
+            taken.append((problem, history_option[link]))
             link = history_parent[link]
+        if taken:
+            problem, option = (np.concatenate(column) for column in zip(*taken))
+            matches = [options[k] for k in option.tolist()]
+            for p, start, match in zip(problem.tolist(), o[option, 0].tolist(), matches):
+                chosen[p][start] = match
         out = [None] * len(problems)
         for p, original in enumerate(by_length):
             out[original] = chosen[p]
