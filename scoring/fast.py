@@ -388,8 +388,8 @@ class FastMeteor(Meteor):
                 done, kept, prob = table.take(kept[split:], axis=0), kept[:split], prob[:split]
                 final = done[:, KEY] + ((done[:, LAST] != -1).astype(np.int64) << 24)
                 order = np.argsort(final, kind="stable")
-                ends = final[order] >> 40
-                firsts = order[np.r_[True, ends[1:] != ends[:-1]]]
+                finished = final[order] >> 40
+                firsts = order[np.r_[True, finished[1:] != finished[:-1]]]
                 best_hist[done[firsts, KEY] >> 40] = done[firsts, HIST]
             if len(kept) == 0:
                 break
@@ -426,11 +426,13 @@ class FastMeteor(Meteor):
     @staticmethod
     def _beam_step(buffer, n, flat, current, opt_lo, opt_hi, o_mask1, o_mask2, o_step, o_dist, o_start, o_ref_end,
                    o_hyp_end, n_history):
-        """One reference position of _resolve_some's search: rows buffer[:n] (sorted, within the beam) and their
-        flat positions -> a table of the following rows, in the same buffer: the rows carried on, then their
-        children; the order of the
-        table's rows in _resolve's list (each row's children, in option order, then the row itself); and the new
-        history entries (parent entry, option) of the children. The order is applied by the next sort's gather."""
+        """One reference position of _resolve_some's search. buffer[:n]: the rows (sorted, within the beam), the
+        rest of the buffer room for their children; flat: their positions in the option table.
+
+        Returns the table of the following rows, in the same buffer (the n rows carried on, then the children);
+        the order of its rows in _resolve's list (each row's children, in option order, then the row itself),
+        applied by the next sort's gather, so that no row is moved twice; and the children's history entries
+        (parent entry, option)."""
         KEY, REF_END, LAST, U1, U2, HIST = range(6)
         rows = buffer[:n]
         u2, last = rows[:, U2], rows[:, LAST]
