@@ -436,7 +436,7 @@ class FastMeteor(Meteor):
         KEY, REF_END, LAST, U1, U2, HIST = range(6)
         rows = buffer[:n]
         u2, last = rows[:, U2], rows[:, LAST]
-        used = (u2 >> current) & 1 == 1
+        used = (u2 & np.uint64(1 << current).view(np.int64)) != 0
         at_fixed = np.flatnonzero(used & (current >= rows[:, REF_END]))    # a fixed match starts here
         free = ~used                                                      # (other used rows are inside a match)
         # Candidate options of the free rows, each checked against the row's used words. Row i's are entries
@@ -476,11 +476,14 @@ class FastMeteor(Meteor):
         fixed = lo[at_fixed]
         assert (opt_hi[flat[at_fixed]] - fixed == 1).all(), "a used word outside any match"
         f_last = last[at_fixed]
-        rows[at_fixed, KEY] += (o_step[fixed] + o_dist[fixed]
-                                + (((f_last != -1) & (o_start[fixed] != f_last)).astype(np.int64) << 24))
-        rows[at_fixed, REF_END], rows[at_fixed, LAST] = o_ref_end[fixed], o_hyp_end[fixed]
-        rows[:, KEY] += ((free & (last != -1)).astype(np.int64) << 24) + (tried[ends] - tried[starts])
-        rows[:, LAST] = np.where(free, -1, last)
+        step = tried[ends] - tried[starts]
+        step[at_fixed] = o_step[fixed] + o_dist[fixed] + (((f_last != -1) & (o_start[fixed] != f_last))
+                                                          .astype(np.int64) << 24)
+        step += (free & (last != -1)).astype(np.int64) << 24
+        rows[:, KEY] += step
+        rows[at_fixed, REF_END] = o_ref_end[fixed]
+        last[free] = -1
+        last[at_fixed] = o_hyp_end[fixed]
         layout = np.empty(len(table), np.int64)
         layout[carried_at] = np.arange(len(rows))
         layout[at] = np.arange(len(rows), len(table))
