@@ -24,6 +24,7 @@ import json
 import math
 import multiprocessing
 import os
+import random
 import re
 import shlex
 import shutil
@@ -3237,6 +3238,38 @@ def test_batched_beam_search_chooses_the_same_alignments_as_the_readable_one():
             fast._structures.clear()
     assert len(problems) > 100
     assert fast._resolve_batch(problems) == readable
+
+
+def test_batched_beam_search_matches_the_readable_one_on_made_up_problems():
+    # Problems the corpora rarely hold: 64 words a side, many ties, phrases of several words, fixed matches amid
+    # open ones, positions without candidates, more paths than the beam; several batches (batch_size).
+    needs_meteor_data()
+    rng = random.Random(54)
+    fast = scoring_fast.FastMeteor(resources=meteor.load_meteor_resources())
+    problems, readable = [], []
+    while len(problems) < 400:
+        n_ref, n_hyp = rng.choice([(64, 64), (64, 3), (2, 64)] + [(rng.randint(1, 30), rng.randint(1, 30))] * 5)
+        cands = []
+        for i in range(n_ref):
+            options = set()
+            for _ in range(rng.choice([0, 0, 1, 1, 2, 3, 6])):
+                length, m_length = rng.choice([(1, 1)] * 6 + [(1, 2), (2, 1), (2, 2), (3, 2)])
+                if i + length <= n_ref and m_length <= n_hyp:
+                    options.add((i, length, rng.randrange(n_hyp - m_length + 1), m_length, rng.randrange(4)))
+            cands.append(sorted(options, key=lambda m: (m[4], m[2], m[1], m[3])))
+        cover1, cover2 = [0] * n_hyp, [0] * n_ref
+        for start, length, m_start, m_length, _ in itertools.chain.from_iterable(cands):
+            for k in range(m_start, m_start + m_length):
+                cover1[k] += 1
+            for k in range(start, start + length):
+                cover2[k] += 1
+        fixed, used1, used2, open_choice = meteor._fixed_matches(cands, cover1, cover2)
+        if open_choice:
+            problems.append((cands, fixed, used1, used2))
+            readable.append(fast._resolve(cands, cover1, cover2, n_ref))
+            fast._structures.clear()
+    assert sum(len(fixed) > 0 for _, fixed, _, _ in problems) > 50
+    assert fast._resolve_batch(problems, batch_size=150) == readable
 
 
 def test_paraphrase_index_is_built_once_and_keeps_the_tables_order(tmp_path, monkeypatch):

@@ -667,28 +667,29 @@ class FastMeteor(Meteor):
     def _resolve_some(self, problems):
         beam, weights = self.config.beam, self.search_weights
         # Number problems by decreasing reference length: those that finish first are then the last rows.
-        by_length = sorted(range(len(problems)), key=lambda p: -len(problems[p][0]))
-        problems = [problems[p] for p in by_length]
-        n_ref = np.array([len(cands) for cands, _, _, _ in problems], np.int64)
+        n_ref = np.fromiter((len(cands) for cands, _, _, _ in problems), np.int64, len(problems))
+        by_length = np.argsort(-n_ref, kind="stable").tolist()
+        problems, n_ref = [problems[p] for p in by_length], n_ref[by_length]
         base = np.concatenate(([0], np.cumsum(n_ref)))                   # (problem, position) -> base[p] + i
-        # Every position's candidate options in one table (a fixed position's are never read: its word is used).
-        options = list(itertools.chain.from_iterable(itertools.chain.from_iterable(c for c, _, _, _ in problems)))
-        bounds = np.cumsum([0] + [len(matches) for cands, _, _, _ in problems for matches in cands])
+        ending = np.searchsorted(-n_ref, -np.arange(int(n_ref.max()) + 1))  # first problem that ends at i or before
+        # Every position's candidate options in one table, a position's options at opt_lo:opt_hi. A fixed match is
+        # its position's only option (_fixed_matches).
+        positions = list(itertools.chain.from_iterable(cands for cands, _, _, _ in problems))
+        bounds = np.zeros(len(positions) + 1, np.int64)
+        np.cumsum(np.fromiter(map(len, positions), np.int64, len(positions)), out=bounds[1:])
         opt_lo, opt_hi = bounds[:-1], bounds[1:]
-        fixed_at = np.zeros((base[-1], 5), np.int64)                     # ref end, hyp start, hyp end, key step, has
-        fixed_flat = [int(base[p]) + i for p, (_, fixed, _, _) in enumerate(problems) for i in fixed]
-        fixed_rows = [(start + length, m_start, m_start + m_length, self._key_step(match, weights)
-                       + abs(start - m_start), 1) for _, fixed, _, _ in problems
-                      for match in fixed.values() for start, length, m_start, m_length, _ in [match]]
-        if fixed_flat:
-            fixed_at[fixed_flat] = np.array(fixed_rows, np.int64)
-        o = np.array(options, np.int64).reshape(-1, 5)                   # start, length, m_start, m_length, stage
+        options = list(itertools.chain.from_iterable(positions))
+        o = np.fromiter(itertools.chain.from_iterable(options), np.int64, 5 * len(options)).reshape(-1, 5)
         o_mask1 = (((np.uint64(1) << o[:, 3].astype(np.uint64)) - np.uint64(1)) << o[:, 2].astype(np.uint64))
         o_mask2 = (((np.uint64(1) << o[:, 1].astype(np.uint64)) - np.uint64(1)) << o[:, 0].astype(np.uint64))
         o_mask1, o_mask2 = o_mask1.view(np.int64), o_mask2.view(np.int64)
         stage_weight = np.array(weights)[o[:, 4]]                         # Java: int += length * weight
         o_step = -(np.floor(o[:, 3] * stage_weight) + np.floor(o[:, 1] * stage_weight)).astype(np.int64) << 32
         o_dist = np.abs(o[:, 0] - o[:, 2])
+        o_start, o_ref_end, o_hyp_end = o[:, 2].copy(), o[:, 0] + o[:, 1], o[:, 2] + o[:, 3]
+        # A path's distance is at most the sum of its problem's option distances: it stays in its 24 bits.
+        summed = np.concatenate(([0], np.cumsum(o_dist)))[bounds[base]]
+        assert np.diff(summed).max(initial=0) < (1 << 24) - 4096, "distance field overflow"
         # A row per partial alignment: the sort key packs (problem, -(matches1 + matches2) + 128, chunks,
         # distance) into one int64 whose fields are updated by addition; then the reference end of its last match,
         # the hypothesis end of its last match (-1 after a skip), the used-word masks (raw 64-bit patterns) and
@@ -697,97 +698,128 @@ class FastMeteor(Meteor):
         rows = np.zeros((len(problems), 6), np.int64)
         rows[:, KEY] = (np.arange(len(problems)) << 40) | (128 << 32)
         rows[:, LAST] = rows[:, HIST] = -1
-        rows[:, U1] = np.array([u1 for _, _, u1, _ in problems], np.uint64).view(np.int64)
-        rows[:, U2] = np.array([u2 for _, _, _, u2 in problems], np.uint64).view(np.int64)
+        rows[:, U1] = np.fromiter((u1 for _, _, u1, _ in problems), np.uint64, len(problems)).view(np.int64)
+        rows[:, U2] = np.fromiter((u2 for _, _, _, u2 in problems), np.uint64, len(problems)).view(np.int64)
         history_parent, history_option, n_history = [], [], 0
         best_hist = np.full(len(problems), -1, np.int64)
+        table, layout = rows, np.arange(len(problems))          # the rows, in _resolve's order: table[layout]
         for current in range(int(n_ref.max()) + 1):
-            # Sort (stable) by the key; keep the first `beam` rows of each problem.
-            assert (rows[:, KEY] & ((1 << 24) - 1)).max(initial=0) < (1 << 24) - 4096, "distance field overflow"
-            order = np.argsort(rows[:, KEY], kind="stable")
-            prob = rows[order, KEY] >> 40
-            first = np.flatnonzero(np.r_[True, prob[1:] != prob[:-1]])
-            rank = np.arange(len(order)) - np.repeat(first, np.diff(np.r_[first, len(order)]))
-            rows = rows.take(order[rank < beam], axis=0)
+            # Sort (stable) by the key; keep the first `beam` rows of each problem: a row `beam` places after
+            # one of its own problem is beyond the beam.
+            key = table[:, KEY][layout]
+            order = np.argsort(key, kind="stable")
+            prob = key[order] >> 40
+            if len(order) > beam:
+                keep = np.ones(len(order), bool)
+                np.not_equal(prob[beam:], prob[:-beam], out=keep[beam:])
+                order, prob = order[keep], prob[keep]
+            kept = layout[order]
             # Problems whose reference ends here (the last rows): close the last chunk, take the first best path.
-            n_done = int(np.count_nonzero(n_ref[rows[:, KEY] >> 40] == current))
-            if n_done:
-                done, rows = rows[len(rows) - n_done:], rows[:len(rows) - n_done]
+            split = int(np.searchsorted(prob, ending[current]))
+            if split < len(kept):
+                done, kept, prob = table.take(kept[split:], axis=0), kept[:split], prob[:split]
                 final = done[:, KEY] + ((done[:, LAST] != -1).astype(np.int64) << 24)
                 order = np.argsort(final, kind="stable")
-                prob = final[order] >> 40
-                firsts = order[np.r_[True, prob[1:] != prob[:-1]]]
+                finished = final[order] >> 40
+                firsts = order[np.r_[True, finished[1:] != finished[:-1]]]
                 best_hist[done[firsts, KEY] >> 40] = done[firsts, HIST]
-            if len(rows) == 0:
+            if len(kept) == 0:
                 break
-            flat = base[rows[:, KEY] >> 40] + current
-            used = (rows[:, U2] >> current) & 1 == 1
-            at_fixed = used & (current >= rows[:, REF_END])          # a fixed match starts here
-            assert fixed_at[flat[at_fixed], 4].all(), "a used word outside any match"
-            free = ~used                                              # (used rows not at_fixed are inside a match)
-            # Candidate options of the free rows, each checked against the row's used words.
-            count = np.where(free, opt_hi[flat] - opt_lo[flat], 0)
-            parent = np.repeat(np.arange(len(flat)), count)
-            option = np.repeat(opt_lo[flat] - np.cumsum(count) + count, count) + np.arange(count.sum())
-            valid = ((rows[parent, U1] & o_mask1[option]) == 0) & ((rows[parent, U2] & o_mask2[option]) == 0)
-            # Java adds each tried option's distance to the extended path: a child inherits the distances of the
-            # valid options before it, the skip path all of them (see _resolve).
-            tried = np.where(valid, o_dist[option], 0)
-            per_row = np.bincount(parent, weights=tried, minlength=len(flat)).astype(np.int64)
-            before = np.cumsum(tried) - tried - np.repeat(np.cumsum(per_row) - per_row, count)
-            n_valid = np.bincount(parent, weights=valid, minlength=len(flat)).astype(np.int64)
-            out_count = np.where(free, n_valid + 1, 1)
-            out_start = np.cumsum(out_count) - out_count
-            new = np.empty((out_count.sum(), 6), np.int64)
-            # Used rows carry on (inside a match) or take the fixed match; free rows end with their skip path. Each
-            # block is a copy of its rows, changed column by column, then put in its place in `new` at once.
-            inside = used & ~at_fixed
-            new[out_start[inside]] = rows[inside]
-            r, fx = rows[at_fixed], fixed_at[flat[at_fixed]]
-            r[:, KEY] += fx[:, 3] + (((r[:, LAST] != -1) & (fx[:, 1] != r[:, LAST])).astype(np.int64) << 24)
-            r[:, REF_END], r[:, LAST] = fx[:, 0], fx[:, 2]
-            new[out_start[at_fixed]] = r
-            r = rows[free]
-            r[:, KEY] += ((r[:, LAST] != -1).astype(np.int64) << 24) + per_row[free]
-            r[:, LAST] = -1
-            new[out_start[free] + n_valid[free]] = r
-            # Children: one per valid option, in option order, before the skip path.
-            parent, option, before = parent[valid], option[valid], before[valid]
-            at = out_start[parent] + np.arange(len(parent)) - np.repeat(np.cumsum(n_valid) - n_valid, n_valid)
-            r, op = rows.take(parent, axis=0), o.take(option, axis=0)
-            history_parent.append(r[:, HIST].copy())
-            r[:, KEY] += o_step[option] + before + (((r[:, LAST] != -1) & (op[:, 2] != r[:, LAST]))
-                                                    .astype(np.int64) << 24)
-            r[:, REF_END], r[:, LAST] = op[:, 0] + op[:, 1], op[:, 2] + op[:, 3]
-            r[:, U1] |= o_mask1[option]
-            r[:, U2] |= o_mask2[option]
-            r[:, HIST] = np.arange(n_history, n_history + len(parent))
-            new[at] = r
-            history_option.append(option)
-            n_history += len(parent)
-            rows = new
+            # The rows, gathered into a buffer with room for their children (mode "wrap": no buffered copy).
+            flat = base[prob] + current
+            rows = np.empty((len(kept) + int((opt_hi[flat] - opt_lo[flat]).sum()), 6), np.int64)
+            np.take(table, kept, axis=0, out=rows[:len(kept)], mode="wrap")
+            table, layout, history = self._beam_step(rows, len(kept), flat, current, opt_lo, opt_hi, o_mask1,
+                                                     o_mask2, o_step, o_dist, o_start, o_ref_end, o_hyp_end,
+                                                     n_history)
+            history_parent.append(history[0])
+            history_option.append(history[1])
+            n_history += len(history[1])
         # Follow each problem's best path back through the matches it chose.
         history_parent = np.concatenate(history_parent or [np.zeros(0, np.int64)])
         history_option = np.concatenate(history_option or [np.zeros(0, np.int64)])
         chosen = [dict(fixed) for _, fixed, _, _ in problems]
-        link, problem = best_hist, np.arange(len(problems))
+        link, problem, taken = best_hist, np.arange(len(problems)), []
         while len(link):
             keep = link != -1
             link, problem = link[keep], problem[keep]
-            for p, k in zip(problem.tolist(), history_option[link].tolist()):
-                chosen[p][options[k][0]] = options[k]
+            taken.append((problem, history_option[link]))
             link = history_parent[link]
+        if taken:
+            problem, option = (np.concatenate(column) for column in zip(*taken))
+            matches = [options[k] for k in option.tolist()]
+            for p, start, match in zip(problem.tolist(), o[option, 0].tolist(), matches):
+                chosen[p][start] = match
         out = [None] * len(problems)
         for p, original in enumerate(by_length):
             out[original] = chosen[p]
         return out
 
     @staticmethod
-    def _key_step(match, weights):
-        """What taking a match adds to the packed key: -(matches1 + matches2) in bits 32-39. Java's int matches1
-        += length * weight adds exactly floor(length * weight) to an integer."""
-        _, length, _, m_length, stage = match
-        return -(math.floor(m_length * weights[stage]) + math.floor(length * weights[stage])) << 32
+    def _beam_step(buffer, n, flat, current, opt_lo, opt_hi, o_mask1, o_mask2, o_step, o_dist, o_start, o_ref_end,
+                   o_hyp_end, n_history):
+        """One reference position of _resolve_some's search. buffer[:n]: the rows (sorted, within the beam), the
+        rest of the buffer room for their children; flat: their positions in the option table.
+
+        Returns the table of the following rows, in the same buffer (the n rows carried on, then the children);
+        the order of its rows in _resolve's list (each row's children, in option order, then the row itself),
+        applied by the next sort's gather, so that no row is moved twice; and the children's history entries
+        (parent entry, option)."""
+        KEY, REF_END, LAST, U1, U2, HIST = range(6)
+        rows = buffer[:n]
+        u2, last = rows[:, U2], rows[:, LAST]
+        used = (u2 & np.uint64(1 << current).view(np.int64)) != 0
+        at_fixed = np.flatnonzero(used & (current >= rows[:, REF_END]))    # a fixed match starts here
+        free = ~used                                                      # (other used rows are inside a match)
+        # Candidate options of the free rows, each checked against the row's used words. Row i's are entries
+        # starts[i]:ends[i] of the flat lists.
+        lo = opt_lo[flat]
+        count = np.where(free, opt_hi[flat] - lo, 0)
+        ends = np.cumsum(count)
+        starts = ends - count
+        parent = np.repeat(np.arange(len(rows)), count)
+        option = np.repeat(lo - starts, count) + np.arange(int(ends[-1]))
+        valid = ((rows[parent, U1] & o_mask1[option]) == 0) & ((u2[parent] & o_mask2[option]) == 0)
+        # Java adds each tried option's distance to the extended path: a child inherits the distances of the
+        # valid options before it, the skip path all of them (see _resolve). Prefix sums, with a leading 0.
+        tried = np.zeros(len(option) + 1, np.int64)
+        np.cumsum(np.where(valid, o_dist[option], 0), out=tried[1:])
+        n_valid = np.zeros(len(option) + 1, np.int64)
+        np.cumsum(valid, out=n_valid[1:])
+        carried_at = np.arange(len(rows)) + n_valid[ends]                 # after the row's children
+        # Children: one per valid option, in option order, before the carried row.
+        child = np.flatnonzero(valid)
+        parent, option = parent[child], option[child]
+        first = starts[parent]
+        at = parent + n_valid[child]                                      # rows and valid options before it
+        table = buffer[:n + len(parent)]
+        r = table[n:]
+        np.take(rows, parent, axis=0, out=r, mode="wrap")
+        history = (r[:, HIST].copy(), option)
+        r_last = r[:, LAST]
+        r[:, KEY] += o_step[option] + tried[child] - tried[first] + (((r_last != -1) & (o_start[option] != r_last))
+                                                                    .astype(np.int64) << 24)
+        r[:, REF_END], r[:, LAST] = o_ref_end[option], o_hyp_end[option]
+        r[:, U1] |= o_mask1[option]
+        r[:, U2] |= o_mask2[option]
+        r[:, HIST] = np.arange(n_history, n_history + len(parent))
+        # Carried rows: a fixed match taken; a free row's skip path (its chunk closed, the tried distances added);
+        # rows inside a match unchanged.
+        fixed = lo[at_fixed]
+        assert (opt_hi[flat[at_fixed]] - fixed == 1).all(), "a used word outside any match"
+        f_last = last[at_fixed]
+        step = tried[ends] - tried[starts]
+        step[at_fixed] = o_step[fixed] + o_dist[fixed] + (((f_last != -1) & (o_start[fixed] != f_last))
+                                                          .astype(np.int64) << 24)
+        step += (free & (last != -1)).astype(np.int64) << 24
+        rows[:, KEY] += step
+        rows[at_fixed, REF_END] = o_ref_end[fixed]
+        last[free] = -1
+        last[at_fixed] = o_hyp_end[fixed]
+        layout = np.empty(len(table), np.int64)
+        layout[carried_at] = np.arange(len(rows))
+        layout[at] = np.arange(len(rows), len(table))
+        return table, layout, history
 
 
 # 3. The garbage collector paused, for scoring with it running: around all of metrics.py's scoring (its
