@@ -5189,8 +5189,10 @@ def test_sighup_saves_at_the_step_boundary_prints_the_resume_command_and_exits_1
     out = tmp_path / "run"
     args = ["--data_root", synth40_root, "--out_dir", out, "--epochs", "20", "--save_every", "100"]
     command = [sys.executable, str(HERE / "adapt.py"), *tiny_adapt, *map(str, args)]
+    # A terminal's run: SIGHUP not ignored, even where this suite runs under nohup (whose runs keep ignoring it)
     process = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+                               env={**os.environ, "OMP_NUM_THREADS": "1"},
+                               preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     wait_for_log_step(process, out, 2)
     process.send_signal(signal.SIGHUP)  # what a closed terminal or a dropped ssh session sends
     _, stderr = process.communicate(timeout=120)
